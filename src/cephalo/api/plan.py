@@ -1,0 +1,106 @@
+"""Plan: the planner's decision, the contract between planner, operator and trainer.
+
+The trainer needs only `global_batch_size`, `world_size` and each rank's batch fields and
+`shard_ratio`; everything else is optional so a hand-written plan works too.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+SHARD_RATIO_TOLERANCE = 1e-9
+
+
+class PlanError(ValueError):
+    """A plan that breaks an invariant; the message says which and by how much."""
+
+
+class RankPlan(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    rank: int = Field(ge=0)
+    gpu: str = "cpu"
+    pool: str | None = None
+    node: str | None = None
+    batch_size: int = Field(ge=0)
+    micro_batch_size: int = Field(ge=0)
+    num_micro_batches: int = Field(ge=0)
+    shard_ratio: float = Field(ge=0, le=1)
+    predicted_step_seconds: float | None = None
+    predicted_memory_bytes: int | None = None
+    memory_capacity_bytes: int | None = None
+
+
+class BaselineResult(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    predicted_samples_per_second: float | None
+    feasible: bool
+    reason: str | None = None
+
+
+class Plan(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    global_batch_size: int = Field(ge=1)
+    world_size: int = Field(ge=1)
+    predicted_step_seconds: float | None = None
+    predicted_samples_per_second: float | None = None
+    ranks: list[RankPlan]
+    baselines: dict[str, BaselineResult] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _invariants(self) -> Plan:
+        check_invariants(self)
+        return self
+
+    def to_json(self) -> str:
+        """Deterministic JSON (same plan, byte-identical text)."""
+        return json.dumps(self.model_dump(mode="json"), indent=2) + "\n"
+
+    def rank(self, rank: int) -> RankPlan:
+        return self.ranks[rank]
+
+
+def check_invariants(plan: Plan) -> None:
+    """DESIGN.md's invariants; raises PlanError with the numbers that are off."""
+    if len(plan.ranks) != plan.world_size:
+        raise PlanError(f"plan has {len(plan.ranks)} ranks but world_size {plan.world_size}")
+    for i, r in enumerate(plan.ranks):
+        if r.rank != i:
+            raise PlanError(f"ranks must be listed in order 0..{plan.world_size - 1}; "
+                            f"entry {i} says rank {r.rank}")
+        if r.batch_size != r.micro_batch_size * r.num_micro_batches:
+            raise PlanError(f"rank {i}: batch_size {r.batch_size} != micro_batch_size "
+                            f"{r.micro_batch_size} x num_micro_batches {r.num_micro_batches}")
+    total = sum(r.batch_size for r in plan.ranks)
+    if total != plan.global_batch_size:
+        raise PlanError(f"rank batch sizes sum to {total}, not global_batch_size "
+                        f"{plan.global_batch_size}")
+    ratio_sum = sum(r.shard_ratio for r in plan.ranks)
+    if abs(ratio_sum - 1.0) > SHARD_RATIO_TOLERANCE:
+        raise PlanError(f"shard ratios sum to {ratio_sum!r}, not 1")
+
+
+def parse_plan(data: Any, source: str = "plan") -> Plan:
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as err:
+        msgs = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or '(top level)'}: {e['msg'].removeprefix('Value error, ')}"
+            for e in err.errors())
+        raise PlanError(f"{source}: {msgs}") from None
+
+
+def load_plan(path: str) -> Plan:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise PlanError(f"{path}: no such plan file") from None
+    except json.JSONDecodeError as err:
+        raise PlanError(f"{path}: not valid JSON: {err}") from None
+    return parse_plan(data, source=path)

@@ -1,0 +1,58 @@
+"""GpuProfile: what the profiler measured (or the catalog estimated) for one GPU type.
+
+A profile is per (GPU product, model architecture, precision) and must fit in a Kubernetes
+termination message (4096 bytes), which is how a profiler pod hands it to the operator.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TERMINATION_MESSAGE_LIMIT_BYTES = 4096
+
+
+class ProfilePoint(BaseModel):
+    """Timings of one microbatch size. Backward includes the recompute of the forward."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    micro_batch_size: int = Field(ge=1)
+    block_forward_seconds: float = Field(ge=0, description="one transformer block, forward")
+    block_backward_seconds: float = Field(ge=0, description="one block, recompute + backward")
+    other_forward_seconds: float = Field(default=0.0, ge=0, description="embedding + head + loss")
+    other_backward_seconds: float = Field(default=0.0, ge=0)
+    compute_memory_bytes: int = Field(ge=0, description="peak bytes beyond the training state")
+
+
+class CollectiveProfile(BaseModel):
+    """Fitted ring-collective model: seconds = (n-1)/n * bytes / bandwidth + (n-1) * latency."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    bandwidth_bytes_per_second: float = Field(gt=0)
+    latency_seconds: float = Field(ge=0)
+    world_size: int = Field(ge=2, description="ranks the measurement ran on")
+    uneven_overhead: float | None = Field(default=None, ge=0,
+                                          description="measured uneven/even time ratio - 1")
+
+
+class GpuProfile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    product: str = Field(description="catalog name, e.g. A10G, or 'cpu'")
+    device_name: str | None = Field(default=None, description="raw device name as reported")
+    memory_capacity_bytes: int = Field(ge=1)
+    source: Literal["measured", "estimated", "emulated"] = "measured"
+    model_key: str = Field(description="short hash of the model architecture")
+    precision: Literal["fp32", "bf16"] = "fp32"
+    compute_capability: str | None = None
+    driver_version: str | None = None
+    torch_version: str | None = None
+    points: list[ProfilePoint] = Field(min_length=1)
+    collectives: CollectiveProfile | None = None
+
+    def to_compact_json(self) -> str:
+        """The smallest faithful JSON (what goes into a termination message)."""
+        return self.model_dump_json(exclude_none=True)

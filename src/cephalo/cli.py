@@ -1,0 +1,49 @@
+"""The `cephalo` command. Each subcommand lives in `cephalo.commands.<name>` with
+`add_arguments(parser)` and `run(args) -> int`, imported only when used (so `cephalo crd`
+never imports torch)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "plan": ("cephalo.commands.plan", "solve a plan for a model on a set of GPUs"),
+    "crd": ("cephalo.commands.crd", "print the CephaloJob CustomResourceDefinition"),
+}
+
+
+class UserError(Exception):
+    """A mistake in the user's input: printed as one line, exit code 2."""
+
+
+def build_parser(load: list[str] | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cephalo", description="Train transformers on mixed-GPU clusters.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if load is None or name in load:
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    wanted = [a for a in argv if a in COMMANDS][:1]
+    args = build_parser(load=wanted or None).parse_args(argv)
+    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        return int(module.run(args) or 0)
+    except (UserError, ValueError, FileNotFoundError) as err:
+        print(f"cephalo {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"cephalo {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
