@@ -12,6 +12,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("cephalo.commands.plan", "solve a plan for a model on a set of GPUs"),
     "crd": ("cephalo.commands.crd", "print the CephaloJob CustomResourceDefinition"),
+    "export": ("cephalo.commands.export", "write a checkpoint as a plain PyTorch state_dict"),
 }
 
 

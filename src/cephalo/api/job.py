@@ -6,6 +6,7 @@ OpenAPI schema from them, `cephalo run` and the operator parse job YAML with the
 
 from __future__ import annotations
 
+import posixpath
 from typing import Any, Literal
 
 import yaml
@@ -76,7 +77,8 @@ class ModelSpec(CamelModel):
         if self.preset is None:
             missing = [k for k in ("num_layers", "hidden_size", "num_heads") if k not in values]
             if missing:
-                raise ValueError(f"custom model is missing {', '.join(to_camel(m) for m in missing)}")
+                names = ", ".join(to_camel(m) for m in missing)
+                raise ValueError(f"custom model is missing {names}")
             values.setdefault("ffn_hidden_size", 4 * values["hidden_size"])
             if values["family"] in ("gpt", "llama", "bert"):
                 values.setdefault("sequence_length", 512)
@@ -86,21 +88,27 @@ class ModelSpec(CamelModel):
 
 
 class TrainingSpec(CamelModel):
+    """Optimizer (AdamW), learning-rate schedule and seed; a step uses globalBatchSize samples."""
+
     steps: int = Field(default=100, ge=1, description="Optimizer steps to run.")
     learning_rate: float = Field(default=3e-4, gt=0, description="Peak AdamW learning rate.")
-    min_learning_rate_ratio: float = Field(default=0.1, ge=0, le=1,
-                                           description="Final LR as a fraction of the peak (cosine/linear).")
+    min_learning_rate_ratio: float = Field(
+        default=0.1, ge=0, le=1, description="Final LR as a fraction of the peak (cosine/linear).")
     schedule: Literal["constant", "cosine", "linear"] = Field(
         default="cosine", description="LR schedule after warm-up.")
     warmup_steps: int = Field(default=0, ge=0, description="Linear warm-up steps.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW decoupled weight decay.")
-    adam_beta1: float = Field(default=0.9, ge=0, lt=1)
-    adam_beta2: float = Field(default=0.999, ge=0, lt=1)
-    adam_epsilon: float = Field(default=1e-8, gt=0)
+    adam_beta1: float = Field(default=0.9, ge=0, lt=1, description="AdamW first-moment decay.")
+    adam_beta2: float = Field(default=0.999, ge=0, lt=1,
+                              description="AdamW second-moment decay.")
+    adam_epsilon: float = Field(default=1e-8, gt=0,
+                                description="AdamW term added to the denominator.")
     gradient_clip_norm: float | None = Field(
-        default=1.0, gt=0, description="Global gradient-norm clip across all shards; null disables.")
+        default=1.0, gt=0,
+        description="Global gradient-norm clip across all shards; null disables.")
     seed: int = Field(default=0, ge=0, description="Seeds weights, synthetic data and dropout.")
-    log_interval_steps: int = Field(default=1, ge=1)
+    log_interval_steps: int = Field(default=1, ge=1,
+                                    description="Log loss and throughput every N steps.")
 
 
 class SyntheticData(CamelModel):
@@ -108,11 +116,33 @@ class SyntheticData(CamelModel):
 
 
 class TokenFileData(CamelModel):
+    """Token ids from a file on a volume mounted into every trainer pod."""
+
     path: str = Field(description="nanoGPT-style flat binary of token ids (memory-mapped).")
-    dtype: Literal["uint16", "uint32"] = Field(default="uint16")
+    dtype: Literal["uint16", "uint32"] = Field(
+        default="uint16", description="Integer type of the token ids in the file.")
+    claim_name: str | None = Field(default=None, description=(
+        "PersistentVolumeClaim holding the file, mounted read-only at mountPath in every "
+        "trainer pod; none: the file is already there (in the image, or local for cephalo run)."))
+    mount_path: str = Field(default="/data", description="Where claimName is mounted.")
+
+    @model_validator(mode="after")
+    def _path_on_volume(self) -> TokenFileData:
+        if self.claim_name is None:
+            return self
+        mount = posixpath.normpath(self.mount_path)
+        if not posixpath.isabs(mount) or not posixpath.normpath(self.path).startswith(
+                mount.rstrip("/") + "/"):
+            raise ValueError(
+                f"tokenFile.path {self.path!r} is not inside mountPath {self.mount_path!r}, where "
+                f"volume {self.claim_name!r} is mounted; use an absolute mountPath and a path "
+                "under it")
+        return self
 
 
 class DataSpec(CamelModel):
+    """Training data: exactly one of `synthetic` or `tokenFile`."""
+
     model_config = ConfigDict(json_schema_extra={
         "oneOf": [{"required": ["synthetic"]}, {"required": ["tokenFile"]}],
     })
@@ -128,17 +158,22 @@ class DataSpec(CamelModel):
 
 
 class GpuPoolSpec(CamelModel):
+    """GPUs of one product to train on, optionally narrowed by node labels and capped."""
+
     product: str | None = Field(default=None, description=(
         "GPU product as in the node label nvidia.com/gpu.product (e.g. NVIDIA-A10G) or a "
         "catalog name (A10G)."))
     node_selector: dict[str, str] | None = Field(
         default=None, description="Extra node labels a node of this pool must carry.")
     max_gpus: int | None = Field(default=None, ge=1, description="Use at most this many GPUs.")
-    memory_mi_b: int | None = Field(default=None, ge=1, alias="memoryMiB",
-                                    description="Override the GPU memory (MiB) the planner assumes.")
+    memory_mi_b: int | None = Field(
+        default=None, ge=1, alias="memoryMiB",
+        description="Override the GPU memory (MiB) the planner assumes.")
 
 
 class PlannerSpec(CamelModel):
+    """What the planner may use and assume: memory headroom, profiling sizes, network."""
+
     memory_fraction: float = Field(default=0.8, gt=0, le=1, description=(
         "Fraction of each GPU's memory the plan may use (the paper caps at 80%)."))
     profile_micro_batch_sizes: list[int] = Field(
@@ -153,6 +188,8 @@ class PlannerSpec(CamelModel):
 
 
 class CheckpointSpec(CamelModel):
+    """Sharded, atomic checkpoints: where they go, how often, how many are kept."""
+
     claim_name: str | None = Field(default=None, description=(
         "PersistentVolumeClaim for checkpoints (operator); none = emptyDir (lost with the pods)."))
     interval_steps: int = Field(default=100, ge=1, description="Write a checkpoint every N steps.")
@@ -188,6 +225,8 @@ Phase = Literal["Pending", "Profiling", "Planning", "Running", "Restarting", "Su
 
 
 class Condition(CamelModel):
+    """One observed aspect of the job (Kubernetes API conventions), keyed by `type`."""
+
     type: str
     status: Literal["True", "False", "Unknown"]
     reason: str | None = None
@@ -196,18 +235,27 @@ class Condition(CamelModel):
 
 
 class PlanSummary(CamelModel):
-    world_size: int | None = None
-    predicted_samples_per_second: float | None = None
-    speedup_over_even_fsdp: float | None = Field(default=None, alias="speedupOverEvenFSDP")
-    config_map: str | None = None
+    """The current plan in brief; the full plan JSON is in `configMap`."""
+
+    world_size: int | None = Field(default=None, description="Ranks (GPUs) in the plan.")
+    predicted_samples_per_second: float | None = Field(
+        default=None, description="Throughput the planner predicts.")
+    speedup_over_even_fsdp: float | None = Field(
+        default=None, alias="speedupOverEvenFSDP",
+        description="Predicted throughput over even FSDP on the same GPUs.")
+    config_map: str | None = Field(default=None,
+                                   description="ConfigMap holding the full plan JSON.")
     pools: dict[str, int] | None = Field(default=None, description="GPUs used per pool.")
 
 
 class Progress(CamelModel):
-    step: int | None = None
+    """Training progress as last reported by rank 0."""
+
+    step: int | None = Field(default=None, description="Last completed optimizer step.")
     total_steps: int | None = None
-    loss: float | None = None
-    samples_per_second: float | None = None
+    loss: float | None = Field(default=None, description="Mean loss of the last step.")
+    samples_per_second: float | None = Field(default=None,
+                                             description="Measured training throughput.")
     last_update_time: str | None = None
 
 

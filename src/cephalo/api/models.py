@@ -57,9 +57,9 @@ class ModelConfig(BaseModel):
         kv = self.kv_heads
         if self.num_heads % kv:
             raise ValueError(f"numHeads {self.num_heads} is not divisible by numKvHeads {kv}")
-        if self.family in TEXT_FAMILIES:
-            if self.vocab_size is None or self.sequence_length is None:
-                raise ValueError(f"a {self.family} model needs vocabSize and sequenceLength")
+        if self.family in TEXT_FAMILIES and (self.vocab_size is None
+                                             or self.sequence_length is None):
+            raise ValueError(f"a {self.family} model needs vocabSize and sequenceLength")
         if self.family == "vit":
             if self.image_size is None or self.patch_size is None or self.num_classes is None:
                 raise ValueError("a vit model needs imageSize, patchSize and numClasses")

@@ -90,8 +90,8 @@ def parse_plan(data: Any, source: str = "plan") -> Plan:
         return Plan.model_validate(data)
     except ValidationError as err:
         msgs = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or '(top level)'}: {e['msg'].removeprefix('Value error, ')}"
-            for e in err.errors())
+            f"{'.'.join(map(str, e['loc'])) or '(top level)'}: "
+            f"{e['msg'].removeprefix('Value error, ')}" for e in err.errors())
         raise PlanError(f"{source}: {msgs}") from None
 
 

@@ -6,6 +6,8 @@ termination message (4096 bytes), which is how a profiler pod hands it to the op
 
 from __future__ import annotations
 
+import hashlib
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -56,3 +58,15 @@ class GpuProfile(BaseModel):
     def to_compact_json(self) -> str:
         """The smallest faithful JSON (what goes into a termination message)."""
         return self.model_dump_json(exclude_none=True)
+
+
+def model_key(model_architecture_key: str, precision: str) -> str:
+    """Short stable hash of a model architecture + precision (profiles depend on both)."""
+    digest = hashlib.sha256(f"{model_architecture_key}|{precision}".encode()).hexdigest()
+    return digest[:12]
+
+
+def profile_cache_key(product: str, model_architecture_key: str, precision: str) -> str:
+    """DNS-label-safe cache key for a profile of `product` on a model (ConfigMap names, files)."""
+    safe = re.sub(r"[^a-z0-9-]+", "-", product.lower()).strip("-")[:40]
+    return f"{safe}-{model_key(model_architecture_key, precision)}"

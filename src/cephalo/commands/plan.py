@@ -1,0 +1,141 @@
+"""`cephalo plan`: solve and print a plan (a table, or the Plan JSON with --json)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+from cephalo.api import ClusterSpec, GpuGroup, GpuProfile, Plan, load_job, parse_job
+from cephalo.api.job import CephaloJobSpec
+from cephalo.cli import UserError
+
+GIB = 1024**3
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpus", required=True, metavar="LIST",
+                        help="GPUs as COUNTxNAME, comma-separated: 2xL4,1xRTX-A6000,3xP40 "
+                             "(catalog names or GPU Feature Discovery labels)")
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="PRESET", help="model preset, e.g. gpt-2.7b")
+    src.add_argument("--job", metavar="FILE", help="take model, batch and options from a "
+                                                   "CephaloJob YAML")
+    parser.add_argument("--batch-size", type=int, metavar="B",
+                        help="global batch size (required with --model)")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default=None)
+    parser.add_argument("--memory-fraction", type=float, default=None,
+                        help="fraction of each GPU's memory the plan may use (default 0.8)")
+    parser.add_argument("--bandwidth-gbps", type=float, default=None,
+                        help="network bandwidth per GPU for collectives (default 10)")
+    parser.add_argument("--profiles", metavar="DIR",
+                        help="folder of measured GpuProfile JSON files (else catalog estimates)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the Plan JSON and nothing else on stdout")
+
+
+def parse_gpus(text: str) -> ClusterSpec:
+    groups = []
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        match = re.fullmatch(r"(?:(\d+)\s*[xX*]\s*)?(.+)", item)
+        assert match is not None
+        count = int(match.group(1) or 1)
+        if count < 1:
+            raise UserError(f"--gpus: count must be at least 1 in {item!r}")
+        from cephalo.planner import lookup_gpu
+
+        lookup_gpu(match.group(2))  # a clear error for an unknown name, before planning
+        groups.append(GpuGroup(product=match.group(2), count=count))
+    if not groups:
+        raise UserError("--gpus: give at least one GPU, e.g. --gpus 2xL4,1xRTX-A6000")
+    return ClusterSpec(groups=groups)
+
+
+def load_profiles(folder: str) -> dict[str, GpuProfile]:
+    from cephalo.planner import lookup_gpu
+
+    path = Path(folder)
+    if not path.is_dir():
+        raise UserError(f"--profiles: {folder} is not a folder")
+    profiles = {}
+    for file in sorted(path.glob("*.json")):
+        try:
+            profile = GpuProfile.model_validate_json(file.read_text())
+        except ValueError as err:
+            raise UserError(f"--profiles: {file} is not a GpuProfile: {err}") from None
+        profiles[lookup_gpu(profile.product).name] = profile
+    return profiles
+
+
+def _spec(args: argparse.Namespace) -> CephaloJobSpec:
+    if args.job:
+        spec = load_job(args.job).spec
+        data = spec.model_dump(by_alias=True, exclude_none=True)
+    else:
+        if args.batch_size is None:
+            raise UserError("--batch-size is required with --model")
+        data = {"model": {"preset": args.model}, "globalBatchSize": args.batch_size}
+    if args.batch_size is not None:
+        data["globalBatchSize"] = args.batch_size
+    if args.precision:
+        data["precision"] = args.precision
+    planner = data.setdefault("planner", {})
+    if args.memory_fraction is not None:
+        planner["memoryFraction"] = args.memory_fraction
+    if args.bandwidth_gbps is not None:
+        planner["networkBandwidthGbps"] = args.bandwidth_gbps
+    return parse_job({"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
+                      "spec": data}, source="plan options").spec
+
+
+def run(args: argparse.Namespace) -> int:
+    from cephalo.planner import solve
+
+    spec = _spec(args)
+    cluster = parse_gpus(args.gpus)
+    profiles = load_profiles(args.profiles) if args.profiles else None
+    plan = solve(spec, cluster, profiles)
+    if args.json:
+        sys.stdout.write(plan.to_json())
+    else:
+        print(format_plan(plan, spec.model.preset or spec.model.family or "model"))
+    return 0
+
+
+def format_plan(plan: Plan, model_name: str) -> str:
+    """The human-readable table: one row per rank, totals, baselines side by side."""
+    extra = plan.model_extra or {}
+    lines = [f"Plan for {model_name}: global batch {plan.global_batch_size} on "
+             f"{plan.world_size} GPUs (memory fraction {extra.get('memory_fraction', 0.8):.0%})",
+             ""]
+    header = f"{'rank':>4}  {'GPU':<10} {'batch':>5}  {'micro x n':>9}  {'shard':>6}  " \
+             f"{'memory used / cap':>19}  {'step s':>8}"
+    lines += [header, "-" * len(header)]
+    for r in plan.ranks:
+        est = "*" if (r.model_extra or {}).get("estimated") else " "
+        mem = (f"{(r.predicted_memory_bytes or 0) / GIB:7.1f} / "
+               f"{(r.memory_capacity_bytes or 0) / GIB:5.1f} GiB")
+        micro = f"{r.micro_batch_size}x{r.num_micro_batches}" if r.batch_size else "state"
+        seconds = r.predicted_step_seconds or 0.0
+        lines.append(f"{r.rank:>4}  {r.gpu:<10} {r.batch_size:>5}  {micro:>9}  "
+                     f"{r.shard_ratio:>6.1%}  {mem:>19}  {seconds:>8.3f}{est}")
+    lines.append("-" * len(header))
+    lines.append(f"predicted step {plan.predicted_step_seconds:.3f} s, "
+                 f"{plan.predicted_samples_per_second:.2f} samples/s")
+    lines += ["", f"{'baseline':<22} {'samples/s':>10}  {'Cephalo is':>10}"]
+    for name, base in plan.baselines.items():
+        if base.feasible and base.predicted_samples_per_second:
+            ratio = (plan.predicted_samples_per_second or 0) / base.predicted_samples_per_second
+            lines.append(f"{name:<22} {base.predicted_samples_per_second:>10.2f}  {ratio:>9.2f}x")
+        else:
+            lines.append(f"{name:<22} {'does not fit':>10}  ({base.reason})")
+    notes = extra.get("notes") or []
+    if any((r.model_extra or {}).get("estimated") for r in plan.ranks):
+        notes = [*notes, "* = estimated from the GPU catalog; measure with "
+                         "`python -m cephalo.trainer.profile` and pass --profiles"]
+    if notes:
+        lines += ["", *(f"note: {n}" for n in notes)]
+    return "\n".join(lines)
+
+

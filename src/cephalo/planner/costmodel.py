@@ -1,0 +1,188 @@
+"""The cost model: per-GPU step time and memory as functions of microbatching, and ring
+collectives. Pure numpy; every function here is vectorised over candidate (ℓ, m) pairs
+because the solver scores thousands of them.
+
+Step time of one GPU running ℓ microbatches of size m (the paper's Eqs. 2-3, extended with
+the embedding+head pseudo-unit and the first, un-prefetchable AllGather):
+
+    T(ℓ, m) = AG_first
+            + L · [max(ℓ·f(m), AG_block) + max(ℓ·b(m), AG_block + RS_block)]
+            + max(ℓ·f_o(m), AG_other) + max(ℓ·b_o(m), AG_other + RS_other)
+
+f/b are one block's forward and recompute+backward seconds, f_o/b_o those of embedding, head
+and loss. Communication for the next unit runs under the current unit's compute, so a unit
+costs whichever is longer. A GPU with ℓ = 0 (state only) still takes part in every collective.
+The step time of the job is the maximum over GPUs (collectives synchronise them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from cephalo.api.models import ModelConfig
+from cephalo.api.profile import GpuProfile, ProfilePoint, model_key
+from cephalo.planner.catalog import GpuType
+
+# Bytes per parameter of training state: fp32 parameter + fp32 gradient + two fp32 Adam
+# moments. bf16 runs autocast over fp32 master shards, so the state is the same 16 bytes.
+STATE_BYTES_PER_PARAMETER = 16
+# Parameters and gradients travel in fp32 in both precisions (the shards are fp32 masters).
+COMM_BYTES_PER_PARAMETER = 4
+# The paper measured uneven collectives at most 15% slower than even ones.
+UNEVEN_COLLECTIVE_OVERHEAD = 0.15
+
+
+@dataclass(frozen=True)
+class CommModel:
+    """Ring collectives: seconds = (n-1)/n · bytes / bandwidth + (n-1) · latency."""
+
+    bandwidth_bytes_per_second: float
+    latency_seconds: float
+    uneven_overhead: float = UNEVEN_COLLECTIVE_OVERHEAD
+
+    def ring_seconds(self, num_bytes: float, world_size: int, uneven: bool) -> float:
+        if world_size <= 1:
+            return 0.0
+        n = world_size
+        seconds = (n - 1) / n * num_bytes / self.bandwidth_bytes_per_second
+        seconds += (n - 1) * self.latency_seconds
+        return seconds * (1.0 + self.uneven_overhead if uneven else 1.0)
+
+
+@dataclass(frozen=True)
+class UnitComm:
+    """Seconds of each collective the step issues, for one world size and sharding."""
+
+    ag_block: float
+    rs_block: float
+    ag_other: float
+    rs_other: float
+    ag_first: float
+
+    @classmethod
+    def build(cls, model: ModelConfig, comm: CommModel, world_size: int,
+              uneven: bool) -> UnitComm:
+        def ring(params: int) -> float:
+            return comm.ring_seconds(params * COMM_BYTES_PER_PARAMETER, world_size, uneven)
+
+        other = model.embedding_parameters() + model.head_parameters()
+        block = ring(model.block_parameters())
+        return cls(ag_block=block, rs_block=block, ag_other=ring(other), rs_other=ring(other),
+                   ag_first=ring(model.embedding_parameters()))
+
+
+class GpuCostModel:
+    """Compute time and memory of one GPU type for one model, from a profile.
+
+    Measured points are used as they are (interpolated between sizes); beyond the largest
+    profiled size, time and memory grow linearly with the slope fitted on the upper half of
+    the points, as the paper does (GPUs are saturated there)."""
+
+    def __init__(self, gpu: GpuType, profile: GpuProfile, memory_capacity_bytes: int,
+                 num_layers: int):
+        self.gpu = gpu
+        self.profile = profile
+        self.estimated = profile.source == "estimated"
+        self.memory_capacity_bytes = memory_capacity_bytes
+        self.num_layers = num_layers
+        pts = sorted(profile.points, key=lambda p: p.micro_batch_size)
+        self._m = np.array([p.micro_batch_size for p in pts], dtype=np.float64)
+        self._series = np.array([[p.block_forward_seconds, p.block_backward_seconds,
+                                  p.other_forward_seconds, p.other_backward_seconds]
+                                 for p in pts], dtype=np.float64).T  # shape (4, points)
+        self._slopes = np.array([_upper_slope(self._m, s) for s in self._series])
+        mem = np.array([p.compute_memory_bytes for p in pts], dtype=np.float64)
+        self.memory_intercept_bytes, self.memory_slope_bytes = _linear_fit(self._m, mem)
+
+    def compute_seconds(self, m: np.ndarray) -> np.ndarray:
+        """(4, len(m)) array: block fwd, block bwd, other fwd, other bwd seconds per microbatch."""
+        m = np.asarray(m, dtype=np.float64)
+        top = self._m[-1]
+        out = np.empty((4, m.size))
+        for k in range(4):
+            inside = np.interp(m, self._m, self._series[k])
+            out[k] = np.where(m > top, self._series[k, -1] + self._slopes[k] * (m - top), inside)
+        return out
+
+    def compute_memory_bytes(self, m: np.ndarray) -> np.ndarray:
+        """Peak memory beyond the training state; linear in m (independent of ℓ because
+        boundary activations are offloaded). m = 0 (state only) keeps the fixed part."""
+        m = np.asarray(m, dtype=np.float64)
+        return np.maximum(self.memory_intercept_bytes + self.memory_slope_bytes * m, 0.0)
+
+    def step_seconds(self, ell: np.ndarray, m: np.ndarray, comm: UnitComm) -> np.ndarray:
+        """T(ℓ, m) of the module docstring, vectorised; ℓ = 0 means a state-only GPU."""
+        ell = np.asarray(ell, dtype=np.float64)
+        f, b, fo, bo = self.compute_seconds(np.maximum(m, 1)) * ell
+        per_block = np.maximum(f, comm.ag_block) + np.maximum(b, comm.ag_block + comm.rs_block)
+        other = np.maximum(fo, comm.ag_other) + np.maximum(bo, comm.ag_other + comm.rs_other)
+        return comm.ag_first + self.num_layers * per_block + other
+
+    def accumulation_step_seconds(self, ell: np.ndarray, m: np.ndarray,
+                                  comm: UnitComm) -> np.ndarray:
+        """FSDP's own gradient accumulation: every microbatch gathers every unit again and
+        reduce-scatters its gradient (the paper's FSDP-GA baseline)."""
+        return np.asarray(ell, dtype=np.float64) * self.step_seconds(np.ones_like(m), m, comm)
+
+
+def _linear_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Least-squares (intercept, slope) with slope >= 0; one point: zero slope."""
+    if x.size < 2 or np.ptp(x) == 0:
+        return float(y.mean()), 0.0
+    slope, intercept = np.polyfit(x, y, 1)
+    if slope < 0:
+        return float(y.mean()), 0.0
+    return float(intercept), float(slope)
+
+
+def _upper_slope(x: np.ndarray, y: np.ndarray) -> float:
+    """Slope of the saturated (upper-half) part of a profile, for extrapolation."""
+    half = max(2, math.ceil(x.size / 2))
+    _, slope = _linear_fit(x[-half:], y[-half:])
+    if slope == 0.0 and x.size >= 1 and x[-1] > 0:
+        slope = float(y[-1] / x[-1])  # a flat tail would be free compute: assume proportional
+    return slope
+
+
+# ---- analytic estimate when no profile was measured ------------------------------------
+
+# Fraction of peak reached by large transformer matmuls, and the tokens per microbatch at
+# which half of it is reached (small microbatches under-fill the GPU, the paper's Fig. 5).
+_PEAK_EFFICIENCY = {"fp32": 0.6, "bf16": 0.45}
+_HALF_EFFICIENCY_TOKENS = 1024.0
+_KERNEL_LAUNCH_SECONDS = 12 * 10e-6  # ~12 kernels per block pass at ~10 µs each
+_WORKSPACE_BYTES = 256 * 1024**2
+
+
+def estimate_profile(gpu: GpuType, model: ModelConfig, precision: str,
+                     micro_batch_sizes: Iterable[int] = range(1, 9)) -> GpuProfile:
+    """A GpuProfile from catalog peaks and the model's FLOPs (marked `estimated`)."""
+    peak = gpu.peak_flops(precision) * _PEAK_EFFICIENCY[precision]
+    elem_bytes = 2 if precision == "bf16" else 4
+    tokens = model.tokens_per_sample
+    h, f = model.hidden_size, model.ffn_hidden_size
+    # Working set of one block's recompute + backward per sample: QKV, attention output,
+    # projections, norms and the MLP's two wide tensors, plus their gradients; attention
+    # scores when the kernel materialises them.
+    block_act = 2 * tokens * (10 * h + 3 * f) * elem_bytes + model.num_heads * tokens**2 * 4
+    head_act = 3 * tokens * (model.vocab_size or model.num_classes or 0) * 4
+    boundary = 2 * tokens * h * elem_bytes  # activations in flight to / from host memory
+    max_unit = max(model.unit_parameters())
+    fixed = 3 * max_unit * COMM_BYTES_PER_PARAMETER + _WORKSPACE_BYTES
+    weight_read = model.block_parameters() * elem_bytes / (gpu.memory_bandwidth_gbps * 1e9)
+    points = []
+    for m in sorted(set(micro_batch_sizes)):
+        eff = m * tokens / (m * tokens + _HALF_EFFICIENCY_TOKENS)
+        fwd = model.block_forward_flops() * m / (peak * eff) + weight_read + _KERNEL_LAUNCH_SECONDS
+        other = model.other_forward_flops() * m / (peak * eff) + 4 * _KERNEL_LAUNCH_SECONDS
+        points.append(ProfilePoint(
+            micro_batch_size=m, block_forward_seconds=fwd, block_backward_seconds=3 * fwd,
+            other_forward_seconds=other, other_backward_seconds=2 * other,
+            compute_memory_bytes=int(fixed + m * (block_act + head_act + boundary))))
+    return GpuProfile(product=gpu.name, memory_capacity_bytes=gpu.memory_bytes,
+                      source="estimated", model_key=model_key(model.architecture_key(), precision),
+                      precision=precision, points=points)  # type: ignore[arg-type]

@@ -1,0 +1,153 @@
+"""The planning problem as numbers: the GPUs (one slot per rank, grouped into classes of
+identical GPUs), their cost models, memory budgets and the collectives' cost. Built once
+from the job, cluster and profiles; used by the solver, `evaluate` and the baselines."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cephalo.api.cluster import ClusterSpec
+from cephalo.api.job import CephaloJobSpec
+from cephalo.api.models import ModelConfig
+from cephalo.api.profile import GpuProfile
+from cephalo.planner.catalog import GpuType, lookup_gpu
+from cephalo.planner.costmodel import (
+    STATE_BYTES_PER_PARAMETER,
+    CommModel,
+    GpuCostModel,
+    UnitComm,
+    estimate_profile,
+)
+from cephalo.planner.search import ClassTable
+
+GIB = 1024**3
+
+
+class InfeasibleError(ValueError):
+    """The job cannot run on these GPUs; the message has the numbers and what would fit."""
+
+
+@dataclass
+class GpuClass:
+    gpu: GpuType
+    cost: GpuCostModel
+    budget_bytes: float  # memory the plan may use: capacity x memory fraction
+    slots: list[int] = field(default_factory=list)  # rank indices
+
+
+@dataclass
+class Problem:
+    model: ModelConfig
+    precision: str
+    global_batch_size: int
+    memory_fraction: float
+    allow_state_only: bool
+    comm_model: CommModel
+    ranks: list[tuple[str, str]]  # (catalog gpu name, pool) per rank, in rank order
+    classes: list[GpuClass]
+    rank_class: list[int]  # class index of each rank
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def state_bytes(self) -> int:
+        return STATE_BYTES_PER_PARAMETER * self.model.total_parameters()
+
+    @property
+    def total_budget_bytes(self) -> float:
+        return sum(c.budget_bytes * len(c.slots) for c in self.classes)
+
+    def unit_comm(self, uneven: bool) -> UnitComm:
+        return UnitComm.build(self.model, self.comm_model, self.world_size, uneven)
+
+    def rank_budget(self, rank: int) -> float:
+        return self.classes[self.rank_class[rank]].budget_bytes
+
+    def rank_cost(self, rank: int) -> GpuCostModel:
+        return self.classes[self.rank_class[rank]].cost
+
+
+def build_problem(spec: CephaloJobSpec, cluster: ClusterSpec,
+                  profiles: Mapping[str, GpuProfile] | None = None) -> Problem:
+    model = spec.model.resolve()
+    profiles = dict(profiles or {})
+    comm = _comm_model(spec, cluster, profiles)
+    classes: dict[tuple[str, int], GpuClass] = {}
+    ranks: list[tuple[str, str]] = []
+    rank_class: list[int] = []
+    for group in cluster.groups:
+        gpu = lookup_gpu(group.product)
+        profile = profiles.get(gpu.name) or estimate_profile(
+            gpu, model, spec.precision, spec.planner.profile_micro_batch_sizes)
+        capacity = group.memory_bytes or profile.memory_capacity_bytes or gpu.memory_bytes
+        key = (gpu.name, capacity)
+        if key not in classes:
+            classes[key] = GpuClass(gpu, GpuCostModel(gpu, profile, capacity, model.num_layers),
+                                    capacity * spec.planner.memory_fraction)
+        index = list(classes).index(key)
+        for _ in range(group.count):
+            classes[key].slots.append(len(ranks))
+            ranks.append((gpu.name, group.pool or gpu.name))
+            rank_class.append(index)
+    return Problem(model, spec.precision, spec.global_batch_size, spec.planner.memory_fraction,
+                   spec.planner.allow_state_only_ranks, comm, ranks, list(classes.values()),
+                   rank_class)
+
+
+def _comm_model(spec: CephaloJobSpec, cluster: ClusterSpec,
+                profiles: Mapping[str, GpuProfile]) -> CommModel:
+    """Measured collectives win over the cluster's declared network, which wins over the
+    job's planner assumption."""
+    measured = [p.collectives for p in profiles.values() if p.collectives is not None]
+    if measured:
+        slowest = min(measured, key=lambda c: c.bandwidth_bytes_per_second)
+        return CommModel(slowest.bandwidth_bytes_per_second, slowest.latency_seconds)
+    bandwidth = cluster.network_bandwidth_bytes_per_second or (
+        spec.planner.network_bandwidth_gbps * 1e9 / 8)
+    latency = cluster.network_latency_seconds
+    if latency is None:
+        latency = spec.planner.network_latency_microseconds * 1e-6
+    return CommModel(bandwidth, latency)
+
+
+def class_tables(problem: Problem, *, uneven: bool = True, max_ell: int | None = None,
+                 micro_sizes: list[int] | None = None,
+                 state_share_bytes: float = 0.0) -> list[ClassTable]:
+    """Every (ℓ, m) each class may run within its own memory budget.
+
+    `max_ell`/`micro_sizes` restrict the choices (for the baselines); `state_share_bytes`
+    reserves a fixed training-state share on every GPU (even sharding)."""
+    batch = problem.global_batch_size
+    comm = problem.unit_comm(uneven)
+    tables = []
+    for cls in problem.classes:
+        room = cls.budget_bytes - state_share_bytes
+        sizes = np.arange(1, batch + 1) if micro_sizes is None else np.array(micro_sizes)
+        sizes = sizes[cls.cost.compute_memory_bytes(sizes) <= room]
+        ells = [np.arange(1, (batch // m if max_ell is None else min(max_ell, batch // m)) + 1)
+                for m in sizes]
+        micro = np.repeat(sizes, [len(e) for e in ells]) if len(ells) else np.zeros(0, int)
+        ell = np.concatenate(ells) if len(ells) else np.zeros(0, int)
+        if problem.allow_state_only and cls.cost.compute_memory_bytes(np.zeros(1))[0] <= room:
+            micro, ell = np.concatenate([[0], micro]), np.concatenate([[0], ell])
+        micro, ell = micro.astype(np.int64), ell.astype(np.int64)
+        seconds = cls.cost.step_seconds(ell, micro, comm)
+        speed = _samples_per_second(cls.cost, comm, batch)
+        tables.append(ClassTable(batch=ell * micro, ell=ell, micro=micro, seconds=seconds,
+                                 memory_bytes=cls.cost.compute_memory_bytes(micro),
+                                 count=len(cls.slots), speed_weight=speed))
+    return tables
+
+
+def _samples_per_second(cost: GpuCostModel, comm: UnitComm, batch: int) -> float:
+    m = np.arange(1, min(batch, 8) + 1)
+    return float(np.max(m / cost.step_seconds(np.ones_like(m), m, comm)))
+
+
+def gib(num_bytes: float) -> str:
+    return f"{num_bytes / GIB:.1f} GiB"
