@@ -5,8 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
-.venv/bin/python -c 'import torch' 2>/dev/null || \
-  .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[trainer,operator,dev]'
+# `-I` everywhere: the repo root holds a folder named `operator`, which must never shadow
+# the standard library's `operator` module through the current directory on sys.path.
+[ -x .venv/bin/python ] || "$PY" -I -m venv .venv
+PIP=(.venv/bin/python -I -m pip install -q --disable-pip-version-check)
+"${PIP[@]}" --upgrade pip >/dev/null
+.venv/bin/python -I -c 'import torch' 2>/dev/null || "${PIP[@]}" "torch==2.13.0"
+"${PIP[@]}" -e '.[trainer,operator,dev]'
