@@ -328,5 +328,8 @@ def load_job(path: str) -> CephaloJob:
     except FileNotFoundError:
         raise JobFileError(f"{path}: no such file") from None
     except yaml.YAMLError as err:
-        raise JobFileError(f"{path}: not valid YAML: {err}") from None
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise JobFileError(f"{path}: not valid YAML{where}: {problem}") from None
     return parse_job(data, source=path)

@@ -38,6 +38,10 @@ class CollectiveProfile(BaseModel):
     world_size: int = Field(ge=2, description="ranks the measurement ran on")
     uneven_overhead: float | None = Field(default=None, ge=0,
                                           description="measured uneven/even time ratio - 1")
+    overlap_fraction: float | None = Field(
+        default=None, ge=0, le=1, description=(
+            "how much of a collective hides under concurrent compute (1: fully, as with NCCL "
+            "on its own stream; near 0 on gloo when compute and gloo share few CPU cores)"))
 
 
 class GpuProfile(BaseModel):
@@ -54,6 +58,11 @@ class GpuProfile(BaseModel):
     torch_version: str | None = None
     points: list[ProfilePoint] = Field(min_length=1)
     collectives: CollectiveProfile | None = None
+    optimizer_seconds_per_parameter: float | None = Field(
+        default=None, ge=0, description="AdamW update time per owned parameter")
+    optimizer_seconds_fixed: float | None = Field(
+        default=None, ge=0, description="AdamW + gradient-norm time per step for all units, "
+                                        "independent of their sizes (launch/Python overhead)")
 
     def to_compact_json(self) -> str:
         """The smallest faithful JSON (what goes into a termination message)."""

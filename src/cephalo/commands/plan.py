@@ -112,18 +112,24 @@ def format_plan(plan: Plan, model_name: str) -> str:
     header = f"{'rank':>4}  {'GPU':<10} {'batch':>5}  {'micro x n':>9}  {'shard':>6}  " \
              f"{'memory used / cap':>19}  {'step s':>8}"
     lines += [header, "-" * len(header)]
+    smallest = min((r.memory_capacity_bytes or GIB) for r in plan.ranks)
+    unit, scale = ("GiB", GIB) if smallest >= GIB else ("MiB", 1024**2)
     for r in plan.ranks:
         est = "*" if (r.model_extra or {}).get("estimated") else " "
-        mem = (f"{(r.predicted_memory_bytes or 0) / GIB:7.1f} / "
-               f"{(r.memory_capacity_bytes or 0) / GIB:5.1f} GiB")
+        mem = (f"{(r.predicted_memory_bytes or 0) / scale:7.1f} / "
+               f"{(r.memory_capacity_bytes or 0) / scale:5.1f} {unit}")
         micro = f"{r.micro_batch_size}x{r.num_micro_batches}" if r.batch_size else "state"
         seconds = r.predicted_step_seconds or 0.0
         lines.append(f"{r.rank:>4}  {r.gpu:<10} {r.batch_size:>5}  {micro:>9}  "
                      f"{r.shard_ratio:>6.1%}  {mem:>19}  {seconds:>8.3f}{est}")
     lines.append("-" * len(header))
-    lines.append(f"predicted step {plan.predicted_step_seconds:.3f} s, "
-                 f"{plan.predicted_samples_per_second:.2f} samples/s")
-    lines += ["", f"{'baseline':<22} {'samples/s':>10}  {'Cephalo is':>10}"]
+    if plan.predicted_step_seconds and plan.predicted_samples_per_second:
+        lines.append(f"predicted step {plan.predicted_step_seconds:.3f} s, "
+                     f"{plan.predicted_samples_per_second:.2f} samples/s")
+    else:
+        lines.append("no prediction (a plan given by hand)")
+    if plan.baselines:
+        lines += ["", f"{'baseline':<22} {'samples/s':>10}  {'Cephalo is':>10}"]
     for name, base in plan.baselines.items():
         if base.feasible and base.predicted_samples_per_second:
             ratio = (plan.predicted_samples_per_second or 0) / base.predicted_samples_per_second

@@ -6,12 +6,19 @@ Step time of one GPU running ℓ microbatches of size m (the paper's Eqs. 2-3, e
 the embedding+head pseudo-unit and the first, un-prefetchable AllGather):
 
     T(ℓ, m) = AG_first
-            + L · [max(ℓ·f(m), AG_block) + max(ℓ·b(m), AG_block + RS_block)]
-            + max(ℓ·f_o(m), AG_other) + max(ℓ·b_o(m), AG_other + RS_other)
+            + L · [u(ℓ·f(m), AG_block) + u(ℓ·b(m), AG_block + RS_block)]
+            + u(ℓ·f_o(m), AG_other) + u(ℓ·b_o(m), AG_other + RS_other)
+            + P/N · adam + 2 all-reduces
 
 f/b are one block's forward and recompute+backward seconds, f_o/b_o those of embedding, head
 and loss. Communication for the next unit runs under the current unit's compute, so a unit
-costs whichever is longer. A GPU with ℓ = 0 (state only) still takes part in every collective.
+costs u(c, a) = max(c, a) + (1 - overlap) · min(c, a): whichever is longer when the overlap
+is perfect (the paper's assumption, NCCL on its own stream), their sum when nothing overlaps
+(gloo sharing two CPU cores with compute; the profiler measures the overlap). The optimizer
+updates this GPU's state share (taken as the even share P/N, so that the time does not
+depend on the partition chosen after it) and the step ends with two small all-reduces
+(gradient norm + loss, and the per-rank timings the trainer logs).
+A GPU with ℓ = 0 (state only) still takes part in every collective.
 The step time of the job is the maximum over GPUs (collectives synchronise them).
 """
 
@@ -43,6 +50,7 @@ class CommModel:
     bandwidth_bytes_per_second: float
     latency_seconds: float
     uneven_overhead: float = UNEVEN_COLLECTIVE_OVERHEAD
+    overlap_fraction: float = 1.0
 
     def ring_seconds(self, num_bytes: float, world_size: int, uneven: bool) -> float:
         if world_size <= 1:
@@ -62,6 +70,9 @@ class UnitComm:
     ag_other: float
     rs_other: float
     ag_first: float
+    overlap_fraction: float = 1.0
+    all_reduce_seconds: float = 0.0  # the step's fixed small all-reduces
+    state_share_parameters: float = 0.0  # P / N: the optimizer's work per GPU
 
     @classmethod
     def build(cls, model: ModelConfig, comm: CommModel, world_size: int,
@@ -71,8 +82,12 @@ class UnitComm:
 
         other = model.embedding_parameters() + model.head_parameters()
         block = ring(model.block_parameters())
+        # A small all-reduce is latency-bound: 2(n-1) hops of a ring, twice per step.
+        all_reduce = 2 * 2 * (world_size - 1) * comm.latency_seconds
         return cls(ag_block=block, rs_block=block, ag_other=ring(other), rs_other=ring(other),
-                   ag_first=ring(model.embedding_parameters()))
+                   ag_first=ring(model.embedding_parameters()),
+                   overlap_fraction=comm.overlap_fraction, all_reduce_seconds=all_reduce,
+                   state_share_parameters=model.total_parameters() / max(world_size, 1))
 
 
 class GpuCostModel:
@@ -97,6 +112,8 @@ class GpuCostModel:
         self._slopes = np.array([_upper_slope(self._m, s) for s in self._series])
         mem = np.array([p.compute_memory_bytes for p in pts], dtype=np.float64)
         self.memory_intercept_bytes, self.memory_slope_bytes = _linear_fit(self._m, mem)
+        self.optimizer_seconds_per_parameter = profile.optimizer_seconds_per_parameter or 0.0
+        self.optimizer_seconds_fixed = profile.optimizer_seconds_fixed or 0.0
 
     def compute_seconds(self, m: np.ndarray) -> np.ndarray:
         """(4, len(m)) array: block fwd, block bwd, other fwd, other bwd seconds per microbatch."""
@@ -118,15 +135,29 @@ class GpuCostModel:
         """T(ℓ, m) of the module docstring, vectorised; ℓ = 0 means a state-only GPU."""
         ell = np.asarray(ell, dtype=np.float64)
         f, b, fo, bo = self.compute_seconds(np.maximum(m, 1)) * ell
-        per_block = np.maximum(f, comm.ag_block) + np.maximum(b, comm.ag_block + comm.rs_block)
-        other = np.maximum(fo, comm.ag_other) + np.maximum(bo, comm.ag_other + comm.rs_other)
-        return comm.ag_first + self.num_layers * per_block + other
+        hidden = comm.overlap_fraction
+
+        def unit(compute: np.ndarray, collective: float) -> np.ndarray:
+            return np.maximum(compute, collective) + (1.0 - hidden) * np.minimum(compute,
+                                                                                 collective)
+
+        per_block = unit(f, comm.ag_block) + unit(b, comm.ag_block + comm.rs_block)
+        other = unit(fo, comm.ag_other) + unit(bo, comm.ag_other + comm.rs_other)
+        fixed = comm.ag_first + comm.all_reduce_seconds + self.optimizer_seconds(comm)
+        return fixed + self.num_layers * per_block + other
+
+    def optimizer_seconds(self, comm: UnitComm) -> float:
+        return self.optimizer_seconds_fixed + \
+            self.optimizer_seconds_per_parameter * comm.state_share_parameters
 
     def accumulation_step_seconds(self, ell: np.ndarray, m: np.ndarray,
                                   comm: UnitComm) -> np.ndarray:
         """FSDP's own gradient accumulation: every microbatch gathers every unit again and
-        reduce-scatters its gradient (the paper's FSDP-GA baseline)."""
-        return np.asarray(ell, dtype=np.float64) * self.step_seconds(np.ones_like(m), m, comm)
+        reduce-scatters its gradient (the paper's FSDP-GA baseline); the optimizer and the
+        step's all-reduces still run once."""
+        fixed = comm.all_reduce_seconds + self.optimizer_seconds(comm)
+        per_micro = self.step_seconds(np.ones_like(m), m, comm) - fixed
+        return np.asarray(ell, dtype=np.float64) * per_micro + fixed
 
 
 def _linear_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
@@ -183,6 +214,9 @@ def estimate_profile(gpu: GpuType, model: ModelConfig, precision: str,
             micro_batch_size=m, block_forward_seconds=fwd, block_backward_seconds=3 * fwd,
             other_forward_seconds=other, other_backward_seconds=2 * other,
             compute_memory_bytes=int(fixed + m * (block_act + head_act + boundary))))
+    # AdamW reads and writes parameter, gradient and two moments: memory-bound.
+    adam = 2 * STATE_BYTES_PER_PARAMETER / (gpu.memory_bandwidth_gbps * 1e9)
     return GpuProfile(product=gpu.name, memory_capacity_bytes=gpu.memory_bytes,
                       source="estimated", model_key=model_key(model.architecture_key(), precision),
-                      precision=precision, points=points)  # type: ignore[arg-type]
+                      precision=precision, points=points,  # type: ignore[arg-type]
+                      optimizer_seconds_per_parameter=adam)

@@ -16,6 +16,7 @@ from cephalo.api.profile import GpuProfile
 from cephalo.planner.catalog import GpuType, lookup_gpu
 from cephalo.planner.costmodel import (
     STATE_BYTES_PER_PARAMETER,
+    UNEVEN_COLLECTIVE_OVERHEAD,
     CommModel,
     GpuCostModel,
     UnitComm,
@@ -106,7 +107,12 @@ def _comm_model(spec: CephaloJobSpec, cluster: ClusterSpec,
     measured = [p.collectives for p in profiles.values() if p.collectives is not None]
     if measured:
         slowest = min(measured, key=lambda c: c.bandwidth_bytes_per_second)
-        return CommModel(slowest.bandwidth_bytes_per_second, slowest.latency_seconds)
+        overlap = min(1.0 if c.overlap_fraction is None else c.overlap_fraction
+                      for c in measured)
+        uneven = max((c.uneven_overhead for c in measured if c.uneven_overhead is not None),
+                     default=UNEVEN_COLLECTIVE_OVERHEAD)
+        return CommModel(slowest.bandwidth_bytes_per_second, slowest.latency_seconds,
+                         uneven_overhead=uneven, overlap_fraction=overlap)
     bandwidth = cluster.network_bandwidth_bytes_per_second or (
         spec.planner.network_bandwidth_gbps * 1e9 / 8)
     latency = cluster.network_latency_seconds
@@ -150,4 +156,7 @@ def _samples_per_second(cost: GpuCostModel, comm: UnitComm, batch: int) -> float
 
 
 def gib(num_bytes: float) -> str:
-    return f"{num_bytes / GIB:.1f} GiB"
+    """Bytes for people: GiB, or MiB below 1 GiB (emulated and CPU runs are small)."""
+    if abs(num_bytes) >= GIB:
+        return f"{num_bytes / GIB:.1f} GiB"
+    return f"{num_bytes / 1024**2:.1f} MiB"
