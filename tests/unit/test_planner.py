@@ -38,7 +38,7 @@ def test_every_plan_meets_the_invariants_or_is_infeasible(seed: int) -> None:
     try:
         plan = solve(spec, cluster, profiles)
     except InfeasibleError as err:
-        assert "GiB" in str(err) or "state-only" in str(err)
+        assert "iB" in str(err) or "state-only" in str(err)
         return
     _check_plan(plan)
     # No baseline beats the optimum of the same model.

@@ -123,7 +123,7 @@ def _min_compute_bytes(problem: Problem) -> float:
 
 def _memory_message(problem: Problem, minimum_compute: float) -> str:
     state = problem.state_bytes
-    msg = (f"needs {gib(state)} of training state ({problem.model.total_parameters() / 1e9:.2f}B "
+    msg = (f"needs {gib(state)} of training state ({_count(problem.model.total_parameters())} "
            f"parameters x 16 bytes) + at least {gib(minimum_compute)} of compute memory, the "
            f"selected GPUs offer {gib(problem.total_budget_bytes)} at "
            f"{problem.memory_fraction:.0%}")
@@ -135,6 +135,13 @@ def _memory_message(problem: Problem, minimum_compute: float) -> str:
         msg += (f"; {need} x {biggest.gpu.name} alone would fit (the cluster has {have}), "
                 f"or lower the training state with a smaller model")
     return msg
+
+
+def _count(n: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.2f}{suffix}"
+    return str(n)
 
 
 def _no_split_message(problem: Problem) -> str:
