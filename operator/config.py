@@ -1,0 +1,45 @@
+"""Operator settings, read once from the environment (kopf owns the command line).
+
+Every knob is an environment variable so the Helm chart can set it; defaults suit a real
+cluster, tests shorten the intervals.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+DEFAULT_TRAINER_IMAGE = "ghcr.io/cephalo/cephalo-trainer:0.1.0"
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    trainer_image: str = DEFAULT_TRAINER_IMAGE  # CEPHALO_TRAINER_IMAGE
+    metrics_port: int = 8080  # CEPHALO_OPERATOR_METRICS_PORT: operator /metrics; 0 = off
+    trainer_metrics_port: int = 9400  # CEPHALO_TRAINER_METRICS_PORT: rank /metrics (scraped)
+    master_port: int = 29500  # CEPHALO_MASTER_PORT: torch.distributed rendezvous
+    recheck_seconds: float = 10.0  # CEPHALO_RECHECK_SECONDS: reconcile period per job
+    progress_interval_seconds: float = 15.0  # CEPHALO_PROGRESS_INTERVAL_SECONDS (≤ 30 s)
+    profile_timeout_seconds: float = 900.0  # CEPHALO_PROFILE_TIMEOUT_SECONDS per attempt
+    profile_retries: int = 2  # CEPHALO_PROFILE_RETRIES: attempts after the first
+    discovery_timeout_seconds: float = 3600.0  # CEPHALO_DISCOVERY_TIMEOUT_SECONDS
+    watch_timeout_seconds: int = 300  # CEPHALO_WATCH_TIMEOUT_SECONDS (kopf server_timeout)
+    run_as_user: int = 1000  # CEPHALO_RUN_AS_USER: non-root uid of trainer/profiler pods
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> OperatorConfig:
+        env = dict(os.environ if env is None else env)
+        values = {}
+        for f in fields(cls):
+            name = "CEPHALO_" + f.name.upper()
+            if f.name == "metrics_port":
+                name = "CEPHALO_OPERATOR_METRICS_PORT"
+            if name not in env:
+                continue
+            raw = env[name]
+            kind = type(f.default)
+            try:
+                values[f.name] = kind(raw)
+            except ValueError:
+                raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+        return cls(**values)

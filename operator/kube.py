@@ -1,0 +1,148 @@
+"""The operator's only Kubernetes I/O besides kopf's own: a thin JSON client.
+
+It uses the `kubernetes` client for configuration, authentication and the HTTP pool, but
+asks for raw JSON (no model (de)serialisation: faster, and immune to models that reject
+partial objects). The client is synchronous, so every call runs in a worker thread
+(`asyncio.to_thread`): kopf's event loop never blocks on the network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import kubernetes
+
+from cephalo.api import API_GROUP, API_VERSION, PLURAL
+
+REQUEST_TIMEOUT_SECONDS = 30
+# API calls block on the network, not the CPU: more threads than asyncio's default
+# (cores + 4) keep 100 jobs' reconciles from queueing behind each other.
+IO_THREADS = 32
+MERGE_PATCH = "application/merge-patch+json"
+T = TypeVar("T")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"HTTP {status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+
+
+def load_api_client() -> kubernetes.client.ApiClient:
+    """In-cluster service account when running in a pod, else $KUBECONFIG / ~/.kube/config."""
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()
+    configuration = kubernetes.client.Configuration.get_default_copy()
+    configuration.connection_pool_maxsize = IO_THREADS
+    return kubernetes.client.ApiClient(configuration)
+
+
+def core_path(namespace: str | None, plural: str, name: str | None = None,
+              subresource: str | None = None) -> str:
+    path = "/api/v1" + (f"/namespaces/{quote(namespace)}" if namespace else "") + f"/{plural}"
+    return path + (f"/{quote(name)}" if name else "") + (f"/{subresource}" if subresource else "")
+
+
+def job_path(namespace: str, name: str | None = None, subresource: str | None = None) -> str:
+    path = f"/apis/{API_GROUP}/{API_VERSION}/namespaces/{quote(namespace)}/{PLURAL}"
+    return path + (f"/{quote(name)}" if name else "") + (f"/{subresource}" if subresource else "")
+
+
+class Kube:
+    """Synchronous JSON calls; see AsyncKube for the event-loop-safe wrapper."""
+
+    def __init__(self, api: kubernetes.client.ApiClient) -> None:
+        self.api = api
+
+    def request(self, method: str, path: str, body: Any = None,
+                query: dict[str, str] | None = None,
+                content_type: str = "application/json") -> dict[str, Any]:
+        method, url, headers, body, _ = self.api.param_serialize(
+            method, path, query_params=list((query or {}).items()),
+            header_params={"Accept": "application/json", "Content-Type": content_type},
+            body=body, auth_settings=["BearerToken"])
+        response = self.api.call_api(method, url, header_params=headers, body=body,
+                                     _request_timeout=REQUEST_TIMEOUT_SECONDS)
+        response.read()
+        text = response.data.decode() if response.data else ""
+        data = json.loads(text) if text else {}
+        if response.status >= 400:
+            raise ApiError(response.status, str(data.get("reason", response.reason)),
+                           str(data.get("message", text[:200])))
+        return data
+
+    def get(self, path: str) -> dict[str, Any] | None:
+        try:
+            return self.request("GET", path)
+        except ApiError as err:
+            if err.status == 404:
+                return None
+            raise
+
+    def list(self, path: str, label_selector: str | None = None) -> list[dict[str, Any]]:
+        query = {"labelSelector": label_selector} if label_selector else None
+        return list(self.request("GET", path, query=query).get("items") or [])
+
+    def create(self, path: str, obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Create-if-absent: (object, True) when created, (existing, False) on 409."""
+        try:
+            return self.request("POST", path, body=obj), True
+        except ApiError as err:
+            if err.status != 409:
+                raise
+        existing = self.get(f"{path}/{quote(obj['metadata']['name'])}")
+        if existing is None:  # deleted between our POST and GET: let the next pass retry
+            raise ApiError(409, "Conflict", f"{obj['metadata']['name']} is being replaced")
+        return existing, False
+
+    def patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any] | None:
+        try:
+            return self.request("PATCH", path, body=patch, content_type=MERGE_PATCH)
+        except ApiError as err:
+            if err.status == 404:
+                return None
+            raise
+
+    def delete(self, path: str) -> bool:
+        """Delete (background propagation); False when it was already gone."""
+        try:
+            self.request("DELETE", path, body={"propagationPolicy": "Background"})
+            return True
+        except ApiError as err:
+            if err.status == 404:
+                return False
+            raise
+
+
+class AsyncKube:
+    """Every Kube call in a worker thread, awaitable from kopf handlers."""
+
+    def __init__(self, kube: Kube) -> None:
+        self.kube = kube
+        self.pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kube")
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def get(self, path: str) -> dict[str, Any] | None:
+        return await self._run(self.kube.get, path)
+
+    async def list(self, path: str, label_selector: str | None = None) -> list[dict[str, Any]]:
+        return await self._run(self.kube.list, path, label_selector)
+
+    async def create(self, path: str, obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        return await self._run(self.kube.create, path, obj)
+
+    async def patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any] | None:
+        return await self._run(self.kube.patch, path, patch)
+
+    async def delete(self, path: str) -> bool:
+        return await self._run(self.kube.delete, path)

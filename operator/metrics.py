@@ -1,0 +1,50 @@
+"""Operator metrics (prometheus-client, default registry: process memory/CPU come for free)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+from cephalo.api.job import Phase
+
+PHASES: tuple[str, ...] = Phase.__args__  # type: ignore[attr-defined]
+
+JOBS = Gauge("cephalo_operator_jobs", "CephaloJobs this operator tracks, by phase", ["phase"])
+RECONCILES = Counter("cephalo_operator_reconciles_total",
+                     "Reconcile passes by outcome (ok, error)", ["outcome"])
+RECONCILE_SECONDS = Histogram("cephalo_operator_reconcile_duration_seconds",
+                              "Wall time of one reconcile pass")
+PLANNING_SECONDS = Histogram("cephalo_operator_planning_duration_seconds",
+                             "Wall time of cephalo.planner.solve per job",
+                             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+PROFILING_SECONDS = Histogram("cephalo_operator_profiling_duration_seconds",
+                              "Profiler pod creation to result, per GPU product", ["product"],
+                              buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1200))
+PREDICTED_SAMPLES = Gauge("cephalo_operator_predicted_samples_per_second",
+                          "The plan's predicted throughput", ["namespace", "job"])
+MEASURED_SAMPLES = Gauge("cephalo_operator_measured_samples_per_second",
+                         "Throughput rank 0 reports", ["namespace", "job"])
+RESTARTS = Counter("cephalo_operator_gang_restarts_total", "Gang restarts", ["namespace", "job"])
+REPLANS = Counter("cephalo_operator_replans_total", "Re-plans (spec change, GPUs lost)",
+                  ["namespace", "job"])
+
+_phases: dict[tuple[str, str], str] = {}
+
+
+def set_phase(namespace: str, job: str, phase: str | None) -> None:
+    """Track a job's phase (None: the job is gone) and refresh the per-phase gauge."""
+    if phase is None:
+        _phases.pop((namespace, job), None)
+        for labels in (PREDICTED_SAMPLES, MEASURED_SAMPLES):
+            with contextlib.suppress(KeyError):
+                labels.remove(namespace, job)
+    else:
+        _phases[(namespace, job)] = phase
+    for p in PHASES:
+        JOBS.labels(p).set(sum(1 for v in _phases.values() if v == p))
+
+
+def serve(port: int) -> None:
+    if port > 0:
+        start_http_server(port)

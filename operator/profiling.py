@@ -1,0 +1,154 @@
+"""Profiling step: one profiler pod per GPU product without a cached profile.
+
+Results are cached in ConfigMaps `cephalo-profile-<product>-<model hash>` in the job's
+namespace (not owned by the job: later jobs with the same model reuse them). Attempts are
+counted in a job annotation, so an operator restart neither forgets nor repeats them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+import kopf
+from pydantic import ValidationError
+
+from cephalo.api import GpuProfile
+from cephalo.operator import metrics
+from cephalo.operator.discovery import Pool
+from cephalo.operator.kube import core_path, job_path
+from cephalo.operator.render import (
+    ANNOTATION_PROFILE_ATTEMPTS,
+    LABEL_JOB,
+    LABEL_PROFILE,
+    LABEL_ROLE,
+    PROFILE_KEY,
+    profile_config_map_name,
+    profiler_pod_name,
+    render_profiler_pod,
+    render_spec_config_map,
+)
+from cephalo.operator.status import PROFILED, parse_time, pod_state, tail
+
+if TYPE_CHECKING:
+    from cephalo.operator.reconcile import JobContext
+
+
+class ProfilingFailed(Exception):
+    """A product's profiler failed every attempt; the message says which and why."""
+
+
+async def cached_profiles(ctx: JobContext, pools: list[Pool]) -> tuple[dict[str, GpuProfile],
+                                                                        list[Pool]]:
+    profiles: dict[str, GpuProfile] = {}
+    missing: list[Pool] = []
+    for pool in pools:
+        assert pool.catalog_name is not None
+        name = profile_config_map_name(pool.catalog_name, ctx.job)
+        cm = await ctx.kube.get(core_path(ctx.namespace, "configmaps", name))
+        try:
+            profiles[pool.catalog_name] = GpuProfile.model_validate_json(
+                (cm or {}).get("data", {}).get(PROFILE_KEY, ""))
+        except ValidationError:
+            missing.append(pool)
+    return profiles, missing
+
+
+async def profile(ctx: JobContext, pools: list[Pool]) -> dict[str, GpuProfile] | None:
+    """All profiles, or None while profiler pods are still running. Raises ProfilingFailed."""
+    profiles, missing = await cached_profiles(ctx, pools)
+    if not missing:
+        return profiles
+    job = ctx.job
+    spec_cm = render_spec_config_map(job)
+    existing, _ = await ctx.kube.create(core_path(ctx.namespace, "configmaps"), spec_cm)
+    if existing.get("data") != spec_cm["data"]:  # the spec changed while profiling
+        await ctx.kube.patch(core_path(ctx.namespace, "configmaps", spec_cm["metadata"]["name"]),
+                             {"data": spec_cm["data"]})
+    attempts: dict[str, int] = json.loads(
+        (ctx.body["metadata"].get("annotations") or {}).get(ANNOTATION_PROFILE_ATTEMPTS, "{}"))
+    waiting: list[str] = []
+    for pool in missing:
+        done = await _profile_one(ctx, pool, attempts)
+        if done is None:
+            waiting.append(f"{pool.product} (attempt {attempts.get(pool.product, 0) + 1}/"
+                           f"{ctx.config.profile_retries + 1})")
+        else:
+            profiles[pool.catalog_name or pool.product] = done
+    if waiting:
+        await ctx.write_status("Profiling", f"profiling {', '.join(waiting)}", {
+            PROFILED: ("False", "Profiling", "profiler pods running for " + ", ".join(waiting))})
+        return None
+    return profiles
+
+
+async def _profile_one(ctx: JobContext, pool: Pool, attempts: dict[str, int]) -> GpuProfile | None:
+    job, product = ctx.job, pool.product
+    attempt = attempts.get(product, 0)
+    pods_path = core_path(ctx.namespace, "pods")
+    name = profiler_pod_name(job, product, attempt)
+    pod = await ctx.kube.get(f"{pods_path}/{name}")
+    if pod is None:
+        await ctx.kube.create(pods_path, render_profiler_pod(job, product, attempt, ctx.config))
+        return None
+    state = pod_state(pod)
+    created = parse_time(pod["metadata"].get("creationTimestamp")) or ctx.now
+    problem: str | None = None
+    if state.phase == "Succeeded":
+        try:
+            result = GpuProfile.model_validate_json(state.message or "")
+        except ValidationError as err:
+            problem = (f"profiler pod {name} succeeded but its termination message is not a "
+                       f"GpuProfile ({err.error_count()} errors): {tail(state.message, 200)}")
+        else:
+            await _store(ctx, pool, result)
+            finished = parse_time(state.finished_at) or ctx.now
+            metrics.PROFILING_SECONDS.labels(pool.catalog_name or product).observe(
+                max(0.0, finished - created))
+            kopf.event(ctx.body, type="Normal", reason="Profiled", message=(
+                f"{product}: measured {len(result.points)} microbatch sizes "
+                f"({result.source}) in {finished - created:.0f} s"))
+            await ctx.kube.delete(f"{pods_path}/{name}")
+            return result
+    elif state.phase == "Failed":
+        problem = (f"profiler pod {name} failed with exit code {state.exit_code}: "
+                   f"{tail(state.message)}")
+    elif ctx.now - created > ctx.config.profile_timeout_seconds:
+        problem = (f"profiler pod {name} did not finish within "
+                   f"{ctx.config.profile_timeout_seconds:.0f} s (phase {state.phase})")
+    if problem is None:
+        return None
+    attempts[product] = attempt + 1
+    await ctx.kube.patch(job_path(ctx.namespace, ctx.name), {"metadata": {"annotations": {
+        ANNOTATION_PROFILE_ATTEMPTS: json.dumps(attempts, sort_keys=True)}}})
+    await ctx.kube.delete(f"{pods_path}/{name}")
+    if attempt + 1 > ctx.config.profile_retries:
+        raise ProfilingFailed(f"profiling {product} failed {attempt + 1} time(s); last: {problem}")
+    kopf.event(ctx.body, type="Warning", reason="ProfilerFailed",
+               message=f"{problem}; retrying ({attempt + 2}/{ctx.config.profile_retries + 1})")
+    return None
+
+
+async def _store(ctx: JobContext, pool: Pool, result: GpuProfile) -> None:
+    assert pool.catalog_name is not None
+    name = profile_config_map_name(pool.catalog_name, ctx.job)
+    cm: dict[str, Any] = {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": ctx.namespace,
+                     "labels": {LABEL_PROFILE: "true", LABEL_ROLE: "profile-cache"}},
+        "data": {PROFILE_KEY: result.to_compact_json(), "product": pool.catalog_name,
+                 "measuredFor": f"{ctx.namespace}/{ctx.name}", "measuredAt": str(int(time.time()))},
+    }
+    await ctx.kube.create(core_path(ctx.namespace, "configmaps"), cm)
+
+
+async def delete_profilers(ctx: JobContext) -> int:
+    pods = await ctx.kube.list(core_path(ctx.namespace, "pods"),
+                               f"{LABEL_JOB}={ctx.name},{LABEL_ROLE}=profiler")
+    for pod in pods:
+        await ctx.kube.delete(core_path(ctx.namespace, "pods", pod["metadata"]["name"]))
+    return len(pods)
+
+
+__all__ = ["ProfilingFailed", "delete_profilers", "profile"]

@@ -1,0 +1,27 @@
+"""The Kubernetes permissions the operator uses (the Helm chart's ClusterRole must grant them).
+
+The end-to-end tests record every request the real operator process makes and fail if one
+is not covered here, so this list stays the truth; a chart test can compare against it.
+"""
+
+from __future__ import annotations
+
+from cephalo.api import API_GROUP, PLURAL
+
+# (apiGroup, resource, verbs)
+RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    (API_GROUP, PLURAL, ("get", "list", "watch", "patch", "delete")),
+    (API_GROUP, f"{PLURAL}/status", ("get", "patch")),
+    ("", "pods", ("get", "list", "watch", "create", "delete")),
+    ("", "configmaps", ("get", "create", "patch", "delete")),
+    ("", "services", ("get", "create")),
+    ("", "events", ("create", "patch")),
+    ("", "nodes", ("get", "list", "watch")),
+    # kopf discovers custom resources and namespaces (read-only)
+    ("apiextensions.k8s.io", "customresourcedefinitions", ("get", "list", "watch")),
+    ("", "namespaces", ("get", "list", "watch")),
+)
+
+
+def allowed(verb: str, group: str, resource: str) -> bool:
+    return any(g == group and r == resource and verb in verbs for g, r, verbs in RULES)

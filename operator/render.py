@@ -1,0 +1,258 @@
+"""Pure manifest builders: (job, plan) → the Kubernetes objects that run it.
+
+Deterministic: same inputs, byte-identical output (golden tests hold this). No I/O here;
+`cephalo.operator.reconcile` applies what these return.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any
+
+import yaml
+
+from cephalo.api import API_GROUP, API_VERSION, KIND, CephaloJob, Plan
+from cephalo.api.profile import profile_cache_key
+from cephalo.operator.config import OperatorConfig
+from cephalo.operator.discovery import GPU_RESOURCE, PRODUCT_LABEL, product_matches
+
+LABEL_JOB = f"{API_GROUP}/job"
+LABEL_ROLE = f"{API_GROUP}/role"
+LABEL_RANK = f"{API_GROUP}/rank"
+LABEL_ATTEMPT = f"{API_GROUP}/attempt"
+LABEL_PRODUCT = f"{API_GROUP}/gpu-product"
+LABEL_PROFILE = f"{API_GROUP}/profile"
+ANNOTATION_CONFIG_HASH = f"{API_GROUP}/config-hash"
+ANNOTATION_PROFILE_ATTEMPTS = f"{API_GROUP}/profile-attempts"
+CONFIG_DIR = "/etc/cephalo"
+CHECKPOINT_ROOT = "/checkpoints"
+PROFILE_KEY = "profile.json"
+
+
+def _dns_safe(text: str, limit: int = 40) -> str:
+    return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:limit].strip("-")
+
+
+MAX_JOB_NAME_CHARS = 47  # "<name>-rank-<i>" must stay a 63-character DNS label (hostname)
+
+
+def check_job_name(name: str) -> None:
+    """Names the children can be derived from; ValueError saying why not."""
+    if len(name) > MAX_JOB_NAME_CHARS:
+        raise ValueError(f"metadata.name {name!r} has {len(name)} characters; at most "
+                         f"{MAX_JOB_NAME_CHARS} fit in the rank pods' hostnames "
+                         f"(<name>-rank-<i>, 63 characters)")
+    if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name):
+        raise ValueError(f"metadata.name {name!r} must start with a letter and contain only "
+                         "lowercase letters, digits and '-' (it names a Service)")
+
+
+def job_name(job: CephaloJob) -> str:
+    assert job.metadata.name, "a job to render needs metadata.name"
+    return job.metadata.name
+
+
+def plan_config_map_name(job: CephaloJob) -> str:
+    return f"{job_name(job)}-plan"
+
+
+def spec_config_map_name(job: CephaloJob) -> str:
+    return f"{job_name(job)}-spec"
+
+
+def service_name(job: CephaloJob) -> str:
+    return job_name(job)
+
+
+def rank_pod_name(job: CephaloJob, rank: int) -> str:
+    return f"{job_name(job)}-rank-{rank}"
+
+
+def profiler_pod_name(job: CephaloJob, product: str, attempt: int) -> str:
+    return f"{job_name(job)}-profile-{_dns_safe(product, 30)}-{attempt}"
+
+
+def profile_config_map_name(catalog_name: str, job: CephaloJob) -> str:
+    """The cache entry for (GPU product, model architecture incl. sequence, precision, sizes)."""
+    spec = job.spec
+    arch = spec.model.resolve().architecture_key()
+    sizes = ",".join(map(str, spec.planner.profile_micro_batch_sizes))
+    key = profile_cache_key(catalog_name, f"{arch}|mbs={sizes}", spec.precision)
+    return f"cephalo-profile-{key}"
+
+
+def job_yaml(job: CephaloJob) -> str:
+    """The CephaloJob a trainer/profiler reads: only name, namespace and spec (stable bytes)."""
+    doc = {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
+           "metadata": {"name": job.metadata.name, "namespace": job.metadata.namespace},
+           "spec": job.spec.to_wire()}
+    return yaml.safe_dump(doc, sort_keys=True)
+
+
+def config_hash(job: CephaloJob, plan: Plan) -> str:
+    """Identity of what the ranks run: a changed plan or spec makes running ranks stale."""
+    spec = job.spec.to_wire()
+    for volatile in ("suspend", "backoffLimit", "ttlSecondsAfterFinished"):
+        spec.pop(volatile, None)
+    text = json.dumps(spec, sort_keys=True) + plan.to_json()
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def owner_reference(job: CephaloJob) -> dict[str, Any]:
+    uid = (job.metadata.model_extra or {}).get("uid")
+    assert uid, "a job to render needs metadata.uid (owner references)"
+    return {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "name": job_name(job),
+            "uid": uid, "controller": True, "blockOwnerDeletion": True}
+
+
+def _meta(job: CephaloJob, name: str, labels: dict[str, str] | None = None,
+          annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": job.metadata.namespace,
+                            "labels": {LABEL_JOB: job_name(job), **(labels or {})},
+                            "ownerReferences": [owner_reference(job)]}
+    if annotations:
+        meta["annotations"] = annotations
+    return meta
+
+
+def _security(config: OperatorConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    pod = {"runAsNonRoot": True, "runAsUser": config.run_as_user,
+           "runAsGroup": config.run_as_user, "fsGroup": config.run_as_user,
+           "seccompProfile": {"type": "RuntimeDefault"}}
+    container = {"allowPrivilegeEscalation": False, "privileged": False,
+                 "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+    return pod, container
+
+
+def _gpu_pod(job: CephaloJob, config: OperatorConfig, *, name: str, labels: dict[str, str],
+             annotations: dict[str, str] | None, product: str, command: list[str],
+             env: list[dict[str, Any]], config_map: str, ports: list[dict[str, Any]],
+             extra_volumes: list[dict[str, Any]], extra_mounts: list[dict[str, Any]],
+             node_selector: dict[str, str] | None = None) -> dict[str, Any]:
+    pod_security, container_security = _security(config)
+    # torch and NCCL write to $HOME, /tmp and /dev/shm: give them writable emptyDirs so the
+    # root filesystem can stay read-only.
+    volumes = [{"name": "config", "configMap": {"name": config_map}},
+               {"name": "tmp", "emptyDir": {}},
+               {"name": "dshm", "emptyDir": {"medium": "Memory"}}, *extra_volumes]
+    mounts = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+              {"name": "tmp", "mountPath": "/tmp"},
+              {"name": "dshm", "mountPath": "/dev/shm"}, *extra_mounts]
+    container = {
+        "name": "trainer", "image": job.spec.image or config.trainer_image,
+        "imagePullPolicy": "IfNotPresent", "command": command,
+        "env": [*env, {"name": "HOME", "value": "/tmp"}],
+        "ports": ports,
+        "resources": {"limits": {GPU_RESOURCE: 1}, "requests": {GPU_RESOURCE: 1}},
+        "securityContext": container_security, "volumeMounts": mounts,
+        "terminationMessagePath": "/dev/termination-log",
+        # A crash without a message still leaves the log tail for status and Events.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": _meta(job, name, labels, annotations),
+        "spec": {
+            "restartPolicy": "Never",  # the operator restarts the whole gang, never one rank
+            "nodeSelector": {PRODUCT_LABEL: product, **(node_selector or {})},
+            "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+            "securityContext": pod_security, "automountServiceAccountToken": False,
+            "enableServiceLinks": False, "containers": [container], "volumes": volumes,
+        },
+    }
+
+
+def render_spec_config_map(job: CephaloJob) -> dict[str, Any]:
+    """The job YAML for profiler pods (before a plan exists)."""
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": _meta(job, spec_config_map_name(job), {LABEL_ROLE: "spec"}),
+            "data": {"job.yaml": job_yaml(job)}}
+
+
+def render_profiler_pod(job: CephaloJob, product: str, attempt: int,
+                        config: OperatorConfig | None = None) -> dict[str, Any]:
+    """One pod measuring `product` (a pool's label value) for this job's model."""
+    config = config or OperatorConfig()
+    return _gpu_pod(
+        job, config, name=profiler_pod_name(job, product, attempt),
+        labels={LABEL_ROLE: "profiler", LABEL_PRODUCT: _dns_safe(product, 63),
+                LABEL_ATTEMPT: str(attempt)},
+        annotations=None, product=product,
+        command=["python", "-m", "cephalo.trainer.profile", "--job", f"{CONFIG_DIR}/job.yaml",
+                 "--output", "/dev/termination-log"],
+        env=[{"name": "CEPHALO_JOB", "value": f"{CONFIG_DIR}/job.yaml"}],
+        config_map=spec_config_map_name(job), ports=[], extra_volumes=[], extra_mounts=[],
+        node_selector=_pool_selector(job, product))
+
+
+def _pool_selector(job: CephaloJob, product: str) -> dict[str, str] | None:
+    """Extra node labels the job's pool selection asks for on this product's pool."""
+    for want in job.spec.gpu_pools or []:
+        if want.node_selector and (want.product is None or product_matches(product, want.product)):
+            return dict(sorted(want.node_selector.items()))
+    return None
+
+
+def render(job: CephaloJob, plan: Plan, config: OperatorConfig | None = None,
+           attempt: int = 0) -> list[dict[str, Any]]:
+    """Plan ConfigMap, headless Service and one pod per rank, in that order."""
+    config = config or OperatorConfig()
+    name, namespace = job_name(job), job.metadata.namespace
+    digest = config_hash(job, plan)
+    cm = {"apiVersion": "v1", "kind": "ConfigMap",
+          "metadata": _meta(job, plan_config_map_name(job), {LABEL_ROLE: "plan"},
+                            {ANNOTATION_CONFIG_HASH: digest}),
+          "data": {"job.yaml": job_yaml(job), "plan.json": plan.to_json()}}
+    selector = {LABEL_JOB: name, LABEL_ROLE: "trainer"}
+    service = {"apiVersion": "v1", "kind": "Service",
+               "metadata": _meta(job, service_name(job), {LABEL_ROLE: "trainer"}),
+               "spec": {"clusterIP": "None", "selector": selector,
+                        # ranks resolve each other before any is Ready (rendezvous first)
+                        "publishNotReadyAddresses": True,
+                        "ports": [{"name": "rendezvous", "port": config.master_port,
+                                   "targetPort": config.master_port},
+                                  {"name": "metrics", "port": config.trainer_metrics_port,
+                                   "targetPort": config.trainer_metrics_port}]}}
+    master = f"{rank_pod_name(job, 0)}.{service_name(job)}.{namespace}.svc"
+    ckpt = job.spec.checkpoint
+    ckpt_volume = ({"name": "checkpoints", "persistentVolumeClaim": {"claimName": ckpt.claim_name}}
+                   if ckpt.claim_name else {"name": "checkpoints", "emptyDir": {}})
+    objects: list[dict[str, Any]] = [cm, service]
+    for r in plan.ranks:
+        pool = r.pool or r.gpu
+        env = [
+            {"name": "RANK", "value": str(r.rank)},
+            {"name": "WORLD_SIZE", "value": str(plan.world_size)},
+            {"name": "LOCAL_RANK", "value": "0"},
+            {"name": "MASTER_ADDR", "value": master},
+            {"name": "MASTER_PORT", "value": str(config.master_port)},
+            {"name": "CEPHALO_JOB", "value": f"{CONFIG_DIR}/job.yaml"},
+            {"name": "CEPHALO_PLAN", "value": f"{CONFIG_DIR}/plan.json"},
+            {"name": "CEPHALO_BATCH_SIZE", "value": str(r.batch_size)},
+            {"name": "CEPHALO_MICRO_BATCH_SIZE", "value": str(r.micro_batch_size)},
+            {"name": "CEPHALO_NUM_MICRO_BATCHES", "value": str(r.num_micro_batches)},
+            {"name": "CEPHALO_SHARD_RATIO", "value": repr(r.shard_ratio)},
+            {"name": "CEPHALO_CHECKPOINT_DIR", "value": f"{CHECKPOINT_ROOT}/{name}"},
+            {"name": "CEPHALO_METRICS_PORT", "value": str(config.trainer_metrics_port)},
+            {"name": "CEPHALO_RESTART_ATTEMPT", "value": str(attempt)},
+        ]
+        pod = _gpu_pod(
+            job, config, name=rank_pod_name(job, r.rank),
+            labels={LABEL_ROLE: "trainer", LABEL_RANK: str(r.rank), LABEL_ATTEMPT: str(attempt),
+                    LABEL_PRODUCT: _dns_safe(pool, 63)},
+            annotations={ANNOTATION_CONFIG_HASH: digest, "prometheus.io/scrape": "true",
+                         "prometheus.io/port": str(config.trainer_metrics_port),
+                         "prometheus.io/path": "/metrics"},
+            product=pool, command=["python", "-m", "cephalo.trainer"], env=env,
+            config_map=plan_config_map_name(job),
+            ports=[{"name": "rendezvous", "containerPort": config.master_port},
+                   {"name": "metrics", "containerPort": config.trainer_metrics_port}],
+            extra_volumes=[ckpt_volume],
+            extra_mounts=[{"name": "checkpoints", "mountPath": CHECKPOINT_ROOT}],
+            node_selector=_pool_selector(job, pool))
+        pod["spec"]["hostname"] = rank_pod_name(job, r.rank)
+        pod["spec"]["subdomain"] = service_name(job)
+        objects.append(pod)
+    return objects

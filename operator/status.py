@@ -1,0 +1,106 @@
+"""Pure helpers for status: conditions, pod classification, failure summaries, progress."""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+MESSAGE_TAIL_CHARS = 400
+
+# Condition types (each True/False with a reason and a message that says what to do).
+GPUS_AVAILABLE = "GpusAvailable"
+PROFILED = "Profiled"
+PLANNED = "Planned"
+RUNNING = "Running"
+SUSPENDED = "Suspended"
+SUCCEEDED = "Succeeded"
+FAILED = "Failed"
+
+
+def now_iso(clock_seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(clock_seconds, datetime.UTC).strftime(
+        "%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(text: str | None) -> float | None:
+    if not text:
+        return None
+    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def merge_conditions(current: list[dict[str, Any]] | None,
+                     updates: dict[str, tuple[str, str, str]],
+                     now: str) -> list[dict[str, Any]]:
+    """Apply {type: (status, reason, message)}; lastTransitionTime moves only on a flip."""
+    by_type = {c["type"]: dict(c) for c in current or []}
+    for ctype, (status, reason, message) in updates.items():
+        old = by_type.get(ctype)
+        changed = old is None or old.get("status") != status
+        by_type[ctype] = {"type": ctype, "status": status, "reason": reason, "message": message,
+                          "lastTransitionTime": now if changed else old.get("lastTransitionTime",
+                                                                               now)}
+    return [by_type[t] for t in sorted(by_type)]
+
+
+@dataclass(frozen=True)
+class PodState:
+    name: str
+    phase: str  # Pending | Running | Succeeded | Failed | Unknown
+    deleting: bool
+    exit_code: int | None
+    reason: str | None
+    message: str | None
+    pod_ip: str | None
+    finished_at: str | None
+
+
+def pod_state(pod: dict[str, Any]) -> PodState:
+    status = pod.get("status") or {}
+    terminated: dict[str, Any] = {}
+    for cs in status.get("containerStatuses") or []:
+        state = cs.get("state") or {}
+        terminated = state.get("terminated") or terminated
+    return PodState(
+        name=pod["metadata"]["name"], phase=status.get("phase", "Pending"),
+        deleting=bool(pod["metadata"].get("deletionTimestamp")),
+        exit_code=terminated.get("exitCode"), reason=terminated.get("reason")
+        or status.get("reason"),
+        message=terminated.get("message") or status.get("message"),
+        pod_ip=status.get("podIP"), finished_at=terminated.get("finishedAt"))
+
+
+def tail(text: str | None, limit: int = MESSAGE_TAIL_CHARS) -> str:
+    text = (text or "").strip()
+    return text if len(text) <= limit else "…" + text[-limit:]
+
+
+def failure_summary(rank: int, pool: str, state: PodState) -> str:
+    code = "unknown" if state.exit_code is None else str(state.exit_code)
+    parts = [f"rank {rank} (pool {pool}, pod {state.name}) failed with exit code {code}"]
+    if state.reason:
+        parts.append(f"reason {state.reason}")
+    message = tail(state.message)
+    return ", ".join(parts) + (f": {message}" if message else "")
+
+
+# Metrics a trainer's /metrics exposes (cephalo.trainer.metrics) → status.progress fields.
+TRAINER_METRICS = {
+    "cephalo_step": "step",
+    "cephalo_loss": "loss",
+    "cephalo_samples_per_second": "samplesPerSecond",
+}
+
+
+def parse_progress(metrics_text: str) -> dict[str, Any]:
+    """Prometheus text from rank 0 → status.progress fields (missing metrics are left out)."""
+    found: dict[str, Any] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            field = TRAINER_METRICS.get(sample.name)
+            if field is not None:
+                value = sample.value
+                found[field] = int(value) if field == "step" else float(value)
+    return found

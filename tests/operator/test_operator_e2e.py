@@ -1,0 +1,428 @@
+"""End to end: the real kopf operator process, over HTTP, against the API emulator.
+
+The test plays the kubelet: profiler pods terminate with a real GpuProfile as their
+termination message, rank pods run and then succeed or fail.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from aiohttp import ClientSession, web
+from crd_schema import load_schema, pruned, type_errors
+from kube_emulator import ApiEmulator
+from kube_fixtures import cluster_a, job_body
+from kubelet import (
+    JOBS,
+    OperatorProcess,
+    apply_job,
+    apply_nodes,
+    call,
+    finish_profilers,
+    free_port,
+    job_status,
+    pods,
+    set_pod,
+    wait_for,
+)
+
+from cephalo.api import parse_plan
+from cephalo.operator.rbac import allowed
+
+pytestmark = pytest.mark.asyncio
+NS = "default"
+
+
+@pytest_asyncio.fixture()
+async def start_operator(emulator: ApiEmulator, tmp_path: Path):
+    """Factory: start the operator process (with extra env); every process is stopped after."""
+    await apply_nodes(emulator, cluster_a())
+    started: list[OperatorProcess] = []
+
+    def start(**env: str) -> OperatorProcess:
+        proc = OperatorProcess(emulator.kubeconfig, tmp_path / "operator.log", **env).start()
+        started.append(proc)
+        return proc
+
+    try:
+        yield start
+    finally:
+        for proc in started:
+            await proc.stop()
+        if started:
+            print(started[0].log()[-8000:])  # shown by pytest only when the test failed
+    # Every request the operator made is one its ClusterRole (cephalo.operator.rbac) grants.
+    used = emulator.rbac_rules(include_tests=False)
+    assert used, "no operator requests recorded"
+    missing = sorted(r for r in used if not allowed(r[0], r[1], r[2]))
+    assert not missing, f"operator used permissions missing from cephalo.operator.rbac: {missing}"
+
+
+@pytest_asyncio.fixture()
+async def operator(start_operator) -> OperatorProcess:
+    return start_operator()
+
+
+def phases(api: ApiEmulator, name: str) -> list[str]:
+    seen: list[str] = []
+    for version in api.history("cephalojobs", NS, name, group="cephalo.dev"):
+        phase = (version.get("status") or {}).get("phase")
+        if phase and (not seen or seen[-1] != phase):
+            seen.append(phase)
+    return seen
+
+
+def events(api: ApiEmulator, name: str) -> list[tuple[str, str, str]]:
+    return [(e.get("type"), e.get("reason"), e.get("message", ""))
+            for e in api.list_objects("events", NS)
+            if e.get("involvedObject", {}).get("name") == name]
+
+
+def plan_of(api: ApiEmulator, name: str):
+    cms = [c for c in api.list_objects("configmaps", NS) if c["metadata"]["name"] == f"{name}-plan"]
+    return parse_plan(json.loads(cms[0]["data"]["plan.json"])) if cms else None
+
+
+async def run_ranks(api: ApiEmulator, name: str, phase: str = "Running") -> list[dict]:
+    """Wait for every rank pod of the current plan, then set them all to `phase`."""
+    plan = await wait_for("a plan", lambda: plan_of(api, name))
+    ranks = await wait_for(f"{plan.world_size} rank pods", lambda: (
+        ps if len(ps := pods(api, NS, "trainer", name)) == plan.world_size
+        and all((p.get("status") or {}).get("phase") == "Pending" for p in ps) else None))
+    for pod in ranks:
+        await set_pod(api, NS, pod["metadata"]["name"], phase)
+    return sorted(ranks, key=lambda p: p["metadata"]["name"])
+
+
+async def test_cluster_a_job_profiles_plans_trains_and_succeeds(
+        emulator: ApiEmulator, operator: OperatorProcess) -> None:
+    body = job_body("gpt")
+    await apply_job(emulator, body)
+    products = await finish_profilers(emulator, NS, body, count=4)
+    assert products == {"NVIDIA-L4", "NVIDIA-RTX-A6000", "Tesla-P40", "Tesla-P100-PCIE-16GB"}
+    ranks = await run_ranks(emulator, "gpt")
+    status = await wait_for("Running", lambda: (
+        s if (s := job_status(emulator, NS, "gpt")).get("phase") == "Running" else None))
+    plan = plan_of(emulator, "gpt")
+    assert len(ranks) == plan.world_size == status["plan"]["worldSize"]
+    assert status["plan"]["predictedSamplesPerSecond"] == pytest.approx(
+        plan.predicted_samples_per_second)
+    assert sum(status["plan"]["pools"].values()) == plan.world_size
+    for pod in ranks:
+        env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+        rank = plan.ranks[int(env["RANK"])]
+        assert pod["metadata"]["name"] == f"gpt-rank-{rank.rank}"
+        assert env["WORLD_SIZE"] == str(plan.world_size)
+        assert env["CEPHALO_BATCH_SIZE"] == str(rank.batch_size)
+        assert env["CEPHALO_NUM_MICRO_BATCHES"] == str(rank.num_micro_batches)
+        assert float(env["CEPHALO_SHARD_RATIO"]) == rank.shard_ratio
+        assert pod["spec"]["nodeSelector"]["nvidia.com/gpu.product"] == rank.pool
+    for pod in ranks:
+        await set_pod(emulator, NS, pod["metadata"]["name"], "Succeeded")
+    await wait_for("Succeeded", lambda: job_status(emulator, NS, "gpt").get("phase") == "Succeeded")
+    assert phases(emulator, "gpt") == ["Profiling", "Planning", "Pending", "Running", "Succeeded"]
+    final = job_status(emulator, NS, "gpt")
+    assert final["completionTime"] and final["observedGeneration"] == 1
+    # What the operator wrote survives a real API server: right types, nothing pruned.
+    status_schema = load_schema()["properties"]["status"]
+    for version in emulator.history("cephalojobs", NS, "gpt", group="cephalo.dev"):
+        status = version.get("status") or {}
+        assert type_errors(status, status_schema) == []
+        assert pruned(status, status_schema) == []
+    assert {c["type"]: c["status"] for c in final["conditions"]}["Succeeded"] == "True"
+    await wait_for("Succeeded event", lambda: any(
+        r == "Succeeded" for _, r, _ in events(emulator, "gpt")))  # Events are posted async
+    reasons = [r for _, r, _ in events(emulator, "gpt")]
+    for reason in ("Profiled", "Planned", "Running"):
+        assert reason in reasons, reasons
+    planned = next(m for _, r, m in events(emulator, "gpt") if r == "Planned")
+    assert f"{plan.world_size} GPUs" in planned and "even FSDP" in planned
+    # Nothing created twice; profiles cached for later jobs; profiler pods cleaned up.
+    for plural in ("pods", "configmaps", "services"):
+        dup = {k: n for k, n in emulator.created(plural).items() if n > 1}
+        assert not dup, f"{plural} created twice: {dup}"
+    caches = [c for c in emulator.list_objects("configmaps", NS)
+              if c["metadata"].get("labels", {}).get("cephalo.dev/profile") == "true"]
+    assert len(caches) == 4 and pods(emulator, NS, "profiler") == []
+
+
+def cond(api: ApiEmulator, name: str, ctype: str) -> dict:
+    for c in job_status(api, NS, name).get("conditions") or []:
+        if c["type"] == ctype:
+            return c
+    return {}
+
+
+async def wait_phase(api: ApiEmulator, name: str, phase: str, timeout: float = 20.0) -> dict:
+    return await wait_for(f"{name} {phase}", lambda: (
+        s if (s := job_status(api, NS, name)).get("phase") == phase else None), timeout)
+
+
+SMALL = {"gpuPools": [{"product": "L4"}, {"product": "RTX-A6000"}]}  # 2 profilers, 3 ranks
+
+
+async def test_rank_failure_gang_restarts_then_succeeds(
+        emulator: ApiEmulator, operator: OperatorProcess) -> None:
+    body = job_body("gr", backoffLimit=2, **SMALL)
+    await apply_job(emulator, body)
+    await finish_profilers(emulator, NS, body, count=2)
+    first = await run_ranks(emulator, "gr")
+    await wait_phase(emulator, "gr", "Running")
+    await set_pod(emulator, NS, "gr-rank-1", "Failed", exit_code=137, message="OOMKilled")
+    second = await run_ranks(emulator, "gr")  # all ranks replaced: new uids, attempt 1
+    assert {p["metadata"]["uid"] for p in first}.isdisjoint(p["metadata"]["uid"] for p in second)
+    for pod in second:
+        env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+        assert env["CEPHALO_RESTART_ATTEMPT"] == "1"
+        assert pod["metadata"]["labels"]["cephalo.dev/attempt"] == "1"
+    await wait_phase(emulator, "gr", "Running")
+    for pod in second:
+        await set_pod(emulator, NS, pod["metadata"]["name"], "Succeeded")
+    status = await wait_phase(emulator, "gr", "Succeeded")
+    assert status["restarts"] == 1
+    assert phases(emulator, "gr")[-4:] == ["Running", "Restarting", "Running", "Succeeded"]
+    restart = [m for _, r, m in events(emulator, "gr") if r == "GangRestart"]
+    assert len(restart) == 1 and "rank 1" in restart[0] and "exit code 137" in restart[0]
+    assert all(n == 2 for (_, name), n in emulator.created("pods").items() if "-rank-" in name)
+
+
+async def test_backoff_exhausted_fails_with_rank_exit_code_and_message(
+        emulator: ApiEmulator, operator: OperatorProcess) -> None:
+    body = job_body("bo", backoffLimit=1, **SMALL)
+    await apply_job(emulator, body)
+    await finish_profilers(emulator, NS, body, count=2)
+    await run_ranks(emulator, "bo")
+    await set_pod(emulator, NS, "bo-rank-0", "Failed", exit_code=3, message="boom " * 200)
+    await run_ranks(emulator, "bo")
+    trace = "Traceback ...\nRuntimeError: NCCL timeout on rank 2"
+    await set_pod(emulator, NS, "bo-rank-2", "Failed", exit_code=1, message=trace)
+    status = await wait_phase(emulator, "bo", "Failed")
+    assert "rank 2" in status["message"] and "exit code 1" in status["message"]
+    assert "NCCL timeout on rank 2" in status["message"] and "backoffLimit 1" in status["message"]
+    assert cond(emulator, "bo", "Failed")["reason"] == "BackoffLimitExceeded"
+    assert any(r == "BackoffLimitExceeded" for _, r, _ in events(emulator, "bo"))
+    # ranks still "running" were stopped to free their GPUs; the failed one is kept for logs
+    await wait_for("running ranks deleted", lambda: [
+        p["metadata"]["name"] for p in pods(emulator, NS, "trainer", "bo")] == ["bo-rank-2"])
+
+
+async def test_infeasible_job_fails_with_the_planners_numbers(
+        emulator: ApiEmulator, operator: OperatorProcess) -> None:
+    body = job_body("big", model={"preset": "gpt-6.7b"}, globalBatchSize=8,
+                    gpuPools=[{"product": "P100", "maxGpus": 1}])
+    await apply_job(emulator, body)
+    await finish_profilers(emulator, NS, body, count=1)
+    status = await wait_phase(emulator, "big", "Failed")
+    assert cond(emulator, "big", "Failed")["reason"] == "Infeasible"
+    assert any(ch.isdigit() for ch in status["message"]), status["message"]
+    assert pods(emulator, NS, "trainer") == []
+
+
+async def test_no_gpus_waits_with_a_clear_condition_then_times_out(
+        emulator: ApiEmulator, start_operator) -> None:
+    start_operator(CEPHALO_DISCOVERY_TIMEOUT_SECONDS="5")
+    await apply_job(emulator, job_body("nogpu", gpuPools=[{"product": "H100"}]))
+    await wait_for("GpusAvailable=False", lambda: cond(emulator, "nogpu", "GpusAvailable"))
+    c = cond(emulator, "nogpu", "GpusAvailable")
+    assert c["status"] == "False" and "nvidia.com/gpu.product" in c["message"]
+    assert "requested but not found: H100" in c["message"]
+    assert job_status(emulator, NS, "nogpu")["phase"] == "Pending"
+    status = await wait_phase(emulator, "nogpu", "Failed")
+    assert "gave up after" in status["message"]
+
+
+async def test_profiler_failure_is_retried_then_a_timeout_fails_the_job(
+        emulator: ApiEmulator, start_operator) -> None:
+    start_operator(CEPHALO_PROFILE_TIMEOUT_SECONDS="1.5", CEPHALO_PROFILE_RETRIES="1")
+    body = job_body("pf", gpuPools=[{"product": "L4"}])
+    await apply_job(emulator, body)
+    first = await wait_for("profiler", lambda: pods(emulator, NS, "profiler", "pf"))
+    await set_pod(emulator, NS, first[0]["metadata"]["name"], "Failed", exit_code=2,
+                  message="NVML: driver mismatch")
+    await wait_for("retry pod", lambda: [p for p in pods(emulator, NS, "profiler", "pf")
+                                         if p["metadata"]["name"].endswith("-1")])
+    warn = [m for t, r, m in events(emulator, "pf") if r == "ProfilerFailed"]
+    assert warn and "NVML: driver mismatch" in warn[0]
+    status = await wait_phase(emulator, "pf", "Failed")
+    assert "did not finish within" in status["message"] and "L4" in status["message"]
+    assert cond(emulator, "pf", "Failed")["reason"] == "ProfilingFailed"
+    await wait_for("profilers gone", lambda: pods(emulator, NS, "profiler", "pf") == [])
+
+
+async def test_job_deleted_mid_profiling_leaves_nothing_behind(
+        emulator: ApiEmulator, operator: OperatorProcess) -> None:
+    await apply_job(emulator, job_body("gone"))
+    await wait_for("profilers", lambda: len(pods(emulator, NS, "profiler", "gone")) == 4)
+    await call(emulator, "DELETE", JOBS.format(ns=NS) + "/gone")
+    await wait_for("job removed", lambda: not emulator.list_objects(
+        "cephalojobs", NS, group="cephalo.dev"))
+    leftovers = [o["metadata"]["name"] for plural in ("pods", "configmaps", "services")
+                 for o in emulator.list_objects(plural, NS)]
+    assert leftovers == []
+
+
+async def test_operator_killed_mid_phase_resumes_without_duplicates(
+        emulator: ApiEmulator, start_operator) -> None:
+    first = start_operator()
+    body = job_body("rs", **SMALL)
+    await apply_job(emulator, body)
+    await wait_for("profilers", lambda: len(pods(emulator, NS, "profiler", "rs")) == 2)
+    await first.kill()  # mid-Profiling
+    await finish_profilers(emulator, NS, body, count=2)
+    second = start_operator()
+    ranks = await run_ranks(emulator, "rs")
+    await wait_phase(emulator, "rs", "Running")
+    await second.kill()  # mid-Running
+    start_operator()
+    for pod in ranks:
+        await set_pod(emulator, NS, pod["metadata"]["name"], "Succeeded")
+    await wait_phase(emulator, "rs", "Succeeded")
+    for plural in ("pods", "configmaps", "services"):
+        dup = {k: n for k, n in emulator.created(plural).items() if n > 1}
+        assert not dup, f"{plural} created twice: {dup}"
+    assert phases(emulator, "rs") == ["Profiling", "Planning", "Pending", "Running", "Succeeded"]
+
+
+async def test_suspend_stops_ranks_and_resume_restarts_them(
+        emulator: ApiEmulator, operator: OperatorProcess) -> None:
+    body = job_body("sus", **SMALL)
+    await apply_job(emulator, body)
+    await finish_profilers(emulator, NS, body, count=2)
+    await run_ranks(emulator, "sus")
+    await wait_phase(emulator, "sus", "Running")
+    url = JOBS.format(ns=NS) + "/sus"
+    await call(emulator, "PATCH", url, {"spec": {"suspend": True}})
+    await wait_phase(emulator, "sus", "Suspended")
+    await wait_for("ranks stopped", lambda: pods(emulator, NS, "trainer", "sus") == [])
+    assert cond(emulator, "sus", "Suspended")["status"] == "True"
+    await call(emulator, "PATCH", url, {"spec": {"suspend": False}})
+    await run_ranks(emulator, "sus")
+    await wait_phase(emulator, "sus", "Running")
+    assert cond(emulator, "sus", "Suspended")["status"] == "False"
+    assert job_status(emulator, NS, "sus")["observedGeneration"] == 3
+
+
+async def test_ttl_deletes_the_finished_job_and_its_children(
+        emulator: ApiEmulator, operator: OperatorProcess) -> None:
+    body = job_body("ttl", ttlSecondsAfterFinished=1, **SMALL)
+    await apply_job(emulator, body)
+    await finish_profilers(emulator, NS, body, count=2)
+    ranks = await run_ranks(emulator, "ttl")
+    for pod in ranks:
+        await set_pod(emulator, NS, pod["metadata"]["name"], "Succeeded")
+    await wait_phase(emulator, "ttl", "Succeeded")
+    await wait_for("job deleted", lambda: not emulator.list_objects(
+        "cephalojobs", NS, group="cephalo.dev"), timeout=15)
+    assert pods(emulator, NS, "trainer") == []
+    assert [c["metadata"]["name"] for c in emulator.list_objects("configmaps", NS)
+            if c["metadata"]["name"].startswith("ttl-")] == []
+
+
+async def test_progress_is_scraped_from_rank_0_and_operator_metrics_are_served(
+        emulator: ApiEmulator, start_operator) -> None:
+    served = {"text": 'cephalo_step{rank="0"} 42\ncephalo_samples_per_second{rank="0"} 123.5\n'
+                      'cephalo_loss{rank="0"} 2.5\n'}
+
+    async def metrics_page(_request: web.Request) -> web.Response:
+        return web.Response(text=served["text"])
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_page)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        proc = start_operator(CEPHALO_TRAINER_METRICS_PORT=str(port))
+        body = job_body("prog", **SMALL)
+        await apply_job(emulator, body)
+        await finish_profilers(emulator, NS, body, count=2)
+        await run_ranks(emulator, "prog")
+        status = await wait_for("progress", lambda: (
+            s if (s := job_status(emulator, NS, "prog")).get("progress") else None))
+        progress = status["progress"]
+        assert progress["step"] == 42 and progress["samplesPerSecond"] == 123.5
+        assert progress["loss"] == 2.5 and progress["totalSteps"] == 100
+        served["text"] = 'cephalo_step{rank="0"} 43\n'
+        await wait_for("step 43", lambda: job_status(
+            emulator, NS, "prog")["progress"]["step"] == 43)
+        async with ClientSession() as http, http.get(
+                f"http://127.0.0.1:{proc.metrics_port}/metrics") as resp:
+            text = await resp.text()
+    finally:
+        await runner.cleanup()
+    assert 'cephalo_operator_jobs{phase="Running"} 1.0' in text
+    assert "cephalo_operator_planning_duration_seconds_count 1.0" in text
+    assert 'cephalo_operator_reconciles_total{outcome="ok"}' in text
+    assert 'cephalo_operator_predicted_samples_per_second{job="prog",namespace="default"}' in text
+    measured = 'cephalo_operator_measured_samples_per_second{job="prog",namespace="default"}'
+    assert f"{measured} 123.5" in text
+    assert 'cephalo_operator_profiling_duration_seconds_count{product="L4"} 1.0' in text
+
+
+async def test_lost_node_replans_on_the_remaining_gpus(
+        emulator: ApiEmulator, operator: OperatorProcess) -> None:
+    body = job_body("lost", **SMALL)
+    await apply_job(emulator, body)
+    await finish_profilers(emulator, NS, body, count=2)
+    await run_ranks(emulator, "lost")
+    await wait_phase(emulator, "lost", "Running")
+    assert job_status(emulator, NS, "lost")["plan"]["pools"] == {"NVIDIA-L4": 2,
+                                                                 "NVIDIA-RTX-A6000": 1}
+    await call(emulator, "DELETE", "/api/v1/nodes/a-l4")
+    await wait_for("a plan without L4", lambda: (p := plan_of(emulator, "lost")) and
+                   p.world_size == 1)
+    ranks = await run_ranks(emulator, "lost")  # waits for the new plan's pods
+    assert [p["spec"]["nodeSelector"]["nvidia.com/gpu.product"] for p in ranks] == [
+        "NVIDIA-RTX-A6000"]
+    status = await wait_phase(emulator, "lost", "Running")
+    assert status["plan"]["pools"] == {"NVIDIA-RTX-A6000": 1} and status["plan"]["worldSize"] == 1
+    replan = [m for _, r, m in events(emulator, "lost") if r == "Replanning"]
+    assert replan and "NVIDIA-L4: plan uses 2, 0 available" in replan[0]
+
+
+async def test_changing_the_batch_size_replans_and_restarts_the_ranks(
+        emulator: ApiEmulator, operator: OperatorProcess) -> None:
+    body = job_body("chg", **SMALL)
+    await apply_job(emulator, body)
+    await finish_profilers(emulator, NS, body, count=2)
+    await run_ranks(emulator, "chg")
+    await wait_phase(emulator, "chg", "Running")
+    await call(emulator, "PATCH", JOBS.format(ns=NS) + "/chg", {"spec": {"globalBatchSize": 48}})
+    await wait_for("new plan", lambda: (p := plan_of(emulator, "chg")) and
+                   p.global_batch_size == 48)
+    ranks = await run_ranks(emulator, "chg")
+    total = sum(int(next(e["value"] for e in p["spec"]["containers"][0]["env"]
+                         if e["name"] == "CEPHALO_BATCH_SIZE")) for p in ranks)
+    assert total == 48
+    status = await wait_phase(emulator, "chg", "Running")
+    assert status["observedGeneration"] == 2
+    assert any(r == "Replanning" and "spec changed" in m for _, r, m in events(emulator, "chg"))
+
+
+async def test_invalid_spec_fails_with_the_field_named(
+        emulator: ApiEmulator, operator: OperatorProcess) -> None:
+    # The CRD schema rejects this on a real API server; the operator must not crash on it.
+    await apply_job(emulator, job_body("bad", globalBatchSize=0))
+    status = await wait_phase(emulator, "bad", "Failed")
+    assert "globalBatchSize" in status["message"]
+    assert cond(emulator, "bad", "Failed")["reason"] == "InvalidSpec"
+
+
+async def test_a_rank_pod_deleted_while_running_triggers_a_gang_restart(
+        emulator: ApiEmulator, operator: OperatorProcess) -> None:
+    body = job_body("evict", **SMALL)
+    await apply_job(emulator, body)
+    await finish_profilers(emulator, NS, body, count=2)
+    await run_ranks(emulator, "evict")
+    await wait_phase(emulator, "evict", "Running")
+    await call(emulator, "DELETE", f"/api/v1/namespaces/{NS}/pods/evict-rank-2")
+    second = await run_ranks(emulator, "evict")
+    assert {p["metadata"]["labels"]["cephalo.dev/attempt"] for p in second} == {"1"}
+    status = await wait_phase(emulator, "evict", "Running")
+    assert status["restarts"] == 1
+    restart = next(m for _, r, m in events(emulator, "evict") if r == "GangRestart")
+    assert "rank 2" in restart and "PodDisappeared" in restart
