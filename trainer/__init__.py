@@ -1,0 +1,15 @@
+"""Cephalo trainer: uneven-shard FSDP with layered gradient accumulation (torch only).
+
+Modules:
+
+* `models`, `layers`  GPT / Llama / ViT / BERT as units (embedding, blocks, head);
+  `build_model(config)` matches `cephalo.api.models.ModelConfig` exactly.
+* `flat`              one flat buffer per unit, contiguous per-rank shards.
+* `collectives`       uneven AllGather / ReduceScatter (gloo and NCCL), async, counted.
+* `unit_ops`          the per-unit compute (checkpointed forward, recompute + backward,
+  fused head), activation offload, `run_unit_for_profile` for the profiler.
+* `engine`            the layered schedule, exact loss weighting, sharded AdamW step.
+* `optim`, `data`, `checkpoint`, `metrics`, `env`, `run`  the rest of a training run;
+  `python -m cephalo.trainer` is `run.main`.
+* `launch`            N local gloo ranks for tests and benchmarks.
+"""

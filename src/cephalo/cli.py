@@ -10,6 +10,7 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("cephalo.commands.run", "run a CephaloJob on this machine (profile, plan, train)"),
     "plan": ("cephalo.commands.plan", "solve a plan for a model on a set of GPUs"),
     "crd": ("cephalo.commands.crd", "print the CephaloJob CustomResourceDefinition"),
     "export": ("cephalo.commands.export", "write a checkpoint as a plain PyTorch state_dict"),

@@ -1,0 +1,47 @@
+"""`cephalo export CKPT_DIR --output model.pt`: a sharded checkpoint as one plain PyTorch
+state_dict that `cephalo.trainer.models.build_model(config).load_state_dict` accepts.
+
+CKPT_DIR is a checkpoint root (its newest intact checkpoint is used) or one checkpoint
+folder. torch is imported only when this command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint_dir", metavar="CKPT_DIR",
+                        help="checkpoint root (newest complete checkpoint) or one step-* folder")
+    parser.add_argument("--output", "-o", required=True, help="where to write the state_dict (.pt)")
+    parser.add_argument("--config-output", default=None,
+                        help="also write the model architecture (ModelConfig) as JSON here")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from cephalo.trainer.checkpoint import find_latest, full_state_dict
+
+    root = Path(args.checkpoint_dir)
+    if not root.exists():
+        raise FileNotFoundError(f"{root}: no such checkpoint directory")
+    info = find_latest(root)
+    if info is None:
+        raise ValueError(f"{root}: no complete checkpoint (a checkpoint needs its COMPLETE "
+                         f"marker, meta.json and intact rank-*.pt shards)")
+    state = full_state_dict(info)
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(output.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, output)
+    if args.config_output:
+        Path(args.config_output).write_text(json.dumps(info.meta["model"], indent=2) + "\n")
+    numel = sum(t.numel() for t in state.values())
+    print(f"exported step {info.step} of {info.path} ({len(state)} tensors, {numel:,} "
+          f"parameters, {info.config.family}) to {output}")
+    return 0

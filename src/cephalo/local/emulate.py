@@ -1,0 +1,76 @@
+"""`--emulate`: CPU ranks that behave like catalog GPUs, so heterogeneous planning can be seen
+and measured on any machine. Clearly labelled as emulation wherever it shows.
+
+* speed: GPU g's compute is slowed by time dilation d_g = t_g / t_fastest, where t is the
+  catalog-estimated seconds per sample of this model (so the fastest emulated GPU runs at the
+  CPU's real speed and a GPU 3x slower takes 3x as long);
+* memory: capacity_g = catalog memory_g x scale, with the scale chosen so that the emulated
+  cluster holds the training state plus every rank's largest profiled microbatch with 50%
+  to spare (memory then shapes the plan as it does on the real cards). The engine enforces it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cephalo.api.models import ModelConfig
+from cephalo.api.profile import GpuProfile, ProfilePoint
+from cephalo.planner import estimate_profile
+from cephalo.planner.catalog import lookup_gpu
+from cephalo.planner.costmodel import STATE_BYTES_PER_PARAMETER
+
+HEADROOM = 1.5
+
+
+@dataclass(frozen=True)
+class Emulation:
+    dilation: dict[str, float]  # per emulated product, >= 1
+    capacity_bytes: dict[str, int]
+    memory_scale: float
+
+    def describe(self, product: str) -> str:
+        gpu = lookup_gpu(product)
+        return (f"emulated {product}: compute x{self.dilation[product]:.2f} slower than this "
+                f"CPU, memory {gpu.memory_bytes / 2**30:.0f} GiB -> "
+                f"{self.capacity_bytes[product] / 2**20:.1f} MiB")
+
+
+def _seconds_per_sample(profile: GpuProfile, num_layers: int) -> float:
+    p = max(profile.points, key=lambda q: q.micro_batch_size)
+    total = num_layers * (p.block_forward_seconds + p.block_backward_seconds) + \
+        p.other_forward_seconds + p.other_backward_seconds
+    return total / p.micro_batch_size
+
+
+def plan_emulation(cpu_profile: GpuProfile, products: list[str], model: ModelConfig,
+                   precision: str, memory_fraction: float,
+                   memory_scale: float | None = None) -> Emulation:
+    distinct = sorted(set(products))
+    seconds = {p: _seconds_per_sample(estimate_profile(p, model, precision), model.num_layers)
+               for p in distinct}
+    fastest = min(seconds.values())
+    dilation = {p: seconds[p] / fastest for p in distinct}
+    if memory_scale is None:
+        largest = max(cpu_profile.points, key=lambda q: q.micro_batch_size)
+        need = STATE_BYTES_PER_PARAMETER * model.total_parameters() + \
+            len(products) * largest.compute_memory_bytes
+        offered = sum(lookup_gpu(p).memory_bytes for p in products) * memory_fraction
+        memory_scale = HEADROOM * need / offered
+    capacity = {p: int(lookup_gpu(p).memory_bytes * memory_scale) for p in distinct}
+    return Emulation(dilation, capacity, memory_scale)
+
+
+def emulated_profile(cpu_profile: GpuProfile, product: str, emu: Emulation) -> GpuProfile:
+    """The CPU's measured profile as the emulated GPU will run it: times dilated, its
+    emulated memory capacity, marked `emulated`."""
+    d = emu.dilation[product]
+    points = [ProfilePoint(
+        micro_batch_size=p.micro_batch_size, block_forward_seconds=p.block_forward_seconds * d,
+        block_backward_seconds=p.block_backward_seconds * d,
+        other_forward_seconds=p.other_forward_seconds * d,
+        other_backward_seconds=p.other_backward_seconds * d,
+        compute_memory_bytes=p.compute_memory_bytes) for p in cpu_profile.points]
+    return cpu_profile.model_copy(update={
+        "product": product, "source": "emulated", "points": points,
+        "memory_capacity_bytes": emu.capacity_bytes[product],
+        "device_name": f"emulated {product} on {cpu_profile.device_name}"})

@@ -1,0 +1,167 @@
+"""Launch one trainer process per local device and watch them: progress from rank 0's
+metrics file, a crashed rank stops the others (its error shown), Ctrl-C stops everyone.
+
+Each rank runs in its own session so a terminal Ctrl-C reaches only this launcher, which
+then terminates the ranks in order; checkpoints are atomic, so the last complete one stays.
+Ranks start in the run directory (all paths they get are absolute): started from a source
+checkout, the checkout's `operator/` folder must not shadow the standard library module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cephalo.api.plan import Plan
+from cephalo.local.devices import LocalDevice
+
+POLL_SECONDS = 0.2
+TERMINATE_GRACE_SECONDS = 5.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RankEnv:
+    device: LocalDevice
+    dilation: float = 1.0
+    memory_limit_bytes: int | None = None
+
+
+@dataclass
+class LaunchResult:
+    returncode: int  # 0: all ranks finished; else the first failure's code (130: Ctrl-C)
+    failed_rank: int | None = None
+    error_tail: str = ""
+    records: list[dict] = field(default_factory=list)
+
+
+def rank_environment(rank: int, plan: Plan, ranks: list[RankEnv], run_dir: Path,
+                     job_file: Path, plan_file: Path, port: int,
+                     threads_per_rank: int) -> dict[str, str]:
+    r = plan.ranks[rank]
+    info = ranks[rank]
+    env = dict(os.environ)
+    env.update({
+        "RANK": str(rank), "WORLD_SIZE": str(plan.world_size), "LOCAL_RANK": str(rank),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "CEPHALO_PLAN": str(plan_file), "CEPHALO_JOB": str(job_file),
+        "CEPHALO_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
+        "CEPHALO_METRICS_FILE": str(run_dir / "metrics.jsonl"),
+        "CEPHALO_METRICS_PORT": "0",
+        "CEPHALO_BATCH_SIZE": str(r.batch_size),
+        "CEPHALO_MICRO_BATCH_SIZE": str(r.micro_batch_size),
+        "CEPHALO_NUM_MICRO_BATCHES": str(r.num_micro_batches),
+        "CEPHALO_SHARD_RATIO": repr(r.shard_ratio),
+        "OMP_NUM_THREADS": str(threads_per_rank),
+        "CEPHALO_NUM_THREADS": str(threads_per_rank),
+        "PYTHONUNBUFFERED": "1",
+    })
+    if info.device.kind == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU rank must not grab a GPU
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = str(info.device.index)
+        env["LOCAL_RANK"] = "0"  # the one visible GPU
+    if info.dilation != 1.0:
+        env["CEPHALO_TIME_DILATION"] = repr(info.dilation)
+    if info.memory_limit_bytes is not None:
+        env["CEPHALO_MEMORY_LIMIT_BYTES"] = str(info.memory_limit_bytes)
+    return env
+
+
+def _follow(path: Path) -> Iterator[list[dict]]:
+    """Yields the complete JSON lines appended to `path` since the last call."""
+    offset = 0
+    buffer = ""
+    while True:
+        new: list[dict] = []
+        if path.exists():
+            with open(path, encoding="utf-8") as f:
+                f.seek(offset)
+                chunk = f.read()
+                offset = f.tell()
+            buffer += chunk
+            *lines, buffer = buffer.split("\n")
+            new = [json.loads(line) for line in lines if line.strip()]
+        yield new
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace").rstrip().splitlines()
+    except OSError:
+        return ""
+    return "\n".join(text[-lines:])
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + TERMINATE_GRACE_SECONDS
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def launch(plan: Plan, ranks: list[RankEnv], run_dir: Path, job_file: Path, plan_file: Path,
+           on_records: Callable[[list[dict]], None], threads_per_rank: int = 1,
+           stop_after_step: int | None = None) -> LaunchResult:
+    """Run all ranks to completion; returns how it ended (never leaves a process behind)."""
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs: list[subprocess.Popen] = []
+    result = LaunchResult(returncode=0)
+    follow = _follow(run_dir / "metrics.jsonl")
+    try:
+        for rank in range(plan.world_size):
+            env = rank_environment(rank, plan, ranks, run_dir, job_file, plan_file, port,
+                                   threads_per_rank)
+            if stop_after_step is not None:
+                env["CEPHALO_STOP_AFTER_STEP"] = str(stop_after_step)
+            with open(logs / f"rank-{rank}.log", "ab") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "cephalo.trainer"], env=env, stdout=log,
+                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True, cwd=run_dir))
+        while True:
+            records = next(follow)
+            if records:
+                result.records.extend(records)
+                on_records(records)
+            codes = [p.poll() for p in procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                # The first rank to fail is the cause; others fail after it in collectives.
+                rank, code = failed[0]
+                result.returncode, result.failed_rank = code, rank
+                result.error_tail = _tail(logs / f"rank-{rank}.log")
+                break
+            if all(c == 0 for c in codes):
+                records = next(follow)
+                result.records.extend(records)
+                if records:
+                    on_records(records)
+                break
+            time.sleep(POLL_SECONDS)
+    except KeyboardInterrupt:
+        result.returncode = 130
+    finally:
+        _stop(procs)
+    return result

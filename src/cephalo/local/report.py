@@ -1,0 +1,136 @@
+"""What `cephalo run` shows: a live progress line, the final summary (measured vs predicted
+throughput, per-rank time breakdown) and PNG plots in the run directory."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from cephalo.api.plan import Plan
+
+
+class Progress:
+    """One refreshed line on a terminal; one line per logged step elsewhere (CI, pipes)."""
+
+    def __init__(self, total_steps: int, stream: TextIO = sys.stdout) -> None:
+        self.total = total_steps
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.started = time.monotonic()
+        self.first_step: int | None = None
+
+    def update(self, records: Sequence[dict]) -> None:
+        for rec in records:
+            step = int(rec["step"])
+            if self.first_step is None:
+                self.first_step, self.started = step - 1, time.monotonic() - rec["step_seconds"]
+            done = step - self.first_step
+            left = self.total - step
+            eta = (time.monotonic() - self.started) / max(done, 1) * left
+            width = 24
+            filled = int(width * step / self.total)
+            bar = "#" * filled + "." * (width - filled)
+            line = (f"[{bar}] step {step}/{self.total}  loss {rec['loss']:.4f}  "
+                    f"{rec['samples_per_second']:.1f} samples/s  ETA {eta:4.0f} s")
+            if self.tty:
+                self.stream.write("\r" + line)
+                if step >= self.total:
+                    self.stream.write("\n")
+            else:
+                self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+@dataclass
+class Summary:
+    measured_samples_per_second: float
+    predicted_samples_per_second: float | None
+    first_loss: float
+    last_loss: float
+    steps: int
+    rank_compute_seconds: list[float]
+    rank_wait_seconds: list[float]
+    rank_idle_seconds: list[float]
+    step_seconds: float
+
+
+def summarize(records: Sequence[dict], plan: Plan) -> Summary | None:
+    """Median over the logged steps, skipping the first (warm-up: allocator, threads)."""
+    if not records:
+        return None
+    steady = list(records[1:]) or list(records)
+    step_s = statistics.median(r["step_seconds"] for r in steady)
+    world = plan.world_size
+    compute = [statistics.median(r["ranks"][i]["compute_seconds"] for r in steady)
+               for i in range(world)]
+    wait = [statistics.median(r["ranks"][i]["collective_wait_seconds"] for r in steady)
+            for i in range(world)]
+    idle = [max(0.0, step_s - c - w) for c, w in zip(compute, wait, strict=True)]
+    return Summary(plan.global_batch_size / step_s, plan.predicted_samples_per_second,
+                   records[0]["loss"], records[-1]["loss"], int(records[-1]["step"]),
+                   compute, wait, idle, step_s)
+
+
+def format_summary(summary: Summary, plan: Plan, labels: list[str]) -> str:
+    lines = ["", "Summary"]
+    predicted = summary.predicted_samples_per_second
+    ratio = f" ({summary.measured_samples_per_second / predicted:.2f}x the prediction)" \
+        if predicted else ""
+    lines.append(f"  throughput  measured {summary.measured_samples_per_second:.2f} samples/s, "
+                 f"predicted {predicted or float('nan'):.2f}{ratio}")
+    lines.append(f"  loss        {summary.first_loss:.4f} -> {summary.last_loss:.4f} "
+                 f"over {summary.steps} steps")
+    lines.append(f"  step time   {summary.step_seconds:.3f} s (median after the first step)")
+    lines.append("  per rank    compute / waiting on collectives / idle (seconds per step)")
+    for r in range(plan.world_size):
+        rp = plan.ranks[r]
+        lines.append(f"    rank {r} {labels[r]:<28} batch {rp.batch_size:>4}  "
+                     f"{summary.rank_compute_seconds[r]:.3f} / {summary.rank_wait_seconds[r]:.3f}"
+                     f" / {summary.rank_idle_seconds[r]:.3f}")
+    return "\n".join(lines)
+
+
+def write_plots(records: Sequence[dict], summary: Summary, labels: list[str],
+                run_dir: Path) -> list[Path]:
+    """loss.png and time_breakdown.png; nothing (and no error) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (mean over the global batch)")
+    ax.set_title("Loss")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(run_dir / "loss.png", dpi=100)
+    plt.close(fig)
+    written.append(run_dir / "loss.png")
+    fig, ax = plt.subplots(figsize=(7, 0.6 * len(labels) + 1.5))
+    ys = list(range(len(labels)))
+    left = [0.0] * len(labels)
+    for name, values, color in (("compute", summary.rank_compute_seconds, "#4c72b0"),
+                                ("waiting on collectives", summary.rank_wait_seconds, "#dd8452"),
+                                ("idle", summary.rank_idle_seconds, "#cccccc")):
+        ax.barh(ys, values, left=left, label=name, color=color)
+        left = [a + b for a, b in zip(left, values, strict=True)]
+    ax.set_yticks(ys, [f"rank {i}: {label}" for i, label in enumerate(labels)])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per step (median)")
+    ax.set_title("Where each rank's step time goes")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, fontsize="small")
+    fig.tight_layout()
+    fig.savefig(run_dir / "time_breakdown.png", dpi=100)
+    plt.close(fig)
+    written.append(run_dir / "time_breakdown.png")
+    return written

@@ -1,0 +1,270 @@
+"""The `cephalo run` flow: job → devices → profiles → plan → ranks → summary.
+
+Everything lands in a run directory (default `runs/<job>/<timestamp>`): job.yaml, plan.json,
+profiles/, logs/rank-N.log, metrics.jsonl, checkpoints/, loss.png, time_breakdown.png.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from cephalo.api.cluster import ClusterSpec, GpuGroup
+from cephalo.api.job import CephaloJob, load_job
+from cephalo.api.plan import Plan, PlanError, load_plan
+from cephalo.api.profile import GpuProfile
+from cephalo.commands.plan import format_plan
+from cephalo.local.devices import DeviceError, LocalDevice, select_devices
+from cephalo.local.emulate import Emulation, emulated_profile, plan_emulation
+from cephalo.local.launcher import RankEnv, launch
+from cephalo.local.report import Progress, format_summary, summarize, write_plots
+from cephalo.planner import solve
+
+# Collectives between local processes: gloo over loopback, or NCCL over PCIe.
+LOOPBACK_BANDWIDTH_BYTES_PER_SECOND = 2e9
+PCIE_BANDWIDTH_BYTES_PER_SECOND = 10e9
+LOCAL_LATENCY_SECONDS = 1e-4
+
+
+class RunError(ValueError):
+    """A `cephalo run` input that cannot work: one line, non-zero exit, nothing running."""
+
+
+@dataclass
+class RunOptions:
+    job_path: str
+    devices: str | None = None
+    emulate: str | None = None
+    plan_path: str | None = None
+    run_dir: str | None = None
+    resume: bool = False
+    steps: int | None = None
+    memory_scale: float | None = None
+    stop_after_step: int | None = None
+    runs_root: str = "runs"
+
+
+EMULATE_ANNOTATION = "cephalo.dev/local-emulate"
+
+
+def contention_factor(devices: list[LocalDevice]) -> float:
+    """CPU ranks beyond the core count share cores: each runs this much slower than the
+    profiler (which ran alone) measured."""
+    cpu_ranks = sum(d.kind == "cpu" for d in devices)
+    return max(1.0, cpu_ranks / (os.cpu_count() or 1))
+
+
+def slowed(profile: GpuProfile, factor: float) -> GpuProfile:
+    if factor == 1.0:
+        return profile
+    points = [p.model_copy(update={
+        k: getattr(p, k) * factor for k in ("block_forward_seconds", "block_backward_seconds",
+                                            "other_forward_seconds", "other_backward_seconds")})
+        for p in profile.points]
+    return profile.model_copy(update={"points": points})
+
+
+def _threads_per_rank(devices: list[LocalDevice]) -> int:
+    cpu_ranks = sum(d.kind == "cpu" for d in devices)
+    return max(1, (os.cpu_count() or 1) // max(cpu_ranks, 1)) if cpu_ranks else 2
+
+
+def choose_run_dir(job: CephaloJob, options: RunOptions) -> Path:
+    name = job.metadata.name or Path(options.job_path).stem
+    if options.run_dir:
+        run_dir = Path(options.run_dir)
+        if not options.resume and (run_dir / "checkpoints").exists() and \
+                any((run_dir / "checkpoints").iterdir()):
+            raise RunError(f"{run_dir} already holds checkpoints: pass --resume to continue "
+                           f"that run, or choose another --run-dir")
+    elif options.resume:
+        runs = sorted(p for p in (Path(options.runs_root) / name).glob("*") if p.is_dir())
+        if not runs:
+            raise RunError(f"--resume: no earlier run of {name!r} under "
+                           f"{Path(options.runs_root) / name}; start one without --resume")
+        run_dir = runs[-1]
+    else:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        run_dir = Path(options.runs_root) / name / stamp
+        suffix = 1
+        while run_dir.exists():
+            suffix += 1
+            run_dir = Path(options.runs_root) / name / f"{stamp}-{suffix}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir.resolve()
+
+
+def write_job(job: CephaloJob, options: RunOptions, run_dir: Path) -> Path:
+    """The job as the ranks see it: step override applied, relative paths made absolute
+    (ranks run inside the run directory)."""
+    data = job.model_dump(by_alias=True, exclude_none=True, mode="json")
+    if options.steps is not None:
+        data["spec"].setdefault("training", {})["steps"] = options.steps
+    token = data["spec"].get("data", {}).get("tokenFile")
+    if token:
+        token["path"] = str(Path(token["path"]).resolve())
+    data.pop("status", None)
+    path = run_dir / "job.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def profile_devices(devices: list[LocalDevice], job_file: Path, run_dir: Path,
+                    threads: int) -> dict[str, GpuProfile]:
+    """One profile per distinct real device type (cached between runs by the profiler)."""
+    profiles: dict[str, GpuProfile] = {}
+    folder = run_dir / "profiles"
+    folder.mkdir(exist_ok=True)
+    for device in devices:
+        kind = "cpu" if device.kind == "cpu" else device.product
+        if kind in profiles:
+            continue
+        output = folder / f"measured-{kind}.json"
+        env = dict(os.environ, CEPHALO_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+        command = [sys.executable, "-m", "cephalo.trainer.profile", "--job", str(job_file),
+                   "--output", str(output)]
+        if not profiles and len(devices) > 1:
+            # The first profile also measures the collectives on all the run's devices
+            # (torchrun, one process per device; rank 0 then profiles its device).
+            command[1:3] = ["-m", "torch.distributed.run", "--standalone",
+                            f"--nproc-per-node={len(devices)}", "-m", "cephalo.trainer.profile",
+                            "--collectives"]
+            same_kind = [d for d in devices if d.kind == device.kind]
+            env["CUDA_VISIBLE_DEVICES"] = "" if device.kind == "cpu" else ",".join(
+                str(d.index) for d in [device, *[d for d in same_kind if d != device]])
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = "" if device.kind == "cpu" else str(device.index)
+        done = subprocess.run(command, env=env, cwd=run_dir, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RunError(f"profiling {device.label} failed: "
+                           f"{(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+        profiles[kind] = GpuProfile.model_validate_json(output.read_text())
+    measured = [p.collectives for p in profiles.values() if p.collectives is not None]
+    if measured:  # the run's collectives hold for every device type in it
+        profiles = {k: p.model_copy(update={"collectives": measured[0]})
+                    for k, p in profiles.items()}
+    return profiles
+
+
+def build_cluster(devices: list[LocalDevice], host_memory_bytes: int | None = None) -> ClusterSpec:
+    """Consecutive devices of one product form a group (rank order = device order)."""
+    groups: list[GpuGroup] = []
+    cpu_ranks = sum(d.kind == "cpu" and not d.emulated for d in devices)
+    for d in devices:
+        memory = None
+        if d.kind == "cpu" and not d.emulated and host_memory_bytes:
+            memory = host_memory_bytes // cpu_ranks  # the ranks share the host's memory
+        if groups and groups[-1].product == d.product and groups[-1].memory_bytes == memory:
+            groups[-1].count += 1
+        else:
+            groups.append(GpuGroup(product=d.product, count=1, memory_bytes=memory,
+                                   pool="local"))
+    on_gpu = any(d.kind == "cuda" for d in devices)
+    return ClusterSpec(groups=groups, network_latency_seconds=LOCAL_LATENCY_SECONDS,
+                       network_bandwidth_bytes_per_second=PCIE_BANDWIDTH_BYTES_PER_SECOND
+                       if on_gpu else LOOPBACK_BANDWIDTH_BYTES_PER_SECOND)
+
+
+def check_plan(plan: Plan, devices: list[LocalDevice], source: str) -> None:
+    if plan.world_size != len(devices):
+        raise RunError(f"{source} is for {plan.world_size} ranks but {len(devices)} devices "
+                       f"were selected ({', '.join(d.label for d in devices)}); pass "
+                       f"--devices/--emulate with {plan.world_size} devices or re-plan")
+    for rank, device in zip(plan.ranks, devices, strict=True):
+        if rank.gpu not in ("cpu", device.product):
+            raise RunError(f"{source}: rank {rank.rank} is planned for {rank.gpu} but runs on "
+                           f"{device.label}; re-plan for these devices")
+
+
+def run_job(options: RunOptions, out=print) -> int:
+    try:
+        job = load_job(options.job_path)
+    except ValueError as err:
+        raise RunError(str(err)) from None
+    annotations = (job.metadata.model_extra or {}).get("annotations") or {}
+    emulate = options.emulate
+    if emulate is None and options.devices is None and annotations.get(EMULATE_ANNOTATION):
+        from cephalo.local.devices import cuda_products
+
+        if not cuda_products():  # the job's suggestion for machines without a GPU
+            emulate = annotations[EMULATE_ANNOTATION]
+            out(f"No GPU here: emulating {emulate} on CPU ranks (annotation "
+                f"{EMULATE_ANNOTATION}; override with --devices or --emulate)")
+    try:
+        devices = select_devices(options.devices, emulate)
+    except (DeviceError, ValueError) as err:
+        raise RunError(str(err)) from None
+    run_dir = choose_run_dir(job, options)
+    job_file = write_job(job, options, run_dir)
+    spec = load_job(str(job_file)).spec
+    threads = _threads_per_rank(devices)
+    emulation: Emulation | None = None
+    if options.plan_path:
+        try:
+            plan = load_plan(options.plan_path)
+        except PlanError as err:
+            raise RunError(str(err)) from None
+        check_plan(plan, devices, options.plan_path)
+    else:
+        out(f"Profiling {len({d.product for d in devices})} device type(s) …")
+        measured = profile_devices(devices, job_file, run_dir, threads)
+        if "cpu" in measured:
+            measured["cpu"] = slowed(measured["cpu"], contention_factor(devices))
+        profiles = dict(measured)
+        if any(d.emulated for d in devices):
+            model = spec.model.resolve()
+            emulation = plan_emulation(measured["cpu"], [d.product for d in devices], model,
+                                       spec.precision, spec.planner.memory_fraction,
+                                       options.memory_scale)
+            for product in sorted(emulation.dilation):
+                profiles[product] = emulated_profile(measured["cpu"], product, emulation)
+                (run_dir / "profiles" / f"emulated-{product}.json").write_text(
+                    profiles[product].to_compact_json())
+                out(f"  EMULATION: {emulation.describe(product)}")
+        cluster = build_cluster(devices, measured["cpu"].memory_capacity_bytes
+                                if "cpu" in measured else None)
+        try:
+            plan = solve(spec, cluster, profiles)
+        except ValueError as err:
+            raise RunError(f"planning failed: {err}") from None
+    plan_file = run_dir / "plan.json"
+    plan_file.write_text(plan.to_json())
+    title = spec.model.preset or spec.model.family or "model"
+    if emulation:
+        title += " (EMULATED GPUs on this CPU)"
+    out(format_plan(plan, title))
+    out(f"\nRun directory: {run_dir}")
+    ranks = [RankEnv(d,
+                     emulation.dilation[d.product] if emulation and d.emulated else 1.0,
+                     emulation.capacity_bytes[d.product] if emulation and d.emulated else None)
+             for d in devices]
+    progress = Progress(spec.training.steps)
+    result = launch(plan, ranks, run_dir, job_file, plan_file, progress.update, threads,
+                    options.stop_after_step)
+    labels = [d.label for d in devices]
+    if result.returncode == 130:
+        out(f"\nInterrupted: all ranks stopped. Continue with: cephalo run {options.job_path} "
+            f"--resume --run-dir {run_dir}")
+        return 130
+    if result.returncode != 0:
+        out(f"\nrank {result.failed_rank} ({labels[result.failed_rank or 0]}) failed with "
+            f"exit code {result.returncode}; the other ranks were stopped. Its last lines:\n"
+            f"{result.error_tail}\n(full logs in {run_dir / 'logs'})")
+        return 1
+    summary = summarize(result.records, plan)
+    if summary is None:
+        out("\nNo steps were run (the job was already complete?).")
+        return 0
+    out(format_summary(summary, plan, labels))
+    plots = write_plots(result.records, summary, labels, run_dir)
+    if plots:
+        out("  plots       " + ", ".join(str(p) for p in plots))
+    out(f"  checkpoints {run_dir / 'checkpoints'}  (export: cephalo export "
+        f"{run_dir / 'checkpoints'} --output model.pt)")
+    return 0

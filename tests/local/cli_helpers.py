@@ -1,0 +1,60 @@
+"""Helpers to run the real `cephalo` command in a subprocess, outside the source tree (the
+checkout's `operator/` folder must not shadow the standard library)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_JOB = """\
+apiVersion: cephalo.dev/v1alpha1
+kind: CephaloJob
+metadata: {{name: {name}}}
+spec:
+  model: {{preset: gpt-tiny}}
+  globalBatchSize: {batch}
+  training: {{steps: {steps}, learningRate: 1.0e-2, seed: 3}}
+  planner: {{profileMicroBatchSizes: [1, 2, 4]}}
+  checkpoint: {{intervalSteps: 2}}
+"""
+
+
+def cephalo_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-c", "import sys; from cephalo.cli import main; "
+            "sys.exit(main())", *args]
+
+
+def run_cephalo(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, XDG_CACHE_HOME=str(cwd / ".cache"))
+    return subprocess.run(cephalo_cmd(*args), cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def trainer_pids(marker: str) -> list[int]:
+    """PIDs of live trainer processes whose environment mentions `marker` (a tmp path)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"cephalo.trainer" in cmdline and marker.encode() in environ:
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.fixture
+def tiny_job(tmp_path: Path):
+    def write(name: str = "tiny", batch: int = 6, steps: int = 4) -> Path:
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(TINY_JOB.format(name=name, batch=batch, steps=steps))
+        return path
+    return write

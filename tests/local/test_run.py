@@ -1,0 +1,157 @@
+"""`cephalo run` end to end on CPU ranks: the real profiler, planner and trainer processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from .cli_helpers import cephalo_cmd, run_cephalo, trainer_pids
+
+pytestmark = pytest.mark.slow
+
+
+def _run_dir(cwd: Path, name: str) -> Path:
+    (run_dir,) = sorted((cwd / "runs" / name).iterdir())
+    return run_dir
+
+
+def test_run_trains_and_leaves_a_complete_run_directory(tmp_path, tiny_job) -> None:
+    job = tiny_job(steps=6)
+    done = run_cephalo(tmp_path, "run", str(job), "--emulate", "RTX-A6000,P40")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "EMULATION: emulated P40" in out and "(EMULATED GPUs on this CPU)" in out
+    assert "Summary" in out and "measured" in out and "predicted" in out
+    run_dir = _run_dir(tmp_path, "tiny")
+    for name in ("job.yaml", "plan.json", "metrics.jsonl", "loss.png", "time_breakdown.png",
+                 "logs/rank-0.log", "logs/rank-1.log", "profiles/measured-cpu.json",
+                 "profiles/emulated-P40.json"):
+        assert (run_dir / name).is_file(), name
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert [r["gpu"] for r in plan["ranks"]] == ["RTX-A6000", "P40"]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert any((run_dir / "checkpoints").iterdir())
+    assert trainer_pids(str(tmp_path)) == []
+
+
+@pytest.mark.parametrize("content,args,message", [
+    ("spec: [unclosed", (), "not valid YAML"),
+    ("apiVersion: cephalo.dev/v1alpha1\nkind: CephaloJob\nspec:\n  model: {preset: gpt-99}\n"
+     "  globalBatchSize: 4\n", (), "unknown model preset 'gpt-99'"),
+    (None, ("--devices", "cuda"), "no CUDA GPU is visible"),
+    (None, ("--emulate", "L4,L4,L4", "--devices", "cpu:2"), "names 3 GPUs"),
+])
+def test_bad_input_is_one_clear_line(tmp_path, tiny_job, content, args, message) -> None:
+    job = tiny_job() if content is None else tmp_path / "bad.yaml"
+    if content is not None:
+        job.write_text(content)
+    done = run_cephalo(tmp_path, "run", str(job), *args)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], done.stderr
+    assert trainer_pids(str(tmp_path)) == []
+
+
+def _plan_file(tmp_path: Path, ranks: list[tuple[str, int]]) -> Path:
+    plan = {"global_batch_size": sum(b for _, b in ranks), "world_size": len(ranks),
+            "ranks": [{"rank": i, "gpu": gpu, "batch_size": b, "micro_batch_size": b,
+                       "num_micro_batches": 1, "shard_ratio": 1 / len(ranks)}
+                      for i, (gpu, b) in enumerate(ranks)]}
+    plan["ranks"][-1]["shard_ratio"] = 1 - sum(r["shard_ratio"] for r in plan["ranks"][:-1])
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    return path
+
+
+def test_plan_for_more_ranks_than_devices_is_refused(tmp_path, tiny_job) -> None:
+    plan = _plan_file(tmp_path, [("cpu", 2), ("cpu", 2), ("cpu", 2)])
+    done = run_cephalo(tmp_path, "run", str(tiny_job()), "--plan", str(plan),
+                       "--devices", "cpu:2")
+    assert done.returncode == 2
+    assert "is for 3 ranks but 2 devices were selected" in done.stderr
+
+
+def test_plan_for_other_gpus_is_refused(tmp_path, tiny_job) -> None:
+    plan = _plan_file(tmp_path, [("A10G", 3), ("A10G", 3)])
+    done = run_cephalo(tmp_path, "run", str(tiny_job()), "--plan", str(plan),
+                       "--devices", "cpu:2")
+    assert done.returncode == 2
+    assert "rank 0 is planned for A10G but runs on cpu:0 (cpu)" in done.stderr
+
+
+def test_given_plan_runs_without_profiling(tmp_path, tiny_job) -> None:
+    plan = _plan_file(tmp_path, [("cpu", 4), ("cpu", 2)])
+    done = run_cephalo(tmp_path, "run", str(tiny_job(steps=2)), "--plan", str(plan),
+                       "--devices", "cpu:2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Profiling" not in done.stdout
+    assert not (_run_dir(tmp_path, "tiny") / "profiles").exists()
+
+
+def _wait_for(predicate, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError("condition not reached in time")
+
+
+def _start(tmp_path: Path, *args: str) -> subprocess.Popen:
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / ".cache"))
+    return subprocess.Popen(cephalo_cmd(*args), cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL)
+
+
+def _metrics_lines(tmp_path: Path) -> int:
+    files = list((tmp_path / "runs").glob("*/*/metrics.jsonl"))
+    return len(files[0].read_text().splitlines()) if files else 0
+
+
+def test_a_crashed_rank_stops_the_others_with_its_error(tmp_path, tiny_job) -> None:
+    proc = _start(tmp_path, "run", str(tiny_job(steps=400)), "--devices", "cpu:2")
+    try:
+        _wait_for(lambda: _metrics_lines(tmp_path) >= 1)
+        victims = [p for p in trainer_pids(str(tmp_path))
+                   if b"RANK=1\x00" in Path(f"/proc/{p}/environ").read_bytes()]
+        assert victims
+        os.kill(victims[0], signal.SIGKILL)  # what the OOM killer does
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, out + err
+    assert "rank 1 (cpu:1 (cpu)) failed with exit code -9" in out
+    assert "the other ranks were stopped" in out
+    _wait_for(lambda: trainer_pids(str(tmp_path)) == [], timeout=10)
+
+
+def test_ctrl_c_stops_cleanly_and_resume_finishes_the_run(tmp_path, tiny_job) -> None:
+    job = tiny_job(steps=30)
+    proc = _start(tmp_path, "run", str(job), "--devices", "cpu:2")
+    try:
+        _wait_for(lambda: _metrics_lines(tmp_path) >= 3)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out + err
+    assert "--resume" in out
+    _wait_for(lambda: trainer_pids(str(tmp_path)) == [], timeout=10)
+    run_dir = _run_dir(tmp_path, "tiny")
+    done = run_cephalo(tmp_path, "run", str(job), "--devices", "cpu:2", "--resume")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _run_dir(tmp_path, "tiny") == run_dir  # continued the same run
+    log = (run_dir / "logs" / "rank-0.log").read_text()
+    assert "resumed from" in log
+    steps = [json.loads(line)["step"] for line in
+             (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 30

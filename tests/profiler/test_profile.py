@@ -1,0 +1,168 @@
+"""The profiler on CPU: well-formed, physically monotone, linear memory, cached, usable by
+the planner, small enough for a termination message; collectives under torchrun."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cephalo.api import ClusterSpec, GpuGroup, GpuProfile, parse_job, preset
+from cephalo.api.profile import TERMINATION_MESSAGE_LIMIT_BYTES, CollectiveProfile
+from cephalo.planner import estimate_profile, solve
+from cephalo.trainer import profile as profiler
+from cephalo.trainer.device_info import catalog_name, device_facts
+
+JOB = """\
+apiVersion: cephalo.dev/v1alpha1
+kind: CephaloJob
+metadata: {name: prof}
+spec:
+  model: {preset: PRESET}
+  globalBatchSize: 8
+"""
+
+
+def _spec(name: str = "gpt-tiny"):
+    return parse_job({"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
+                      "spec": {"model": {"preset": name}, "globalBatchSize": 8}}).spec
+
+
+@pytest.fixture(scope="module")
+def tiny_profile() -> GpuProfile:
+    torch.set_num_threads(1)
+    return profiler.profile_job(_spec(), device=torch.device("cpu"),
+                                micro_batch_sizes=[1, 2, 4, 8], repeats=3, warmup=1)
+
+
+def test_profile_is_well_formed(tiny_profile: GpuProfile) -> None:
+    assert tiny_profile.product == "cpu" and tiny_profile.source == "measured"
+    assert tiny_profile.torch_version == torch.__version__
+    assert [p.micro_batch_size for p in tiny_profile.points] == [1, 2, 4, 8]
+    for p in tiny_profile.points:
+        assert p.block_forward_seconds > 0 and p.block_backward_seconds > 0
+        assert p.other_forward_seconds > 0 and p.other_backward_seconds > 0
+
+
+def test_profile_is_monotone_where_physics_says_so(tiny_profile: GpuProfile) -> None:
+    memory = [p.compute_memory_bytes for p in tiny_profile.points]
+    assert memory == sorted(memory) and len(set(memory)) == len(memory)
+    first, last = tiny_profile.points[0], tiny_profile.points[-1]
+    # 8x the tokens cannot be faster than 1x; backward (recompute + 2x FLOPs) beats forward.
+    assert last.block_forward_seconds > first.block_forward_seconds
+    assert last.block_backward_seconds > last.block_forward_seconds
+
+
+def test_memory_is_linear_within_ten_percent(tiny_profile: GpuProfile) -> None:
+    m = np.array([p.micro_batch_size for p in tiny_profile.points], dtype=float)
+    mem = np.array([p.compute_memory_bytes for p in tiny_profile.points], dtype=float)
+    slope, intercept = np.polyfit(m, mem, 1)
+    assert np.all(np.abs(intercept + slope * m - mem) <= 0.10 * mem)
+
+
+def test_cpu_memory_counts_the_real_activations() -> None:
+    """Doubling the microbatch adds the same activation bytes each time (exact counting)."""
+    torch.set_num_threads(1)
+    p = profiler.profile_job(_spec("llama-tiny"), device=torch.device("cpu"),
+                             micro_batch_sizes=[1, 2, 3], repeats=1, warmup=0)
+    mem = [q.compute_memory_bytes for q in p.points]
+    config = preset("llama-tiny")
+    hidden_bytes = config.sequence_length * config.hidden_size * 4
+    assert mem[2] - mem[1] == mem[1] - mem[0]
+    assert mem[1] - mem[0] > 3 * hidden_bytes  # at least input, output and their gradients
+
+
+def test_profile_round_trips_through_the_planner(tiny_profile: GpuProfile) -> None:
+    again = GpuProfile.model_validate_json(tiny_profile.to_compact_json())
+    assert again == tiny_profile
+    cluster = ClusterSpec(groups=[GpuGroup(product="cpu", count=2, memory_bytes=2**30)])
+    plan = solve(_spec(), cluster, {"cpu": again})
+    assert plan.world_size == 2 and sum(r.batch_size for r in plan.ranks) == 8
+    assert not any(r.model_extra.get("estimated") for r in plan.ranks)
+    assert plan.ranks[0].predicted_step_seconds > 0
+
+
+def test_largest_preset_profile_fits_a_termination_message(tmp_path: Path) -> None:
+    largest = max(profiler_presets(), key=lambda name: preset(name).total_parameters())
+    profile = estimate_profile("H200", preset(largest), "bf16")
+    profile = profile.model_copy(update={
+        "source": "measured", "device_name": "NVIDIA H200 NVL 141GB HBM3e PCIe (MIG 7g.141gb)",
+        "compute_capability": "9.0", "driver_version": "580.105.08",
+        "torch_version": "2.13.0+cu130",
+        "collectives": CollectiveProfile(bandwidth_bytes_per_second=1.2345678901234e11,
+                                         latency_seconds=1.23456789e-05, world_size=8,
+                                         uneven_overhead=0.123456789)})
+    out = tmp_path / "profile.json"
+    text = profiler.write_profile(profile, str(out))
+    assert len(text.encode()) <= TERMINATION_MESSAGE_LIMIT_BYTES
+    assert GpuProfile.model_validate_json(out.read_text()) == profile
+
+
+def profiler_presets() -> list[str]:
+    from cephalo.api.models import PRESETS
+
+    return list(PRESETS)
+
+
+def test_profiles_are_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = profiler.profile_job(_spec(), device=torch.device("cpu"), micro_batch_sizes=[1, 2],
+                                 repeats=1, warmup=0, cache_dir=tmp_path)
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1 and files[0].name.startswith("cpu-")
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("a cached profile was measured again")
+
+    monkeypatch.setattr(profiler, "profile_device", no_measuring)
+    again = profiler.profile_job(_spec(), device=torch.device("cpu"), micro_batch_sizes=[2],
+                                 repeats=1, warmup=0, cache_dir=tmp_path)
+    assert again == first
+    # Another precision is another cache entry.
+    bf16 = _spec().model_copy(update={"precision": "bf16"})
+    with pytest.raises(AssertionError, match="measured again"):
+        profiler.profile_job(bf16, device=torch.device("cpu"), micro_batch_sizes=[1],
+                             cache_dir=tmp_path)
+
+
+def test_command_line_writes_the_profile(tmp_path: Path) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB.replace("PRESET", "bert-tiny"))
+    out = tmp_path / "p.json"
+    assert profiler.main(["--job", str(job), "--output", str(out), "--micro-batch-sizes",
+                          "1,2", "--repeats", "1", "--cache-dir", "none"]) == 0
+    assert [p.micro_batch_size for p in GpuProfile.model_validate_json(out.read_text()).points
+            ] == [1, 2]
+    assert profiler.main(["--job", str(job), "--micro-batch-sizes", "0"]) == 2
+
+
+def test_device_facts_on_cpu_and_catalog_names() -> None:
+    facts = device_facts(torch.device("cpu"))
+    assert facts.product == "cpu" and facts.memory_bytes > 2**30
+    assert catalog_name("NVIDIA A10G") == "A10G"
+    assert catalog_name("Tesla T4") == "T4"
+    assert catalog_name("NVIDIA RTX A6000") == "RTX-A6000"
+    assert catalog_name("Some Future GPU") == "Some-Future-GPU"
+
+
+@pytest.mark.slow
+def test_collectives_mode_under_torchrun(tmp_path: Path) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB.replace("PRESET", "gpt-tiny"))
+    out = tmp_path / "p.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--standalone", "-m", "cephalo.trainer.profile", "--collectives", "--job",
+         str(job), "--output", str(out), "--micro-batch-sizes", "1,2", "--repeats", "2",
+         "--cache-dir", "none"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    profile = GpuProfile.model_validate_json(out.read_text())
+    assert profile.collectives is not None
+    assert profile.collectives.world_size == 2
+    assert profile.collectives.bandwidth_bytes_per_second > 1e6  # loopback: >> 1 MB/s

@@ -1,0 +1,177 @@
+"""Uneven AllGather / ReduceScatter of flat unit buffers, asynchronous, on gloo and NCCL.
+
+Neither backend has a native collective for arbitrary per-rank sizes that works everywhere
+(see shared/reference/torch-notes.md), so:
+
+* **AllGather** — gloo: one async `broadcast` per non-empty shard, each *directly into its
+  slice of the full buffer* (no padding, no copy-out; measured 2–4x faster than the padded
+  form on gloo). NCCL: when shards are even, `all_gather_into_tensor` straight into the full
+  buffer; otherwise the padded `[world, max]` gather and a copy-out (FSDP's layout).
+* **ReduceScatter** (SUM) — gloo: `reduce_scatter(list)` over views of the full gradient
+  (uneven and empty entries are fine, no copies). NCCL: `reduce_scatter_tensor`, padded
+  when uneven.
+
+Every call is issued with ``async_op=True`` and returns a `Pending` whose `wait()` is
+timed, so the engine can prefetch the next unit while the current one computes and report
+how long compute actually waited for the network. Counters record logical collectives per
+kind (one AllGather = one unit gathered, however many broadcasts it took), which the tests
+use to prove layered accumulation gathers each unit once per pass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Pending:
+    """An in-flight collective; `wait()` returns its result tensor."""
+
+    works: list
+    result: torch.Tensor
+    kind: str
+    stats: CollectiveStats
+    finish: Callable[[], None] | None = None
+    done: bool = False
+
+    def wait(self) -> torch.Tensor:
+        if not self.done:
+            started = time.perf_counter()
+            for w in self.works:
+                w.wait()
+            if self.finish is not None:
+                self.finish()
+            self.stats.wait_seconds[self.kind] += time.perf_counter() - started
+            self.done = True
+        return self.result
+
+
+@dataclass
+class CollectiveStats:
+    calls: Counter = field(default_factory=Counter)  # logical collectives by kind
+    native_calls: Counter = field(default_factory=Counter)  # backend calls by kind
+    elements: Counter = field(default_factory=Counter)
+    wait_seconds: Counter = field(default_factory=Counter)
+    log: list[tuple[str, int]] = field(default_factory=list)  # (kind, unit) in issue order
+
+    def reset(self) -> None:
+        for c in (self.calls, self.native_calls, self.elements, self.wait_seconds):
+            c.clear()
+        self.log.clear()
+
+
+class UnevenCollectives:
+    """Collectives over one process group for shards of known, possibly uneven, sizes."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.backend = dist.get_backend(group)
+        self.stats = CollectiveStats()
+
+    def _global_rank(self, group_rank: int) -> int:
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+    def all_gather(self, shard: torch.Tensor, bounds: list[tuple[int, int]], unit: int,
+                   dtype: torch.dtype | None = None) -> Pending:
+        """Gather every rank's shard of a flat buffer into a new full buffer."""
+        numel = bounds[-1][1]
+        self._count("all_gather", unit, numel)
+        if self.world_size == 1 and (dtype is None or dtype == shard.dtype):
+            # The shard is the whole buffer: hand out an alias (own autograd identity, same
+            # storage) instead of a copy. Nothing writes to it until the optimizer step.
+            return Pending([], shard.detach(), "all_gather", self.stats, done=True)
+        full = torch.empty(numel, dtype=dtype or shard.dtype, device=shard.device)
+        if self.world_size == 1:
+            full.copy_(shard)
+            return Pending([], full, "all_gather", self.stats, done=True)
+        start, end = bounds[self.rank]
+        full[start:end].copy_(shard)
+        sizes = [e - s for s, e in bounds]
+        if self.backend == "nccl":
+            return self._nccl_all_gather(full, sizes, bounds)
+        works = []
+        for r, (s, e) in enumerate(bounds):
+            if e > s:
+                works.append(dist.broadcast(full[s:e], src=self._global_rank(r),
+                                            group=self.group, async_op=True))
+        self.stats.native_calls["all_gather"] += len(works)
+        return Pending(works, full, "all_gather", self.stats)
+
+    def _nccl_all_gather(self, full: torch.Tensor, sizes: list[int],
+                         bounds: list[tuple[int, int]]) -> Pending:
+        self.stats.native_calls["all_gather"] += 1
+        largest = max(sizes)
+        if all(s == largest for s in sizes):
+            start, end = bounds[self.rank]
+            work = dist.all_gather_into_tensor(full, full[start:end].clone(), group=self.group,
+                                               async_op=True)
+            return Pending([work], full, "all_gather", self.stats)
+        padded = torch.zeros(self.world_size * largest, dtype=full.dtype, device=full.device)
+        start, end = bounds[self.rank]
+        local = torch.zeros(largest, dtype=full.dtype, device=full.device)
+        local[:end - start].copy_(full[start:end])
+        work = dist.all_gather_into_tensor(padded, local, group=self.group, async_op=True)
+
+        def copy_out() -> None:
+            rows = padded.view(self.world_size, largest)
+            for r, (s, e) in enumerate(bounds):
+                full[s:e].copy_(rows[r, :e - s])
+
+        return Pending([work], full, "all_gather", self.stats, finish=copy_out)
+
+    def reduce_scatter(self, full_grad: torch.Tensor, bounds: list[tuple[int, int]],
+                       unit: int) -> Pending:
+        """SUM-reduce a full flat gradient across ranks; the result is this rank's shard."""
+        start, end = bounds[self.rank]
+        self._count("reduce_scatter", unit, full_grad.numel())
+        if self.world_size == 1:
+            return Pending([], full_grad[start:end], "reduce_scatter", self.stats, done=True)
+        self.stats.native_calls["reduce_scatter"] += 1
+        out = torch.empty(end - start, dtype=full_grad.dtype, device=full_grad.device)
+        sizes = [e - s for s, e in bounds]
+        if self.backend != "nccl":
+            inputs = [full_grad[s:e] for s, e in bounds]
+            work = dist.reduce_scatter(out, inputs, op=dist.ReduceOp.SUM, group=self.group,
+                                       async_op=True)
+            return Pending([work], out, "reduce_scatter", self.stats)
+        largest = max(sizes)
+        if all(s == largest for s in sizes):
+            work = dist.reduce_scatter_tensor(out, full_grad, group=self.group, async_op=True)
+            return Pending([work], out, "reduce_scatter", self.stats)
+        padded = torch.zeros(self.world_size, largest, dtype=full_grad.dtype,
+                             device=full_grad.device)
+        for r, (s, e) in enumerate(bounds):
+            padded[r, :e - s].copy_(full_grad[s:e])
+        padded_out = torch.empty(largest, dtype=full_grad.dtype, device=full_grad.device)
+        work = dist.reduce_scatter_tensor(padded_out, padded.view(-1), group=self.group,
+                                          async_op=True)
+
+        def copy_out() -> None:
+            out.copy_(padded_out[:end - start])
+
+        return Pending([work], out, "reduce_scatter", self.stats, finish=copy_out)
+
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Blocking SUM all-reduce of a small tensor (grad-norm and loss, once per step)."""
+        self._count("all_reduce", -1, values.numel())
+        if self.world_size > 1:
+            self.stats.native_calls["all_reduce"] += 1
+            started = time.perf_counter()
+            dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)
+            self.stats.wait_seconds["all_reduce"] += time.perf_counter() - started
+        return values
+
+    def _count(self, kind: str, unit: int, numel: int) -> None:
+        self.stats.calls[kind] += 1
+        self.stats.elements[kind] += numel
+        self.stats.log.append((kind, unit))

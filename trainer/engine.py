@@ -1,0 +1,325 @@
+"""Uneven-shard FSDP with layered gradient accumulation (the Cephalo trainer engine).
+
+One optimizer step on rank i, with its ℓ_i microbatches and U units (embedding, blocks,
+head):
+
+1. **Forward**, unit by unit: gather the unit (prefetching the next unit's gather while it
+   computes), run *all* ℓ_i microbatches through it without autograd, keep only the unit
+   boundary activations (offloaded to host when enabled), free the gathered parameters.
+2. **Head**: forward and backward at once per microbatch (nothing to recompute), weighted
+   by 1/B; the head's gradient is reduce-scattered right away.
+3. **Backward**, units in reverse: gather, recompute + backward every microbatch (the
+   parameter gradient accumulates in the flat buffer), reduce-scatter the unit's gradient
+   asynchronously (overlapping the next unit's backward), free.
+4. **Optimizer**: one all-reduce of [Σ grad², Σ loss]; global-norm clipping; AdamW on the
+   fp32 master shards.
+
+So each unit is gathered once per pass (the head once per step) and reduce-scattered once
+per step, whatever ℓ_i. A rank with no batch runs the same collectives on empty work.
+With ``recompute=False`` the forward keeps autograd graphs instead (more memory, no
+recompute, no second gather).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from cephalo.api.job import TrainingSpec
+from cephalo.api.models import ModelConfig
+from cephalo.trainer.collectives import Pending, UnevenCollectives
+from cephalo.trainer.flat import FlatUnit
+from cephalo.trainer.models import build_unit
+from cephalo.trainer.optim import ShardedAdamW, learning_rate
+from cephalo.trainer.unit_ops import (
+    ActivationStore,
+    BlockTiming,
+    autocast,
+    backward_unit,
+    forward_unit,
+    head_forward_backward,
+    run_unit_for_profile,
+)
+
+__all__ = ["BlockTiming", "Engine", "Layout", "StepResult", "run_unit_for_profile"]
+
+MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the engine needs from a plan: every rank's batch and shard fraction.
+
+    `unit_shard_ratios` optionally overrides the ratios of single units (unit index ->
+    one ratio per rank): the paper shards some units evenly and others skewed when that
+    saves uneven collectives. A plan carries it as ``"unit_shard_ratios": {"0": [...]}``.
+    """
+
+    batch_sizes: list[int]
+    micro_batch_sizes: list[int]
+    shard_ratios: list[float]
+    unit_shard_ratios: dict[int, list[float]] = field(default_factory=dict)
+
+    def ratios_for(self, unit: int) -> list[float]:
+        return self.unit_shard_ratios.get(unit, self.shard_ratios)
+
+    @property
+    def global_batch_size(self) -> int:
+        return sum(self.batch_sizes)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.batch_sizes)
+
+    def sample_range(self, rank: int) -> tuple[int, int]:
+        """Rank's slice [start, end) of each step's global batch."""
+        start = sum(self.batch_sizes[:rank])
+        return start, start + self.batch_sizes[rank]
+
+
+@dataclass
+class StepResult:
+    step: int  # 1-based index of the step just taken
+    loss: float  # mean loss over the global batch
+    grad_norm: float  # before clipping
+    learning_rate: float
+    step_seconds: float
+    collective_wait_seconds: float  # time compute waited on collectives (this rank)
+
+
+class Engine:
+    def __init__(self, config: ModelConfig, training: TrainingSpec, layout: Layout, *,
+                 group: dist.ProcessGroup | None = None, device: torch.device | None = None,
+                 precision: str = "fp32", recompute: bool = True,
+                 offload: bool | None = None, time_dilation: float = 1.0) -> None:
+        self.comm = UnevenCollectives(group)
+        self.rank = self.comm.rank
+        if layout.world_size != self.comm.world_size:
+            raise ValueError(f"layout has {layout.world_size} ranks, process group has "
+                             f"{self.comm.world_size}")
+        for unit, ratios in layout.unit_shard_ratios.items():
+            if len(ratios) != layout.world_size or abs(sum(ratios) - 1) > 1e-9:
+                raise ValueError(f"unit_shard_ratios[{unit}] needs {layout.world_size} ratios "
+                                 f"summing to 1, got {ratios}")
+        self.config = config
+        self.training = training
+        self.layout = layout
+        self.device = device or torch.device("cpu")
+        self.precision = precision
+        self.recompute = recompute
+        if time_dilation < 1.0:
+            raise ValueError(f"time_dilation must be >= 1, got {time_dilation}")
+        # Emulating a slower device (`cephalo run --emulate`): every unit's compute is
+        # followed by a sleep of (d - 1) x its duration. Sleeping frees the core, so the
+        # other ranks and in-flight collectives run as they would beside a slow GPU.
+        self.time_dilation = time_dilation
+        use_offload = self.device.type == "cuda" if offload is None else offload
+        self.store = ActivationStore(self.device, use_offload)
+        # Every rank builds the same seeded units one at a time, keeps its shard of each and
+        # frees the rest: initial weights never depend on the plan, and no rank ever holds
+        # more than one full unit.
+        self.units: list[FlatUnit] = []
+        masters = []
+        for i in range(config.num_units):
+            module = build_unit(config, i, seed=training.seed)
+            unit = FlatUnit(i, module, layout.ratios_for(i), self.rank)
+            masters.append(unit.flatten()[unit.start:unit.end].clone().to(self.device))
+            unit.detach_parameters()
+            module.to(self.device)  # buffers (e.g. RoPE tables)
+            self.units.append(unit)
+        self.optimizer = ShardedAdamW(masters, [u.decay_mask_shard.to(self.device)
+                                                for u in self.units], training)
+        self.step_count = 0
+
+    # ---- parameters ----------------------------------------------------------------
+    @property
+    def master_shards(self) -> list[torch.Tensor]:
+        return self.optimizer.params
+
+    def _gather(self, index: int) -> Pending:
+        unit = self.units[index]
+        return self.comm.all_gather(self.master_shards[index], unit.bounds, index)
+
+    def full_parameters(self) -> list[torch.Tensor]:
+        """Every unit's full flat buffer (a collective: all ranks must call it)."""
+        return [self._gather(i).wait().detach().to("cpu", copy=True)
+                for i in range(len(self.units))]
+
+    # ---- one step ------------------------------------------------------------------
+    def step(self, micro_batches: list[MicroBatch]) -> StepResult:
+        """One optimizer step on this rank's microbatches of the global batch."""
+        started = time.perf_counter()
+        wait_before = sum(self.comm.stats.wait_seconds.values())
+        expected = self.layout.batch_sizes[self.rank]
+        got = sum(int(t.shape[0]) for _, t in micro_batches)
+        if got != expected:
+            raise ValueError(f"rank {self.rank} got {got} samples, its plan says {expected}")
+        inputs = [x.to(self.device, non_blocking=True) for x, _ in micro_batches]
+        targets = [t.to(self.device, non_blocking=True) for _, t in micro_batches]
+        if self.recompute:
+            loss_sum, grads = self._forward_backward_recompute(inputs, targets)
+        else:
+            loss_sum, grads = self._forward_backward_keep(inputs, targets)
+        result = self._optimizer_step(loss_sum, grads)
+        result.step_seconds = time.perf_counter() - started
+        result.collective_wait_seconds = sum(self.comm.stats.wait_seconds.values()) - wait_before
+        return result
+
+    def _head(self, full: torch.Tensor, targets: list[torch.Tensor]
+              ) -> tuple[torch.Tensor, Pending]:
+        """Fused head forward+backward; puts input gradients in the store; issues its RS."""
+        head = self.units[-1]
+        last = len(self.units) - 1
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        weight = 1.0 / self.layout.global_batch_size
+        for mb, t in enumerate(targets):
+            x = self.store.get((last, mb))
+            with self._dilated():
+                losses, grad_x = head_forward_backward(head, full, x, t, weight, self.device,
+                                                       self.precision)
+            loss_sum += losses.float()
+            self.store.drop((last, mb))
+            self.store.put(("grad", last, mb), grad_x)
+            self.store.evict(("grad", last, mb))
+        return loss_sum, self.comm.reduce_scatter(self._grad_of(full), head.bounds, last)
+
+    @contextlib.contextmanager
+    def _dilated(self) -> Iterator[None]:
+        if self.time_dilation == 1.0:
+            yield
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        began = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        time.sleep((self.time_dilation - 1.0) * (time.perf_counter() - began))
+
+    def memory_estimate_bytes(self) -> int:
+        """Device bytes this rank needs at least: fp32 state of its shards (parameter,
+        gradient, two Adam moments), two gathered units with gradients (current and
+        prefetched), and the boundary activations kept for backward when not offloaded.
+        The working set inside one unit's compute comes on top."""
+        fp32 = 4
+        state = 4 * fp32 * sum(u.shard_numel for u in self.units)
+        gathered = 2 * 2 * fp32 * max(u.numel for u in self.units)
+        samples = self.layout.batch_sizes[self.rank]
+        per_boundary = samples * self.config.tokens_per_sample * self.config.hidden_size * fp32
+        kept = 0 if self.store.offload else (self.config.num_layers + 2) * per_boundary
+        return state + gathered + kept
+
+    def _grad_of(self, full: torch.Tensor) -> torch.Tensor:
+        # A rank with no batch contributes zeros (it still takes part in the collective).
+        return full.grad if full.grad is not None else torch.zeros_like(full)
+
+    def _forward_backward_recompute(self, inputs: list[torch.Tensor],
+                                    targets: list[torch.Tensor]
+                                    ) -> tuple[torch.Tensor, list[Pending]]:
+        units, store = self.units, self.store
+        last = len(units) - 1
+        num_mb = len(inputs)
+        pending = self._gather(0)
+        for u in range(last):
+            full = pending.wait()
+            pending = self._gather(u + 1)  # prefetch while this unit computes
+            xs = inputs if u == 0 else [store.get((u, mb)) for mb in range(num_mb)]
+            with self._dilated():
+                ys = forward_unit(units[u], full, xs, self.device, self.precision)
+            for mb, y in enumerate(ys):
+                if u > 0:
+                    store.evict((u, mb))  # consumed; needed again only in backward
+                store.put((u + 1, mb), y)
+            del full
+        full = pending.wait()
+        if last >= 1:
+            pending = self._gather(last - 1)  # first unit of the backward pass
+        loss_sum, head_rs = self._head(full, targets)
+        scatters: list[Pending] = [head_rs]
+        del full
+        for u in range(last - 1, -1, -1):
+            full = pending.wait()
+            if u >= 1:
+                pending = self._gather(u - 1)
+            self._prefetch_backward(u, 0, num_mb)
+            for mb in range(num_mb):
+                # Bring the next microbatch's tensors back while this one computes.
+                self._prefetch_backward(u, mb + 1, num_mb)
+                x = inputs[mb] if u == 0 else store.get((u, mb))
+                grad_y = store.get(("grad", u + 1, mb))
+                with self._dilated():
+                    grad_x = backward_unit(units[u], full, x, grad_y, self.device,
+                                           self.precision, needs_input_grad=u > 0)
+                store.drop(("grad", u + 1, mb))
+                store.drop((u, mb))
+                if grad_x is not None:
+                    store.put(("grad", u, mb), grad_x)
+                    store.evict(("grad", u, mb))
+            scatters.append(self.comm.reduce_scatter(self._grad_of(full), units[u].bounds, u))
+            del full
+        store.clear()
+        return loss_sum, scatters[::-1]
+
+    def _prefetch_backward(self, u: int, mb: int, num_mb: int) -> None:
+        if mb < num_mb:
+            self.store.prefetch((u, mb))
+            self.store.prefetch(("grad", u + 1, mb))
+
+    def _forward_backward_keep(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]
+                               ) -> tuple[torch.Tensor, list[Pending]]:
+        """Layered accumulation without recompute: graphs and gathered units stay alive."""
+        units, store = self.units, self.store
+        last = len(units) - 1
+        num_mb = len(inputs)
+        graphs: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        fulls: list[torch.Tensor] = []
+        pending = self._gather(0)
+        for u in range(last):
+            full = pending.wait().requires_grad_(True)
+            pending = self._gather(u + 1)
+            units[u].bind(full)
+            unit_graphs = []
+            with torch.enable_grad(), autocast(self.device, self.precision), self._dilated():
+                for mb in range(num_mb):
+                    x = inputs[mb] if u == 0 else store.get((u, mb)).requires_grad_(True)
+                    y = units[u].module(x)
+                    unit_graphs.append((x, y))
+                    store.put((u + 1, mb), y.detach())
+            units[u].unbind()
+            graphs.append(unit_graphs)
+            fulls.append(full)
+        loss_sum, head_rs = self._head(pending.wait(), targets)
+        scatters = [head_rs]
+        for u in range(last - 1, -1, -1):
+            for mb, (x, y) in enumerate(graphs[u]):
+                with self._dilated():
+                    torch.autograd.backward(y, store.get(("grad", u + 1, mb)))
+                store.drop(("grad", u + 1, mb))
+                if u > 0:
+                    store.put(("grad", u, mb), x.grad)
+            graphs[u] = []
+            scatters.append(self.comm.reduce_scatter(self._grad_of(fulls[u]), units[u].bounds,
+                                                     u))
+            fulls[u] = torch.empty(0)
+        store.clear()
+        return loss_sum, scatters[::-1]
+
+    def _optimizer_step(self, loss_sum: torch.Tensor, scatters: list[Pending]) -> StepResult:
+        grads = [p.wait() for p in scatters]
+        opt = self.optimizer
+        totals = torch.stack([opt.squared_norm(grads).to(self.device), loss_sum.float()])
+        totals = self.comm.all_reduce_sum(totals.double()).cpu()
+        grad_norm = float(totals[0].sqrt())
+        lr = learning_rate(self.training, self.step_count)
+        scale = opt.clip_factor(grad_norm, self.training.gradient_clip_norm)
+        opt.step(grads, lr, grad_scale=scale)
+        self.step_count += 1
+        return StepResult(step=self.step_count,
+                          loss=float(totals[1]) / self.layout.global_batch_size,
+                          grad_norm=grad_norm, learning_rate=lr, step_seconds=0.0,
+                          collective_wait_seconds=0.0)

@@ -1,0 +1,106 @@
+"""Trainer metrics: Prometheus on every rank, a JSON-lines progress file from rank 0.
+
+The JSONL file (one object per logged step: step, loss, samples_per_second,
+tokens_per_second, step_seconds, learning_rate, grad_norm, tflops, and per-rank
+compute / collective-wait seconds) is what `cephalo run` reads to show progress.
+
+Rank r serves Prometheus on CEPHALO_METRICS_PORT + LOCAL_RANK: one rank per pod (LOCAL_RANK
+0) keeps the configured port, several local ranks on one machine do not collide.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+STEP_BUCKETS_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+
+
+def gpu_memory_bytes(local_rank: int) -> tuple[int, int] | None:
+    """(used, capacity) of this rank's GPU via NVML, or None without a GPU/driver."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(local_rank))
+        return int(info.used), int(info.total)
+    except pynvml.NVMLError:
+        return None
+
+
+class TrainerMetrics:
+    def __init__(self, rank: int, port: int, predicted_step_seconds: float | None) -> None:
+        self.rank = rank
+        self.registry = CollectorRegistry()
+        labels = {"rank": str(rank)}
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, ["rank"], registry=r)
+
+        self.step_seconds = Histogram("cephalo_step_seconds", "Optimizer step wall time",
+                                      ["rank"], buckets=STEP_BUCKETS_SECONDS, registry=r)
+        self.step = gauge("cephalo_step", "Optimizer steps done")
+        self.loss = gauge("cephalo_loss", "Mean loss over the global batch")
+        self.samples_per_second = gauge("cephalo_samples_per_second", "Global samples/s")
+        self.tokens_per_second = gauge("cephalo_tokens_per_second", "Global tokens/s")
+        self.tflops = gauge("cephalo_achieved_tflops", "This rank's useful TFLOP/s")
+        self.memory_used = gauge("cephalo_memory_used_bytes", "GPU memory used")
+        self.memory_capacity = gauge("cephalo_memory_capacity_bytes", "GPU memory capacity")
+        self.predicted = gauge("cephalo_predicted_step_seconds", "The plan's predicted step time")
+        self.collective_seconds = Counter(
+            "cephalo_collective_wait_seconds", "Seconds compute waited on collectives",
+            ["rank", "op"], registry=r)
+        self.labels = labels
+        if predicted_step_seconds is not None:
+            self.predicted.labels(**labels).set(predicted_step_seconds)
+        self.port = port
+        if port:
+            try:
+                start_http_server(port, registry=r)
+            except OSError as err:  # metrics are not worth killing a training run for
+                print(f"cephalo trainer (rank {rank}): warning: metrics port {port}: {err}; "
+                      f"serving no metrics", file=sys.stderr, flush=True)
+                self.port = 0
+
+    def observe(self, *, step: int, loss: float, step_seconds: float, samples_per_second: float,
+                tokens_per_second: float, tflops: float, wait_seconds_by_op: dict[str, float],
+                local_rank: int) -> None:
+        lb = self.labels
+        self.step_seconds.labels(**lb).observe(step_seconds)
+        self.step.labels(**lb).set(step)
+        self.loss.labels(**lb).set(loss)
+        self.samples_per_second.labels(**lb).set(samples_per_second)
+        self.tokens_per_second.labels(**lb).set(tokens_per_second)
+        self.tflops.labels(**lb).set(tflops)
+        for op, seconds in wait_seconds_by_op.items():
+            if seconds > 0:
+                self.collective_seconds.labels(rank=lb["rank"], op=op).inc(seconds)
+        memory = gpu_memory_bytes(local_rank)
+        if memory is not None:
+            self.memory_used.labels(**lb).set(memory[0])
+            self.memory_capacity.labels(**lb).set(memory[1])
+
+
+class ProgressFile:
+    """Appends one JSON object per logged step (rank 0 only); flushed every line."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        self._file.close()

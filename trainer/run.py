@@ -1,0 +1,185 @@
+"""The training loop and `python -m cephalo.trainer`'s main()."""
+
+from __future__ import annotations
+
+import datetime
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from cephalo.api.job import CephaloJobSpec
+from cephalo.trainer import checkpoint
+from cephalo.trainer.data import DataSource
+from cephalo.trainer.engine import Engine, Layout, StepResult
+from cephalo.trainer.env import EnvError, read_env
+from cephalo.trainer.metrics import ProgressFile, TrainerMetrics
+
+
+@dataclass
+class TrainOutcome:
+    first_step: int  # step the run started from (0, or the checkpoint it resumed)
+    last_step: int
+    losses: list[float] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)
+
+
+def _resume_point(root: Path, engine: Engine) -> checkpoint.CheckpointInfo | None:
+    """Rank 0 picks the newest intact checkpoint; every rank loads that same one."""
+    found = checkpoint.find_latest(root) if engine.rank == 0 else None
+    box = [None if found is None else (str(found.path), found.meta)]
+    if engine.comm.world_size > 1:
+        dist.broadcast_object_list(box, src=dist.get_global_rank(engine.comm.group, 0)
+                                   if engine.comm.group is not None else 0,
+                                   group=engine.comm.group)
+    if box[0] is None:
+        return None
+    path, meta = box[0]
+    return checkpoint.CheckpointInfo(Path(path), meta)
+
+
+def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: Path, *,
+          group: dist.ProcessGroup | None = None, device: torch.device | None = None,
+          stop_after_step: int | None = None, progress_file: Path | None = None,
+          metrics: TrainerMetrics | None = None, local_rank: int = 0,
+          verbose: bool = True, time_dilation: float = 1.0,
+          memory_limit_bytes: int | None = None) -> TrainOutcome:
+    """Train `job` under `layout`, resuming from the newest intact checkpoint in
+    `checkpoint_dir`; checkpoints every `intervalSteps` and always at the end (or at
+    `stop_after_step`, which simulates a preemption)."""
+    config = job.model.resolve()
+    spec = job.training
+    engine = Engine(config, spec, layout, group=group, device=device,
+                    precision=job.precision, time_dilation=time_dilation)
+    if memory_limit_bytes is not None:
+        _check_memory(engine, memory_limit_bytes)
+    data = DataSource(config, job.data, spec.seed)
+    info = _resume_point(checkpoint_dir, engine)
+    if info is not None:
+        checkpoint.restore(engine, info)
+        if verbose and engine.rank == 0:
+            print(f"cephalo trainer: resumed from {info.path} at step {info.step}", flush=True)
+    outcome = TrainOutcome(first_step=engine.step_count, last_step=engine.step_count)
+    progress = ProgressFile(progress_file) if progress_file and engine.rank == 0 else None
+    start, end = layout.sample_range(engine.rank)
+    micro = layout.micro_batch_sizes[engine.rank]
+    last = spec.steps if stop_after_step is None else min(spec.steps, stop_after_step)
+    try:
+        while engine.step_count < last:
+            step = engine.step_count
+            result = engine.step(data.micro_batches(step, start, end, micro))
+            outcome.losses.append(result.loss)
+            if result.step % spec.log_interval_steps == 0 or result.step == last:
+                _log(engine, result, config.tokens_per_sample,
+                     config.training_flops_per_sample(), progress, metrics, local_rank,
+                     verbose, spec.steps)
+            if result.step % job.checkpoint.interval_steps == 0 or result.step == last:
+                path = checkpoint.save(checkpoint_dir, engine, job.checkpoint.keep)
+                outcome.checkpoints.append(str(path))
+        outcome.last_step = engine.step_count
+    finally:
+        if progress is not None:
+            progress.close()
+    return outcome
+
+
+class MemoryLimitError(RuntimeError):
+    """A rank's plan does not fit its (emulated) memory capacity."""
+
+
+def _check_memory(engine: Engine, limit_bytes: int) -> None:
+    """Collective: every rank fails together (no hang) if any rank's estimate exceeds its
+    limit; the rank that is over says by how much."""
+    need = engine.memory_estimate_bytes()
+    over = torch.tensor([1.0 if need > limit_bytes else 0.0], dtype=torch.float64)
+    if engine.comm.world_size > 1:
+        over = engine.comm.all_reduce_sum(over.to(engine.device)).cpu()
+    if need > limit_bytes:
+        raise MemoryLimitError(f"rank {engine.rank} needs at least {need / 2**20:.1f} MiB "
+                               f"(training state, two gathered units, kept activations) but "
+                               f"its memory limit is {limit_bytes / 2**20:.1f} MiB; re-plan "
+                               f"with less batch or state on this rank")
+    if float(over[0]) > 0:
+        raise MemoryLimitError("another rank exceeds its memory limit (see its log)")
+
+
+def _log(engine: Engine, result: StepResult, tokens_per_sample: int, flops_per_sample: float,
+         progress: ProgressFile | None, metrics: TrainerMetrics | None, local_rank: int,
+         verbose: bool, total_steps: int) -> None:
+    """Collective (every rank, same steps): gathers per-rank compute / wait seconds."""
+    world = engine.comm.world_size
+    timings = torch.zeros(world, 2, dtype=torch.float64)
+    timings[engine.rank, 0] = result.step_seconds - result.collective_wait_seconds
+    timings[engine.rank, 1] = result.collective_wait_seconds
+    timings = engine.comm.all_reduce_sum(timings.to(engine.device)).cpu()
+    step_seconds = result.step_seconds
+    samples_per_second = engine.layout.global_batch_size / step_seconds
+    local_samples = engine.layout.batch_sizes[engine.rank]
+    tflops = flops_per_sample * local_samples / step_seconds / 1e12
+    if metrics is not None:
+        metrics.observe(step=result.step, loss=result.loss, step_seconds=step_seconds,
+                        samples_per_second=samples_per_second,
+                        tokens_per_second=samples_per_second * tokens_per_sample, tflops=tflops,
+                        wait_seconds_by_op=dict(engine.comm.stats.wait_seconds),
+                        local_rank=local_rank)
+        engine.comm.stats.wait_seconds.clear()
+    if engine.rank != 0:
+        return
+    record = {"step": result.step, "loss": result.loss, "samples_per_second": samples_per_second,
+              "tokens_per_second": samples_per_second * tokens_per_sample,
+              "step_seconds": step_seconds, "learning_rate": result.learning_rate,
+              "grad_norm": result.grad_norm, "time": time.time(),
+              "ranks": [{"rank": r, "compute_seconds": float(timings[r, 0]),
+                         "collective_wait_seconds": float(timings[r, 1])}
+                        for r in range(world)]}
+    if progress is not None:
+        progress.write(record)
+    if verbose:
+        print(f"step {result.step}/{total_steps} loss {result.loss:.4f} "
+              f"lr {result.learning_rate:.2e} grad-norm {result.grad_norm:.3f} | "
+              f"{samples_per_second:.1f} samples/s | step {step_seconds:.3f} s "
+              f"(waited {result.collective_wait_seconds:.3f} s on collectives)", flush=True)
+
+
+def main() -> int:
+    try:
+        env = read_env()
+    except EnvError as err:
+        import os
+        print(f"cephalo trainer (rank {os.environ.get('RANK', '?')}): error: {err}",
+              file=sys.stderr, flush=True)
+        return 2
+    torch.manual_seed(env.job.training.seed)
+    if env.num_threads:
+        torch.set_num_threads(env.num_threads)
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", env.local_rank % torch.cuda.device_count()) if use_cuda \
+        else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo", rank=env.rank,
+                            world_size=env.world_size,
+                            timeout=datetime.timedelta(seconds=env.timeout_seconds))
+    try:
+        port = env.metrics_port + env.local_rank if env.metrics_port else 0
+        metrics = TrainerMetrics(env.rank, port, env.plan.predicted_step_seconds)
+        try:
+            outcome = train(env.job, env.layout, env.checkpoint_dir, device=device,
+                            stop_after_step=env.stop_after_step,
+                            progress_file=env.metrics_file, metrics=metrics,
+                            local_rank=env.local_rank, time_dilation=env.time_dilation,
+                            memory_limit_bytes=env.memory_limit_bytes)
+        except MemoryLimitError as err:
+            print(f"cephalo trainer (rank {env.rank}): error: {err}", file=sys.stderr,
+                  flush=True)
+            return 3
+        if env.rank == 0:
+            print(f"cephalo trainer: done at step {outcome.last_step}; checkpoint "
+                  f"{outcome.checkpoints[-1] if outcome.checkpoints else '(none new)'}",
+                  flush=True)
+    finally:
+        dist.destroy_process_group()
+    return 0
