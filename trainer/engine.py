@@ -195,11 +195,16 @@ class Engine:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        began = time.perf_counter()
+            clock = time.perf_counter
+        else:
+            # CPU: dilate the work this thread did, not the time it spent descheduled while
+            # other ranks held the cores (that would compound contention with dilation).
+            clock = time.thread_time
+        began = clock()
         yield
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        time.sleep((self.time_dilation - 1.0) * (time.perf_counter() - began))
+        time.sleep((self.time_dilation - 1.0) * (clock() - began))
 
     def memory_estimate_bytes(self) -> int:
         """Device bytes this rank needs at least: fp32 state of its shards (parameter,

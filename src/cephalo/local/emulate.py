@@ -1,9 +1,11 @@
 """`--emulate`: CPU ranks that behave like catalog GPUs, so heterogeneous planning can be seen
 and measured on any machine. Clearly labelled as emulation wherever it shows.
 
-* speed: GPU g's compute is slowed by time dilation d_g = t_g / t_fastest, where t is the
-  catalog-estimated seconds per sample of this model (so the fastest emulated GPU runs at the
-  CPU's real speed and a GPU 3x slower takes 3x as long);
+* speed: GPU g's compute is slowed by time dilation d_g = peak_fastest / peak_g, the ratio
+  of the catalog's peak FLOP/s in the job's precision (so the fastest emulated GPU runs at
+  the CPU's real speed and a GPU with a third of its peak takes 3x as long). Peak ratios,
+  not the estimated profile, because a tiny model's estimate is all kernel-launch overhead
+  and would hide the very differences emulation is meant to show;
 * memory: capacity_g = catalog memory_g x scale, with the scale chosen so that the emulated
   cluster holds the training state plus every rank's largest profiled microbatch with 50%
   to spare (memory then shapes the plan as it does on the real cards). The engine enforces it.
@@ -15,7 +17,6 @@ from dataclasses import dataclass
 
 from cephalo.api.models import ModelConfig
 from cephalo.api.profile import GpuProfile, ProfilePoint
-from cephalo.planner import estimate_profile
 from cephalo.planner.catalog import lookup_gpu
 from cephalo.planner.costmodel import STATE_BYTES_PER_PARAMETER
 
@@ -35,21 +36,13 @@ class Emulation:
                 f"{self.capacity_bytes[product] / 2**20:.1f} MiB")
 
 
-def _seconds_per_sample(profile: GpuProfile, num_layers: int) -> float:
-    p = max(profile.points, key=lambda q: q.micro_batch_size)
-    total = num_layers * (p.block_forward_seconds + p.block_backward_seconds) + \
-        p.other_forward_seconds + p.other_backward_seconds
-    return total / p.micro_batch_size
-
-
 def plan_emulation(cpu_profile: GpuProfile, products: list[str], model: ModelConfig,
                    precision: str, memory_fraction: float,
                    memory_scale: float | None = None) -> Emulation:
     distinct = sorted(set(products))
-    seconds = {p: _seconds_per_sample(estimate_profile(p, model, precision), model.num_layers)
-               for p in distinct}
-    fastest = min(seconds.values())
-    dilation = {p: seconds[p] / fastest for p in distinct}
+    peak = {p: lookup_gpu(p).peak_flops(precision) for p in distinct}
+    fastest = max(peak.values())
+    dilation = {p: fastest / peak[p] for p in distinct}
     if memory_scale is None:
         largest = max(cpu_profile.points, key=lambda q: q.micro_batch_size)
         need = STATE_BYTES_PER_PARAMETER * model.total_parameters() + \
@@ -60,10 +53,13 @@ def plan_emulation(cpu_profile: GpuProfile, products: list[str], model: ModelCon
     return Emulation(dilation, capacity, memory_scale)
 
 
-def emulated_profile(cpu_profile: GpuProfile, product: str, emu: Emulation) -> GpuProfile:
-    """The CPU's measured profile as the emulated GPU will run it: times dilated, its
-    emulated memory capacity, marked `emulated`."""
-    d = emu.dilation[product]
+def emulated_profile(cpu_profile: GpuProfile, product: str, emu: Emulation,
+                     contention: float = 1.0) -> GpuProfile:
+    """The CPU's measured profile as the emulated GPU will run it, marked `emulated`, with
+    its emulated memory capacity. The engine sleeps (d - 1) x the CPU time of each unit's
+    work, and the work itself runs `contention` times slower when ranks share cores:
+    t_emulated = t_cpu x (contention + d - 1)."""
+    d = contention + emu.dilation[product] - 1.0
     points = [ProfilePoint(
         micro_batch_size=p.micro_batch_size, block_forward_seconds=p.block_forward_seconds * d,
         block_backward_seconds=p.block_backward_seconds * d,

@@ -53,11 +53,15 @@ class RunOptions:
 EMULATE_ANNOTATION = "cephalo.dev/local-emulate"
 
 
-def contention_factor(devices: list[LocalDevice]) -> float:
-    """CPU ranks beyond the core count share cores: each runs this much slower than the
-    profiler (which ran alone) measured."""
-    cpu_ranks = sum(d.kind == "cpu" for d in devices)
-    return max(1.0, cpu_ranks / (os.cpu_count() or 1))
+def contention_factor(devices: list[LocalDevice],
+                      dilation: dict[str, float] | None = None) -> float:
+    """CPU ranks that compute at the same time beyond the core count share cores: each runs
+    this much slower than the profiler (which ran alone) measured. An emulated rank with
+    time dilation d computes only 1/d of the time (it sleeps the rest), so it demands 1/d
+    of a core."""
+    demand = sum(1.0 / (dilation or {}).get(d.product, 1.0) for d in devices
+                 if d.kind == "cpu")
+    return max(1.0, demand / (os.cpu_count() or 1))
 
 
 def slowed(profile: GpuProfile, factor: float) -> GpuProfile:
@@ -214,19 +218,21 @@ def run_job(options: RunOptions, out=print) -> int:
     else:
         out(f"Profiling {len({d.product for d in devices})} device type(s) …")
         measured = profile_devices(devices, job_file, run_dir, threads)
-        if "cpu" in measured:
-            measured["cpu"] = slowed(measured["cpu"], contention_factor(devices))
         profiles = dict(measured)
         if any(d.emulated for d in devices):
             model = spec.model.resolve()
             emulation = plan_emulation(measured["cpu"], [d.product for d in devices], model,
                                        spec.precision, spec.planner.memory_fraction,
                                        options.memory_scale)
+            contention = contention_factor(devices, emulation.dilation)
             for product in sorted(emulation.dilation):
-                profiles[product] = emulated_profile(measured["cpu"], product, emulation)
+                profiles[product] = emulated_profile(measured["cpu"], product, emulation,
+                                                     contention)
                 (run_dir / "profiles" / f"emulated-{product}.json").write_text(
                     profiles[product].to_compact_json())
                 out(f"  EMULATION: {emulation.describe(product)}")
+        elif "cpu" in measured:
+            profiles["cpu"] = slowed(measured["cpu"], contention_factor(devices))
         cluster = build_cluster(devices, measured["cpu"].memory_capacity_bytes
                                 if "cpu" in measured else None)
         try:

@@ -34,10 +34,18 @@ def _result(ev: Evaluation | None, reason: str | None = None) -> BaselineResult:
                           reason=None, predicted_step_seconds=ev.step_seconds)
 
 
-def even_fsdp(problem: Problem) -> BaselineResult:
+Assignment = tuple[list[int], list[int]]  # per rank: microbatch sizes, microbatch counts
+
+
+def even_assignment(problem: Problem) -> Assignment:
+    """B/N samples per GPU in one microbatch (what plain FSDP runs)."""
     batches = _even_batches(problem)
-    ell = [1 if b else 0 for b in batches]
-    return _result(score(problem, batches, ell, even_shards=True))
+    return batches, [1 if b else 0 for b in batches]
+
+
+def even_fsdp(problem: Problem) -> BaselineResult:
+    micro, ell = even_assignment(problem)
+    return _result(score(problem, micro, ell, even_shards=True))
 
 
 def fsdp_grad_accum(problem: Problem) -> BaselineResult:
@@ -57,7 +65,8 @@ def fsdp_grad_accum(problem: Problem) -> BaselineResult:
     return _result(score(problem, micro, ell, even_shards=True, layered=False))
 
 
-def compute_proportional(problem: Problem) -> BaselineResult:
+def proportional_assignment(problem: Problem) -> Assignment:
+    """Batches proportional to each GPU's speed, one microbatch each (Whale-like)."""
     tables = class_tables(problem, uneven=False)
     speeds = np.array([tables[problem.rank_class[r]].speed_weight
                        for r in range(problem.world_size)])
@@ -67,8 +76,12 @@ def compute_proportional(problem: Problem) -> BaselineResult:
     leftover = problem.global_batch_size - int(batches.sum())
     for r in sorted(range(len(exact)), key=lambda r: (-(exact[r] - batches[r]), r))[:leftover]:
         batches[r] += 1
-    ell = [1 if b else 0 for b in batches]
-    return _result(score(problem, [int(b) for b in batches], ell, even_shards=True))
+    return [int(b) for b in batches], [1 if b else 0 for b in batches]
+
+
+def compute_proportional(problem: Problem) -> BaselineResult:
+    micro, ell = proportional_assignment(problem)
+    return _result(score(problem, micro, ell, even_shards=True))
 
 
 def compute_balance_only(problem: Problem) -> BaselineResult:
