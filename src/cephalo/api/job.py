@@ -302,6 +302,7 @@ class JobFileError(ValueError):
 
 
 def format_validation_error(err: ValidationError) -> str:
+    """pydantic's errors as one line: `field.path: message; …`."""
     parts = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"

@@ -11,6 +11,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from cephalo.api.job import format_validation_error
+
 SHARD_RATIO_TOLERANCE = 1e-9
 
 
@@ -89,10 +91,7 @@ def parse_plan(data: Any, source: str = "plan") -> Plan:
     try:
         return Plan.model_validate(data)
     except ValidationError as err:
-        msgs = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or '(top level)'}: "
-            f"{e['msg'].removeprefix('Value error, ')}" for e in err.errors())
-        raise PlanError(f"{source}: {msgs}") from None
+        raise PlanError(f"{source}: {format_validation_error(err)}") from None
 
 
 def load_plan(path: str) -> Plan:
