@@ -41,7 +41,7 @@ from cephalo.planner.evaluate import score
 from cephalo.planner.problem import build_problem
 from cephalo.trainer.profile import UnitProfiler, profile_job
 
-STEPS = 8
+STEPS = 16
 # (ranks' (micro_batch_size, num_micro_batches)) settings per model.
 SETTINGS = [
     [(8, 1)], [(4, 2)], [(1, 8)],
