@@ -81,17 +81,22 @@ def match_fields(selector: str, obj: dict[str, Any]) -> bool:
     return True
 
 
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386 JSON merge patch (null deletes, objects merge, everything else replaces)."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
+def _merge_objects(target: Any, patch: dict, merge: Any) -> dict:
+    """Object-level merge shared by both patch kinds: null deletes, keys merge by `merge`."""
     result = copy.deepcopy(target) if isinstance(target, dict) else {}
     for key, value in patch.items():
         if value is None:
             result.pop(key, None)
         else:
-            result[key] = merge_patch(result.get(key), value)
+            result[key] = merge(result.get(key), value)
     return result
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch (null deletes, objects merge, everything else replaces)."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    return _merge_objects(target, patch, merge_patch)
 
 
 _MERGE_KEYS = ("name", "type", "containerPort", "mountPath", "ip")
@@ -118,10 +123,4 @@ def strategic_merge(target: Any, patch: Any) -> Any:
         return merged
     if not isinstance(patch, dict):
         return copy.deepcopy(patch)
-    result = copy.deepcopy(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = strategic_merge(result.get(key), value)
-    return result
+    return _merge_objects(target, patch, strategic_merge)
