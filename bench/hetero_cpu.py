@@ -1,7 +1,10 @@
 """The benefit of heterogeneous planning, measured on the real engine (issue 5).
 
-CPU ranks emulate one GPU of each type of the paper's Cluster A (RTX A6000, L4, P40, P100:
-speed by time dilation from the catalog's peak FLOP/s), scaled to this machine. In one run
+CPU ranks emulate GPUs of the paper's Cluster A (speed by time dilation from the catalog's
+peak FLOP/s), scaled to this machine: one rank per core, taking Cluster A's types from the
+fastest and the slowest inwards (2 cores: RTX A6000 + P100; 4 cores: A6000, P100, L4, P40).
+More ranks than cores measure the CPU scheduler rather than the plan: ranks that finish
+together then fight over the cores inside their collectives (`--mix` still allows it). In one run
 it profiles the CPU, measures the collectives, plans with Cephalo, and trains the same job
 under three plans — Cephalo's, the even split (B/N each, even shards) and compute-
 proportional batches with even shards (Whale-like) — then prints measured samples/s, the
@@ -13,6 +16,7 @@ Run: python bench/hetero_cpu.py [--steps 10] [--preset gpt-small] [--batch 32]
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -30,7 +34,13 @@ from cephalo.planner.evaluate import score
 from cephalo.planner.problem import build_problem
 from cephalo.planner.solver import solve_problem
 
-CLUSTER_A_MIX = "RTX-A6000,L4,P40,P100"
+# Cluster A's GPU types, fastest and slowest first, so any prefix spans the heterogeneity.
+CLUSTER_A_TYPES = ["RTX-A6000", "P100", "L4", "P40"]
+
+
+def default_mix() -> str:
+    cores = max(2, min(len(CLUSTER_A_TYPES), os.cpu_count() or 2))
+    return ",".join(CLUSTER_A_TYPES[:cores])
 # Emulated memory that fits every plan: this benchmark isolates compute balancing, which
 # is what can be measured on a CPU (memory limits would only make the baselines fail).
 AMPLE_MEMORY_SCALE = 1e-2
@@ -41,7 +51,7 @@ def job_data(preset: str, batch: int, steps: int) -> dict:
             "metadata": {"name": "hetero"},
             "spec": {"model": {"preset": preset}, "globalBatchSize": batch,
                      "training": {"steps": steps, "learningRate": 1e-3},
-                     "planner": {"profileMicroBatchSizes": [1, 2, 4, 8]},
+                     "planner": {"profileMicroBatchSizes": [1, 2, 3, 4, 6, 8, 12, 16]},
                      "checkpoint": {"intervalSteps": 10**6}}}
 
 
@@ -85,10 +95,15 @@ def main() -> int:
     parser.add_argument("--preset", default="gpt-small")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--mix", default=default_mix(),
+                        help="emulated GPUs, one CPU rank each (default: Cluster A's types, "
+                             "one rank per core)")
     args = parser.parse_args()
-    devices = select_devices(None, CLUSTER_A_MIX, gpus=[])
+    devices = select_devices(None, args.mix, gpus=[])
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        # Profile afresh: a profile cached while the machine was busy would skew the plan.
+        os.environ["XDG_CACHE_HOME"] = str(work / "cache")
         job_file = work / "job.yaml"
         job_file.write_text(yaml.safe_dump(job_data(args.preset, args.batch, args.steps)))
         spec = parse_job(job_data(args.preset, args.batch, args.steps)).spec
@@ -110,7 +125,7 @@ def main() -> int:
         ranks = [RankEnv(d, emu.dilation[d.product], None) for d in devices]
         speed = {}
         print(f"\n{args.preset}, global batch {args.batch}, {len(devices)} emulated GPUs "
-              f"({CLUSTER_A_MIX}) on {len(devices)} CPU ranks, {args.steps} steps per plan")
+              f"({args.mix}) on {len(devices)} CPU ranks, {args.steps} steps per plan")
         print(f"{'plan':<22}{'batches':<18}{'predicted/s':>12}{'measured/s':>12}")
         for name, plan in plans.items():
             speed[name] = run_plan(name.replace(" ", "-"), plan, ranks, work, job_file)

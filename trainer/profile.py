@@ -55,6 +55,9 @@ from cephalo.trainer.unit_ops import (
 
 FP32_BYTES = 4
 TERMINATION_LOG = "/dev/termination-log"
+# Part of the cache key: bump it whenever what a profile measures changes, so that profiles
+# cached by an older profiler are measured again instead of silently lacking fields.
+PROFILE_FORMAT = 2
 
 
 def _median(fn: Callable[[], float], repeats: int, warmup: int) -> float:
@@ -208,12 +211,11 @@ class UnitProfiler:
 OPTIMIZER_PROBE_ELEMENTS = 4 * 1024**2
 
 
-def optimizer_timing(config: ModelConfig, device: torch.device, repeats: int,
-                     warmup: int) -> tuple[float, float]:
-    """(seconds per parameter, fixed seconds per step) of the engine's AdamW + gradient norm:
-    one large shard gives the slope, one tiny shard per unit the per-step overhead."""
-    spec = TrainingSpec(weight_decay=0.1)
-
+def optimizer_timing(config: ModelConfig, spec: TrainingSpec, device: torch.device,
+                     repeats: int, warmup: int) -> tuple[float, float]:
+    """(seconds per parameter, fixed seconds per step) of the engine's AdamW + gradient norm
+    with the job's settings: one large shard gives the slope, one tiny shard per unit the
+    per-step overhead."""
     def seconds(sizes: list[int]) -> float:
         shards = [torch.zeros(n, device=device) for n in sizes]
         grads = [torch.full((n,), 1e-3, device=device) for n in sizes]
@@ -240,10 +242,11 @@ def optimizer_timing(config: ModelConfig, device: torch.device, repeats: int,
 
 def profile_device(config: ModelConfig, precision: str, micro_batch_sizes: Sequence[int],
                    device: torch.device, facts: DeviceFacts, repeats: int = 5,
-                   warmup: int = 2) -> GpuProfile:
+                   warmup: int = 2, training: TrainingSpec | None = None) -> GpuProfile:
     profiler = UnitProfiler(config, precision, device)
     points = [profiler.point(m, repeats, warmup) for m in sorted(set(micro_batch_sizes))]
-    per_parameter, fixed = optimizer_timing(config, device, repeats, warmup)
+    per_parameter, fixed = optimizer_timing(config, training or TrainingSpec(), device,
+                                            repeats, warmup)
     return GpuProfile(product=facts.product, device_name=facts.device_name,
                       memory_capacity_bytes=facts.memory_bytes, source="measured",
                       model_key=model_key(config.architecture_key(), precision),
@@ -255,7 +258,7 @@ def profile_device(config: ModelConfig, precision: str, micro_batch_sizes: Seque
 
 
 def cache_path(cache_dir: Path, product: str, config: ModelConfig, precision: str) -> Path:
-    arch = f"{config.architecture_key()}|torch={torch.__version__}"
+    arch = f"{config.architecture_key()}|torch={torch.__version__}|format={PROFILE_FORMAT}"
     return cache_dir / f"{profile_cache_key(product, arch, precision)}.json"
 
 
@@ -302,7 +305,8 @@ def profile_job(spec: CephaloJobSpec, *, device: torch.device | None = None,
         cached = GpuProfile.model_validate_json(path.read_text())
         if {p.micro_batch_size for p in cached.points} >= set(sizes):
             return cached.model_copy(update={"collectives": collectives})
-    profile = profile_device(config, spec.precision, sizes, device, facts, repeats, warmup)
+    profile = profile_device(config, spec.precision, sizes, device, facts, repeats, warmup,
+                             spec.training)
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

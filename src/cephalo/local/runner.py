@@ -134,10 +134,14 @@ def profile_devices(devices: list[LocalDevice], job_file: Path, run_dir: Path,
         command = [sys.executable, "-m", "cephalo.trainer.profile", "--job", str(job_file),
                    "--output", str(output)]
         if not profiles and len(devices) > 1:
-            # The first profile also measures the collectives on all the run's devices
-            # (torchrun, one process per device; rank 0 then profiles its device).
+            # The first profile also measures the collectives (torchrun, one process per
+            # device; rank 0 then profiles its device). CPU ranks beyond the core count would
+            # measure the scheduler, not the transport: measure on at most one rank per core
+            # and let the ring model extend it to the run's world size.
+            ranks = len(devices) if device.kind != "cpu" else \
+                max(2, min(len(devices), os.cpu_count() or 1))
             command[1:3] = ["-m", "torch.distributed.run", "--standalone",
-                            f"--nproc-per-node={len(devices)}", "-m", "cephalo.trainer.profile",
+                            f"--nproc-per-node={ranks}", "-m", "cephalo.trainer.profile",
                             "--collectives"]
             same_kind = [d for d in devices if d.kind == device.kind]
             env["CUDA_VISIBLE_DEVICES"] = "" if device.kind == "cpu" else ",".join(
