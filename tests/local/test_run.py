@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -155,3 +156,19 @@ def test_ctrl_c_stops_cleanly_and_resume_finishes_the_run(tmp_path, tiny_job) ->
     steps = [json.loads(line)["step"] for line in
              (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 30
+
+
+def test_real_text_from_a_token_file(tmp_path) -> None:
+    repo = Path(__file__).resolve().parents[2]
+    tokens = tmp_path / "data" / "bytes.bin"
+    made = subprocess.run([sys.executable, str(repo / "scripts" / "text_to_tokens.py"),
+                           str(repo / "README.md"), "--output", str(tokens)],
+                          capture_output=True, text=True, check=True)
+    assert "byte tokens" in made.stdout
+    job = tmp_path / "text.yaml"
+    job.write_text((repo / "examples" / "local-text.yaml").read_text()
+                   .replace("steps: 40", "steps: 3"))
+    done = run_cephalo(tmp_path, "run", str(job), "--devices", "cpu:2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    written = (_run_dir(tmp_path, "local-text") / "job.yaml").read_text()
+    assert str(tokens) in written  # the relative path was made absolute for the ranks
