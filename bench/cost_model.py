@@ -41,7 +41,7 @@ from cephalo.planner.evaluate import score
 from cephalo.planner.problem import build_problem
 from cephalo.trainer.profile import UnitProfiler, profile_job
 
-STEPS = 16
+STEPS = 40
 # (ranks' (micro_batch_size, num_micro_batches)) settings per model.
 SETTINGS = [
     [(8, 1)], [(4, 2)], [(1, 8)],
@@ -134,7 +134,7 @@ def main() -> int:
         for preset in ("gpt-tiny", "llama-tiny"):
             spec = job_spec(preset, 8).spec
             profile = profile_job(spec, device=torch.device("cpu"),
-                                  micro_batch_sizes=list(range(1, 9)), repeats=7, warmup=2)
+                                  micro_batch_sizes=list(range(1, 9)), repeats=15, warmup=3)
             collectives = {n: measure_collectives(preset, n, work) for n in (2, 3)}
             print(f"\n{preset}: step time, predicted vs measured (median of steps 3-{STEPS})")
             for n, c in collectives.items():
