@@ -9,7 +9,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 #     -d .whl pydantic pydantic-core annotated-types typing-inspection
-# Then: run(command="bash scripts/device-check.sh", timeout_s=560)
+# Then: run(command="bash scripts/device-check.sh", carry=[".whl"], timeout_s=560)
 set -uo pipefail
 OUT=${OUT:-/tmp/cephalo-device-check}
 mkdir -p "$OUT"
