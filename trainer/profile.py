@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.collectives:
         from cephalo.trainer.profile_collectives import measure_collectives
 
-        collectives = measure_collectives(spec.model.resolve())
+        collectives = measure_collectives(spec.model.resolve(), repeats=max(5, args.repeats))
         if collectives is None:  # not rank 0
             return 0
     cache = None if args.cache_dir == "none" else Path(args.cache_dir or default_cache_dir())
