@@ -44,9 +44,8 @@ def brute_force(spec, cluster, profiles) -> float | None:
     return None if math.isinf(best) else best
 
 
-@pytest.mark.parametrize("seed", range(60))
-def test_solve_matches_brute_force(seed: int) -> None:
-    spec, cluster, profiles = random_instance(seed, max_gpus=3, max_batch=8)
+def _check_against_brute_force(seed: int, max_gpus: int, max_batch: int) -> None:
+    spec, cluster, profiles = random_instance(seed, max_gpus=max_gpus, max_batch=max_batch)
     expected = brute_force(spec, cluster, profiles)
     if expected is None:
         with pytest.raises(InfeasibleError):
@@ -56,14 +55,12 @@ def test_solve_matches_brute_force(seed: int) -> None:
     assert plan.predicted_step_seconds == pytest.approx(expected, rel=1e-12)
 
 
+@pytest.mark.parametrize("seed", range(60))
+def test_solve_matches_brute_force(seed: int) -> None:
+    _check_against_brute_force(seed, max_gpus=3, max_batch=8)
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(min_value=1000, max_value=10**6))
 def test_solve_matches_brute_force_four_gpus(seed: int) -> None:
-    spec, cluster, profiles = random_instance(seed, max_gpus=4, max_batch=7)
-    expected = brute_force(spec, cluster, profiles)
-    if expected is None:
-        with pytest.raises(InfeasibleError):
-            solve(spec, cluster, profiles)
-    else:
-        assert solve(spec, cluster, profiles).predicted_step_seconds == pytest.approx(
-            expected, rel=1e-12)
+    _check_against_brute_force(seed, max_gpus=4, max_batch=7)
