@@ -1,48 +1,39 @@
 """Cost-model accuracy on this CPU (issue 4): profile the tiny GPT and Llama presets, plan
-1-3 rank runs with several batch / microbatch settings, run the real trainer processes (the
-same launcher as `cephalo run`) and compare measured with predicted step time. Memory:
-compute memory predicted by the linear model from microbatch sizes 1-4, against the bytes
-counted in a real step at microbatch 8.
+1-3 rank runs with several batch / microbatch settings, run the real engine and compare
+measured with predicted step time. Memory: compute memory predicted by the linear model
+from microbatch sizes 1-4, against the bytes counted in a real step at microbatch 8.
+
+A shared machine's CPU speed drifts by up to 1.6x within seconds (another tenant on the same
+core), far more than the error being measured. So each setting runs as one set of ranks
+(torchrun, gloo, one thread each) that alternates, for several rounds: rank 0 profiles
+alone (the others wait), all ranks measure the collectives, all ranks train a few steps
+(data + `Engine.step` + the trainer's per-step logging collective). Profiling and training
+then sample the same drift, and the error compares the median predicted with the median
+measured step over all rounds; the per-round spread is printed beside it.
 
 Targets: step time within 15%, memory within 10%. Run: python bench/cost_model.py
+(about 5 minutes; --quick: fewer rounds and settings).
 """
 
 from __future__ import annotations
 
-import itertools
+import argparse
+import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
-import yaml
 
-from cephalo.api import (
-    ClusterSpec,
-    CollectiveProfile,
-    GpuGroup,
-    GpuProfile,
-    Plan,
-    RankPlan,
-    parse_job,
-)
-from cephalo.local.devices import LocalDevice
-from cephalo.local.launcher import RankEnv, launch
-from cephalo.local.runner import (
-    LOCAL_LATENCY_SECONDS,
-    LOOPBACK_BANDWIDTH_BYTES_PER_SECOND,
-    contention_factor,
-    slowed,
-)
-from cephalo.planner.costmodel import GpuCostModel
-from cephalo.planner.evaluate import score
-from cephalo.planner.problem import build_problem
-from cephalo.trainer.profile import UnitProfiler, profile_job
+from cephalo.api import ClusterSpec, GpuGroup, GpuProfile, parse_job
+from cephalo.api.profile import CollectiveProfile
 
-STEPS = 40
+STEPS_PER_ROUND = 8
 # (ranks' (micro_batch_size, num_micro_batches)) settings per model.
 SETTINGS = [
     [(8, 1)], [(4, 2)], [(1, 8)],
@@ -55,114 +46,209 @@ def job_spec(preset: str, batch: int):
     return parse_job({"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
                       "metadata": {"name": "bench"},
                       "spec": {"model": {"preset": preset}, "globalBatchSize": batch,
-                               "training": {"steps": STEPS, "learningRate": 1e-3},
-                               "checkpoint": {"intervalSteps": 1000}}})
+                               "training": {"steps": 10**6, "learningRate": 1e-3}}}).spec
 
 
-def measure_collectives(preset: str, world_size: int, work: Path) -> CollectiveProfile:
-    """The run's collectives, measured as `cephalo run` does (torchrun, one process per rank)."""
-    job_file = work / f"collectives-{preset}.yaml"
-    job_file.write_text(yaml.safe_dump(job_spec(preset, 8).model_dump(
-        by_alias=True, exclude_none=True, mode="json")))
-    out = work / f"collectives-{preset}-{world_size}.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", CEPHALO_NUM_THREADS="1")
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc-per-node={world_size}", "-m", "cephalo.trainer.profile",
-                    "--collectives", "--job", str(job_file), "--output", str(out),
-                    "--micro-batch-sizes", "1", "--repeats", "15", "--cache-dir", "none"],
-                   check=True, cwd=work, env=env, capture_output=True)
-    collectives = GpuProfile.model_validate_json(out.read_text()).collectives
-    assert collectives is not None
-    return collectives
+def profile_sizes(setting: list[tuple[int, int]]) -> list[int]:
+    return sorted({m for m, _ in setting} | {1, 8})
 
 
-def measure(preset: str, setting: list[tuple[int, int]], profile: GpuProfile,
-            work: Path) -> tuple[float, float]:
-    """(predicted, measured) median step seconds of one setting."""
+# ---- worker: one rank of one setting, under torchrun -----------------------------------
+
+def worker(preset: str, setting: list[tuple[int, int]], ratios: list[float], rounds: int,
+           output: Path) -> None:
+    import torch.distributed as dist
+
+    from cephalo.trainer.data import DataSource
+    from cephalo.trainer.device_info import device_facts
+    from cephalo.trainer.engine import Engine, Layout
+    from cephalo.trainer.profile import profile_device
+    from cephalo.trainer.profile_collectives import measure_in_group
+    from cephalo.trainer.run import log_step
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    rank, world = dist.get_rank(), dist.get_world_size()
     batch = sum(m * n for m, n in setting)
-    job = job_spec(preset, batch)
+    spec = job_spec(preset, batch)
+    config = spec.model.resolve()
+    cpu = torch.device("cpu")
+    layout = Layout(batch_sizes=[m * n for m, n in setting],
+                    micro_batch_sizes=[m for m, _ in setting], shard_ratios=ratios)
+    engine = Engine(config, spec.training, layout, device=cpu)
+    data = DataSource(config, spec.data, spec.training.seed)
+    start, end = layout.sample_range(rank)
+    micro = layout.micro_batch_sizes[rank]
+    records = []
+    for _ in range(rounds):
+        dist.barrier()
+        profile = None
+        if rank == 0:  # alone, as the profiler runs before training
+            profile = profile_device(config, spec.precision, profile_sizes(setting), cpu,
+                                     device_facts(cpu), repeats=5, warmup=1,
+                                     training=spec.training)
+        dist.barrier()
+        collectives = measure_in_group(config, cpu, repeats=5, precision=spec.precision) \
+            if world > 1 else None
+        step_seconds = []
+        for i in range(STEPS_PER_ROUND + 1):  # the first step after profiling warms caches
+            if i == 1:
+                engine.comm.stats.wait_seconds.clear()
+            began = time.perf_counter()
+            result = engine.step(data.micro_batches(engine.step_count, start, end, micro))
+            log_step(engine, result, config.tokens_per_sample, config.training_flops_per_sample(),
+                 None, None, 0, False, 0)
+            if i:
+                step_seconds.append(time.perf_counter() - began)
+        waits = {k: v / STEPS_PER_ROUND for k, v in engine.comm.stats.wait_seconds.items()}
+        gathered: list[dict] = [{}] * world
+        dist.all_gather_object(gathered, waits)
+        # The job's step is its slowest rank's.
+        slowest = torch.tensor(step_seconds, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            assert profile is not None
+            records.append({"profile": profile.model_dump(mode="json"),
+                            "collectives": collectives.model_dump(mode="json")
+                            if collectives else None,
+                            "step_seconds": slowest.tolist(), "waits": gathered})
+    if rank == 0:
+        output.write_text(json.dumps(records))
+    dist.destroy_process_group()
+
+
+# ---- parent: plan, launch, predict, compare --------------------------------------------
+
+def predict(preset: str, setting: list[tuple[int, int]], profile: GpuProfile,
+            with_problem: bool = False):
+    """The planner's score of this setting (step seconds and shard ratios)."""
+    from cephalo.local.devices import LocalDevice
+    from cephalo.local.runner import (
+        LOCAL_LATENCY_SECONDS,
+        LOOPBACK_BANDWIDTH_BYTES_PER_SECOND,
+        contention_factor,
+        slowed,
+    )
+    from cephalo.planner.evaluate import score
+    from cephalo.planner.problem import build_problem
+
+    spec = job_spec(preset, sum(m * n for m, n in setting))
     devices = [LocalDevice("cpu", i, "cpu") for i in range(len(setting))]
     cluster = ClusterSpec(groups=[GpuGroup(product="cpu", count=len(setting),
                                            memory_bytes=2**30)],
                           network_bandwidth_bytes_per_second=LOOPBACK_BANDWIDTH_BYTES_PER_SECOND,
                           network_latency_seconds=LOCAL_LATENCY_SECONDS)
-    problem = build_problem(job.spec, cluster, {"cpu": slowed(profile,
-                                                              contention_factor(devices))})
+    problem = build_problem(spec, cluster, {"cpu": slowed(profile, contention_factor(devices))})
     ev = score(problem, [m for m, _ in setting], [n for _, n in setting])
-    plan = Plan(global_batch_size=batch, world_size=len(setting),
-                predicted_step_seconds=ev.step_seconds,
-                ranks=[RankPlan(rank=i, batch_size=m * n, micro_batch_size=m,
-                                num_micro_batches=n, shard_ratio=ev.shard_ratios[i])
-                       for i, (m, n) in enumerate(setting)])
-    run_dir = Path(tempfile.mkdtemp(dir=work))
-    job_file, plan_file = run_dir / "job.yaml", run_dir / "plan.json"
-    job_file.write_text(yaml.safe_dump(job.model_dump(by_alias=True, exclude_none=True,
-                                                      mode="json")))
-    plan_file.write_text(plan.to_json())
-    result = launch(plan, [RankEnv(d) for d in devices], run_dir, job_file, plan_file,
-                    lambda records: None, threads_per_rank=1)
-    if result.returncode != 0:
-        raise RuntimeError(f"run failed: {result.error_tail}")
-    # Wall-clock time between consecutive steps (data, engine, logging: what throughput
-    # sees), skipping the warm-up steps.
-    times = [r["time"] for r in result.records]
-    steady = [b - a for a, b in itertools.pairwise(times[2:])]
-    return ev.step_seconds, statistics.median(steady)
+    return (ev, problem) if with_problem else ev
+
+
+def run_setting(preset: str, setting: list[tuple[int, int]], rounds: int, work: Path,
+                verbose: bool = False
+                ) -> tuple[list[float], list[list[float]], CollectiveProfile | None]:
+    """Launch the ranks; per round (predicted step seconds, measured step seconds)."""
+    from cephalo.trainer.profile import profile_job
+
+    # Plan first (as `cephalo run` does) so the engine runs the planner's shard ratios.
+    first = profile_job(job_spec(preset, 8), device=torch.device("cpu"),
+                        micro_batch_sizes=profile_sizes(setting), repeats=3, warmup=1)
+    ratios = predict(preset, setting, first).shard_ratios
+    output = work / "rounds.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc-per-node={len(setting)}", str(Path(__file__).resolve()), "--worker",
+         "--preset", preset, "--setting", json.dumps(setting), "--ratios", json.dumps(ratios),
+         "--rounds", str(rounds), "--output", str(output)],
+        cwd=work, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ranks failed:\n{proc.stderr[-3000:]}")
+    predicted, measured, collectives = [], [], None
+    for record in json.loads(output.read_text()):
+        collectives = (CollectiveProfile.model_validate(record["collectives"])
+                       if record["collectives"] else None)
+        profile = GpuProfile.model_validate(record["profile"]).model_copy(
+            update={"collectives": collectives})
+        predicted.append(predict(preset, setting, profile).step_seconds)
+        measured.append(record["step_seconds"])
+        if verbose:
+            p = profile.points
+            comm = (f"lat {collectives.latency_seconds * 1e3:.2f} ms bw "
+                    f"{collectives.bandwidth_bytes_per_second / 1e6:.0f} MB/s overlap "
+                    f"{collectives.overlap_fraction:.2f}") if collectives else ""
+            print(f"    round: predicted {predicted[-1] * 1e3:.1f} ms, measured "
+                  f"{statistics.median(measured[-1]) * 1e3:.1f} ms "
+                  f"(steps {min(measured[-1]) * 1e3:.1f}..{max(measured[-1]) * 1e3:.1f}); "
+                  f"block f/b at m={p[0].micro_batch_size}: "
+                  f"{p[0].block_forward_seconds * 1e3:.2f}/"
+                  f"{p[0].block_backward_seconds * 1e3:.2f} ms; {comm}")
+            ev, problem = predict(preset, setting, profile, with_problem=True)
+            print(f"      step overhead {problem.comm_model.step_overhead_seconds * 1e3:.2f} ms;"
+                  f" predicted per rank {[round(t * 1e3, 1) for t in ev.rank_seconds]} ms; "
+                  "measured waits per rank (ms): " + "; ".join(
+                      ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(w.items()))
+                      for w in record["waits"]))
+            if collectives:
+                print(f"      {collectives.model_dump(exclude_none=True)}")
+    return predicted, measured, collectives
 
 
 def memory_check(preset: str) -> tuple[int, int]:
     """(predicted, counted) compute bytes at microbatch 8 from a 1-4 profile."""
-    spec = job_spec(preset, 8).spec
+    from cephalo.planner.catalog import lookup_gpu
+    from cephalo.planner.costmodel import GpuCostModel
+    from cephalo.trainer.profile import UnitProfiler, profile_job
+    from cephalo.trainer.unit_ops import forward_unit
+
+    spec = job_spec(preset, 8)
     small = profile_job(spec, device=torch.device("cpu"), micro_batch_sizes=[1, 2, 3, 4],
                         repeats=1, warmup=0)
     model = spec.model.resolve()
-    from cephalo.planner.catalog import lookup_gpu
-
     cost = GpuCostModel(lookup_gpu("cpu"), small, 2**30, model.num_layers)
     predicted = int(cost.compute_memory_bytes([8])[0])
     profiler = UnitProfiler(model, "fp32", torch.device("cpu"))
     inputs, targets = profiler.data.batch(0, 0, 8)
-    from cephalo.trainer.unit_ops import forward_unit
-
     (hidden,) = forward_unit(profiler.units[0], profiler.fulls[0], [inputs],
                              torch.device("cpu"), "fp32")
     counted = profiler.compute_memory_bytes(8, inputs, targets, hidden)
     return predicted, counted
 
 
-def main() -> int:
+def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
+    settings = SETTINGS[::2] if args.quick else SETTINGS
+    if args.only:
+        settings = [SETTINGS[int(i)] for i in args.only.split(",")]
+    rounds = 3 if args.quick else args.rounds
     worst_time = worst_memory = 0.0
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        for preset in ("gpt-tiny", "llama-tiny"):
-            spec = job_spec(preset, 8).spec
-            print(f"\n{preset}: wall time per step, predicted vs measured (median, steps "
-                  f"4-{STEPS}); "
-                  "each setting profiled right before it runs, so that a shared machine's "
-                  "drift between profile and run does not count as model error")
-            print(f"  {'ranks: m x l':<28}{'predicted s':>12}{'measured s':>12}{'error':>8}"
-                  "  collectives")
-            for setting in SETTINGS:
-                sizes = sorted({m for m, _ in setting} | {1, 8})
-                profile = profile_job(spec, device=torch.device("cpu"), micro_batch_sizes=sizes,
-                                      repeats=15, warmup=3)
-                comm = measure_collectives(preset, len(setting), work) \
-                    if len(setting) > 1 else None
-                with_comm = profile.model_copy(update={"collectives": comm})
-                predicted, measured = measure(preset, setting, with_comm, work)
-                error = measured / predicted - 1
-                worst_time = max(worst_time, abs(error))
-                label = ", ".join(f"{m}x{n}" for m, n in setting)
-                links = (f"  {comm.bandwidth_bytes_per_second / 1e6:.0f} MB/s, "
-                         f"{comm.latency_seconds * 1e3:.2f} ms, overlap "
-                         f"{comm.overlap_fraction:.2f}") if comm else ""
-                print(f"  {label:<28}{predicted:>12.4f}{measured:>12.4f}{error:>+8.1%}{links}")
-            predicted_mem, counted_mem = memory_check(preset)
-            mem_error = predicted_mem / counted_mem - 1
-            worst_memory = max(worst_memory, abs(mem_error))
-            print(f"  compute memory at microbatch 8: predicted {predicted_mem} B from sizes "
-                  f"1-4, counted {counted_mem} B ({mem_error:+.1%})")
+    print(f"{rounds} rounds per setting, each: profile (rank 0 alone), collectives, "
+          f"{STEPS_PER_ROUND} steps")
+    for preset in args.presets.split(","):
+        print(f"\n{preset}: step seconds, median over rounds")
+        print(f"  {'ranks: m x l':<22}{'predicted':>10}{'measured':>10}{'error':>8}"
+              f"  {'per-round error':<18}collectives (last round)")
+        for setting in settings:
+            with tempfile.TemporaryDirectory() as tmp:
+                predicted, measured, comm = run_setting(preset, setting, rounds, Path(tmp),
+                                                        args.verbose)
+            p = statistics.median(predicted)
+            m = statistics.median(s for steps in measured for s in steps)
+            error = m / p - 1
+            worst_time = max(worst_time, abs(error))
+            per_round = [statistics.median(s) / q - 1 for s, q in zip(measured, predicted,
+                                                                       strict=True)]
+            spread = f"{min(per_round):+.0%}..{max(per_round):+.0%}"
+            label = ", ".join(f"{mb}x{n}" for mb, n in setting)
+            links = (f"{comm.bandwidth_bytes_per_second / 1e6:.0f} MB/s, "
+                     f"{comm.latency_seconds * 1e3:.2f} ms, overlap "
+                     f"{comm.overlap_fraction:.2f}") if comm else ""
+            print(f"  {label:<22}{p:>10.4f}{m:>10.4f}{error:>+8.1%}  {spread:<18}{links}",
+                  flush=True)
+        predicted_mem, counted_mem = memory_check(preset)
+        mem_error = predicted_mem / counted_mem - 1
+        worst_memory = max(worst_memory, abs(mem_error))
+        print(f"  compute memory at microbatch 8: predicted {predicted_mem} B from sizes "
+              f"1-4, counted {counted_mem} B ({mem_error:+.1%})")
     print(f"\nworst step-time error {worst_time:.1%} (target 15%: "
           f"{'met' if worst_time <= 0.15 else 'MISSED'}); worst memory error "
           f"{worst_memory:.1%} (target 10%: {'met' if worst_memory <= 0.10 else 'MISSED'})")
@@ -170,4 +256,20 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--verbose", action="store_true", help="print every round")
+    parser.add_argument("--only", help="comma-separated setting indices to run")
+    parser.add_argument("--presets", default="gpt-tiny,llama-tiny")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--preset", help=argparse.SUPPRESS)
+    parser.add_argument("--setting", type=json.loads, help=argparse.SUPPRESS)
+    parser.add_argument("--ratios", type=json.loads, help=argparse.SUPPRESS)
+    parser.add_argument("--output", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.preset, [tuple(s) for s in args.setting], args.ratios, args.rounds,
+               args.output)
+        sys.exit(0)
+    sys.exit(main(args))

@@ -5,15 +5,18 @@ model (paper: "The profiler…", "Compute Latency Model", "Memory Utilization Mo
 
 * for each microbatch size m: one block's checkpointed forward and recompute+backward
   seconds, and the embedding + head + loss + data seconds, all through the engine's own unit
-  functions (`cephalo.trainer.unit_ops`), median of repeats after a warm-up; GPU timing is
-  synchronised around CUDA work, CPU uses a monotonic clock;
+  functions (`cephalo.trainer.unit_ops`), median of repeats after a warm-up, the sizes
+  interleaved; GPU timing is synchronised around CUDA work, CPU uses a monotonic clock;
+  forward passes also run with two microbatches, which separates what the engine pays once
+  per unit pass from what it pays per microbatch;
 * compute memory per m: on GPU the allocator's peak beyond what was allocated before (the
   training state), on CPU the bytes a step really holds — tensors saved by autograd during the
   recompute, plus the boundary tensors and the gathered unit buffers — counted exactly;
 * device facts from NVML (nvidia-ml-py) where a GPU exists; the product normalised to the
   planner's catalog name;
-* with `--collectives` under torchrun: AllGather/ReduceScatter seconds for a unit's size at
-  two sizes, even and uneven shards, fitted to the ring model's bandwidth and latency.
+* with `--collectives` under torchrun: AllGather and ReduceScatter seconds at a unit's size
+  and a large size, even and uneven shards, each fitted to the ring model's bandwidth and
+  latency, and the step's small all-reduce.
 
 Profiles are cached by (product, architecture, precision, torch version).
 """
@@ -21,12 +24,12 @@ Profiles are cached by (product, architecture, precision, torch version).
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,20 +53,26 @@ from cephalo.trainer.unit_ops import (
     backward_unit,
     forward_unit,
     head_forward_backward,
-    run_unit_for_profile,
 )
 
 FP32_BYTES = 4
 TERMINATION_LOG = "/dev/termination-log"
 # Part of the cache key: bump it whenever what a profile measures changes, so that profiles
 # cached by an older profiler are measured again instead of silently lacking fields.
-PROFILE_FORMAT = 2
+PROFILE_FORMAT = 3
 
 
 def _median(fn: Callable[[], float], repeats: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
     return statistics.median(fn() for _ in range(repeats))
+
+
+def _once_per_pass(med: dict[tuple[str, int], float], series: str, sizes) -> float:
+    """The part of a one-microbatch pass that a second microbatch does not repeat:
+    t1 - (t2 - t1) per size, the median over sizes, within [0, the smallest t1]."""
+    fixed = statistics.median(2 * med[f"{series}1", m] - med[f"{series}2", m] for m in sizes)
+    return min(max(0.0, fixed), min(med[f"{series}1", m] for m in sizes))
 
 
 class SavedBytes:
@@ -88,6 +97,16 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+@dataclass
+class Measured:
+    """What `UnitProfiler.measure` found: one point per microbatch size, and the parts of a
+    forward pass paid once per unit pass whatever the number of microbatches."""
+
+    points: list[ProfilePoint]
+    block_forward_fixed_seconds: float
+    other_forward_fixed_seconds: float
+
+
 class UnitProfiler:
     """Times the units of one model on one device through the engine's unit functions."""
 
@@ -97,8 +116,6 @@ class UnitProfiler:
         self.precision = precision
         self.device = device
         model = build_model(config, seed=seed)
-        # run_unit_for_profile flattens the block it is given: keep a pristine copy.
-        self.block_module = copy.deepcopy(model.units[1]).to(device)
         self.units = []
         self.fulls = []
         # Profile the embedding, the first block and the head; blocks are identical.
@@ -124,40 +141,68 @@ class UnitProfiler:
         self._sync()
         return time.perf_counter() - started
 
-    def point(self, m: int, repeats: int, warmup: int) -> ProfilePoint:
-        emb, _, head = self.units
-        emb_full, _, head_full = self.fulls
-        inputs, targets = self.data.batch(0, 0, m)
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
-        (hidden,) = forward_unit(emb, emb_full, [inputs], self.device, self.precision)
-        block_timing = run_unit_for_profile(copy.deepcopy(self.block_module), hidden,
-                                            self.device, self.precision, repeats=repeats,
-                                            warmup=warmup)
+    def measure(self, sizes: Sequence[int], repeats: int, warmup: int) -> Measured:
+        """Median seconds per microbatch size of a block's forward and recompute+backward,
+        and of the embedding + data + head + loss, as the engine runs them.
 
-        def other_forward() -> float:
-            start = time.perf_counter()
-            self.data.micro_batches(0, 0, m, m)  # the data a rank reads for m samples
-            data_seconds = time.perf_counter() - start
-            return data_seconds + self._timed(
-                lambda: forward_unit(emb, emb_full, [inputs], self.device, self.precision))
+        Repeats go round-robin over the sizes, so that a machine whose speed drifts (clock
+        boost, a neighbour on a shared core) shifts every size alike instead of bending the
+        curve. Forward passes run once with one microbatch and once with two: the engine
+        runs all of a rank's microbatches through a unit in one pass, so what the second
+        microbatch adds is the per-microbatch cost and the rest is paid once per pass."""
+        emb, block, head = self.units
+        emb_full, block_full, head_full = self.fulls
+        cases = {}
+        for m in sorted(set(sizes)):
+            inputs, targets = self.data.batch(0, 0, 2 * m)
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            xs, ts = [inputs[:m], inputs[m:]], [targets[:m], targets[m:]]
+            hiddens = forward_unit(emb, emb_full, xs, self.device, self.precision)
+            cases[m] = (xs, ts, hiddens, torch.ones_like(hiddens[0]))
+        samples: dict[tuple[str, int], list[float]] = {}
 
-        def other_backward() -> float:
-            def run() -> None:
-                _, grad = head_forward_backward(head, head_full, hidden, targets, 1.0 / m,
-                                                self.device, self.precision)
-                backward_unit(emb, emb_full, inputs, grad, self.device, self.precision,
-                              needs_input_grad=False)
-                head_full.grad = None
-                emb_full.grad = None
-            return self._timed(run)
+        def block_forward(m: int, ell: int) -> None:
+            forward_unit(block, block_full, cases[m][2][:ell], self.device, self.precision)
 
-        other_f = _median(other_forward, repeats, warmup)
-        other_b = _median(other_backward, repeats, warmup)
-        return ProfilePoint(
-            micro_batch_size=m, block_forward_seconds=block_timing.forward_seconds,
-            block_backward_seconds=block_timing.backward_seconds,
-            other_forward_seconds=other_f, other_backward_seconds=other_b,
-            compute_memory_bytes=self.compute_memory_bytes(m, inputs, targets, hidden))
+        def block_backward(m: int) -> None:
+            _, _, hiddens, grad = cases[m]
+            backward_unit(block, block_full, hiddens[0], grad, self.device, self.precision,
+                          needs_input_grad=True)
+            block_full.grad = None
+
+        def other_forward(m: int, ell: int) -> None:
+            self.data.micro_batches(0, 0, ell * m, m)  # the data a rank reads
+            forward_unit(emb, emb_full, cases[m][0][:ell], self.device, self.precision)
+
+        def other_backward(m: int) -> None:
+            xs, ts, hiddens, _ = cases[m]
+            _, grad = head_forward_backward(head, head_full, hiddens[0], ts[0], 1.0 / m,
+                                            self.device, self.precision)
+            backward_unit(emb, emb_full, xs[0], grad, self.device, self.precision,
+                          needs_input_grad=False)
+            head_full.grad = None
+            emb_full.grad = None
+
+        runs: list[tuple[str, Callable[[int], None]]] = [
+            ("bf1", lambda m: block_forward(m, 1)), ("bf2", lambda m: block_forward(m, 2)),
+            ("bb", block_backward),
+            ("of1", lambda m: other_forward(m, 1)), ("of2", lambda m: other_forward(m, 2)),
+            ("ob", other_backward)]
+        for i in range(warmup + repeats):
+            for m in cases:
+                for name, run in runs:
+                    seconds = self._timed(lambda run=run, m=m: run(m))
+                    if i >= warmup:
+                        samples.setdefault((name, m), []).append(seconds)
+        med = {key: statistics.median(values) for key, values in samples.items()}
+        points = [ProfilePoint(
+            micro_batch_size=m, block_forward_seconds=med["bf1", m],
+            block_backward_seconds=med["bb", m], other_forward_seconds=med["of1", m],
+            other_backward_seconds=med["ob", m],
+            compute_memory_bytes=self.compute_memory_bytes(m, cases[m][0][0], cases[m][1][0],
+                                                           cases[m][2][0]))
+            for m in cases]
+        return Measured(points, _once_per_pass(med, "bf", cases), _once_per_pass(med, "of", cases))
 
     def compute_memory_bytes(self, m: int, inputs: torch.Tensor, targets: torch.Tensor,
                              hidden: torch.Tensor) -> int:
@@ -243,8 +288,8 @@ def optimizer_timing(config: ModelConfig, spec: TrainingSpec, device: torch.devi
 def profile_device(config: ModelConfig, precision: str, micro_batch_sizes: Sequence[int],
                    device: torch.device, facts: DeviceFacts, repeats: int = 5,
                    warmup: int = 2, training: TrainingSpec | None = None) -> GpuProfile:
-    profiler = UnitProfiler(config, precision, device)
-    points = [profiler.point(m, repeats, warmup) for m in sorted(set(micro_batch_sizes))]
+    measured = UnitProfiler(config, precision, device).measure(micro_batch_sizes, repeats,
+                                                                  warmup)
     per_parameter, fixed = optimizer_timing(config, training or TrainingSpec(), device,
                                             repeats, warmup)
     return GpuProfile(product=facts.product, device_name=facts.device_name,
@@ -253,7 +298,10 @@ def profile_device(config: ModelConfig, precision: str, micro_batch_sizes: Seque
                       precision=precision,  # type: ignore[arg-type]
                       compute_capability=facts.compute_capability,
                       driver_version=facts.driver_version, torch_version=torch.__version__,
-                      points=points, optimizer_seconds_per_parameter=per_parameter,
+                      points=measured.points,
+                      block_forward_fixed_seconds=measured.block_forward_fixed_seconds,
+                      other_forward_fixed_seconds=measured.other_forward_fixed_seconds,
+                      optimizer_seconds_per_parameter=per_parameter,
                       optimizer_seconds_fixed=fixed)
 
 
@@ -352,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.collectives:
         from cephalo.trainer.profile_collectives import measure_collectives
 
-        collectives = measure_collectives(spec.model.resolve(), repeats=max(5, args.repeats))
+        collectives = measure_collectives(spec.model.resolve(), repeats=max(5, args.repeats),
+                                          precision=spec.precision)
         if collectives is None:  # not rank 0
             return 0
     cache = None if args.cache_dir == "none" else Path(args.cache_dir or default_cache_dir())

@@ -1,6 +1,11 @@
 """`--collectives`: measure AllGather and ReduceScatter of a unit-sized flat buffer with the
-engine's own collectives, even and uneven shards, and fit the ring model
-seconds = (n-1)/n · bytes / bandwidth + (n-1) · latency used by the planner.
+engine's own collectives, even and uneven shards, and fit each to the ring model
+seconds = (n-1)/n · bytes / bandwidth + (n-1) · latency used by the planner; and the small
+all-reduce every step ends with.
+
+Each is timed as a run of back-to-back operations, as the engine issues them one unit after
+another, rather than as one operation between barriers: leaving a barrier, ranks are skewed
+by about one latency, which a single timed operation would count as its own.
 
 Runs under torchrun (the environment gives rank and world size); returns the fit on rank 0
 and None elsewhere."""
@@ -24,27 +29,48 @@ FP32_BYTES = 4
 BANDWIDTH_PROBE_ELEMENTS = 4 * 1024**2  # 16 MiB of fp32
 
 
-def _time_pair(coll: UnevenCollectives, numel: int, ratios: list[float], device: torch.device,
-               repeats: int) -> float:
-    """Median seconds of one AllGather + one ReduceScatter of `numel` fp32 elements."""
+def _per_op_seconds(coll: UnevenCollectives, kind: str, numel: int, ratios: list[float],
+                    device: torch.device, repeats: int, ops: int) -> float:
+    """Seconds of one `kind` collective of `numel` fp32 elements ("all_gather",
+    "reduce_scatter" or "all_reduce"), issued `ops` times back to back as the engine issues
+    a unit's collectives; the median over `repeats` runs of the slowest rank's mean."""
     bounds = shard_bounds(numel, ratios)
     start, end = bounds[coll.rank]
     shard = torch.ones(end - start, device=device)
-    grad = torch.ones(numel, device=device)
+    full = torch.ones(numel, device=device)
+
+    def issue() -> None:
+        if kind == "all_gather":
+            coll.all_gather(shard, bounds, unit=0).wait()
+        elif kind == "reduce_scatter":
+            coll.reduce_scatter(full, bounds, unit=0).wait()
+        else:
+            coll.all_reduce_sum(full)
+
+    issue()  # warms up connections and buffers
     times = []
-    for i in range(repeats + 1):
-        dist.barrier()
+    for _ in range(repeats):
+        dist.barrier(group=coll.group)
         began = time.perf_counter()
-        coll.all_gather(shard, bounds, unit=0).wait()
-        coll.reduce_scatter(grad, bounds, unit=0).wait()
+        for _ in range(ops):
+            issue()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        if i:  # the first round warms up connections
-            times.append(time.perf_counter() - began)
+        times.append((time.perf_counter() - began) / ops)
     # Every rank must agree on the time: take the slowest rank's median.
     value = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return float(value.item()) / 2  # per collective
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=coll.group)
+    return float(value.item())
+
+
+def _ring_fit(t_small: float, small: int, t_big: float, big: int, n: int
+              ) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s) of the ring model through two measured sizes."""
+    per_byte = (t_big - t_small) / ((big - small) * FP32_BYTES)
+    if per_byte <= 0:  # noise swamped the difference: all of the big transfer is bandwidth
+        per_byte = t_big / (big * FP32_BYTES)
+    latency = max(0.0, t_small - small * FP32_BYTES * per_byte) / (n - 1)
+    return (n - 1) / n / per_byte, latency
 
 
 def _overlap_fraction(coll: UnevenCollectives, numel: int, device: torch.device,
@@ -64,17 +90,19 @@ def _overlap_fraction(coll: UnevenCollectives, numel: int, device: torch.device,
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def timed(fn) -> float:
+    def timed(fn, ops: int = 8) -> float:
+        # Runs of back-to-back operations, as in `_per_op_seconds`.
         times = []
         for _ in range(repeats + 1):
-            dist.barrier()
+            dist.barrier(group=coll.group)
             began = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - began)
+            for _ in range(ops):
+                fn()
+            times.append((time.perf_counter() - began) / ops)
         return statistics.median(times[1:])
 
     t_comm = timed(lambda: coll.all_gather(shard, bounds, unit=0).wait())
-    per_matmul = timed(lambda: compute(20)) / 20
+    per_matmul = timed(lambda: compute(20), ops=1) / 20
     k = max(1, int(t_comm / max(per_matmul, 1e-9)))
     t_compute = timed(lambda: compute(k))
 
@@ -86,11 +114,45 @@ def _overlap_fraction(coll: UnevenCollectives, numel: int, device: torch.device,
     t_both = timed(both)
     hidden = (t_compute + t_comm - t_both) / max(min(t_compute, t_comm), 1e-12)
     value = torch.tensor([min(1.0, max(0.0, hidden))], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN)  # the least-overlapping rank decides
+    # The least-overlapping rank decides.
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=coll.group)
     return float(value.item())
 
 
-def measure_collectives(config: ModelConfig, repeats: int = 5) -> CollectiveProfile | None:
+def _engine_probe(config: ModelConfig, device: torch.device, group: dist.ProcessGroup | None,
+                  precision: str, steps: int, warmup: int = 2) -> float:
+    """Seconds of one real training step (the engine's step and the trainer's per-step
+    logging collective) with one sample per rank and even shards: the slowest rank's
+    median. The paper's profiler runs such iterations on the target cluster; the planner
+    compares this step with its own prediction of it to learn what the model of the
+    collectives misses (ranks arriving at different times, the transport's share of the
+    CPU, ...)."""
+    from cephalo.api.job import DataSpec, SyntheticData, TrainingSpec
+    from cephalo.trainer.data import DataSource
+    from cephalo.trainer.engine import Engine, Layout
+    from cephalo.trainer.run import log_step
+
+    n = dist.get_world_size(group)
+    layout = Layout(batch_sizes=[1] * n, micro_batch_sizes=[1] * n, shard_ratios=[1.0 / n] * n)
+    engine = Engine(config, TrainingSpec(), layout, group=group, device=device,
+                    precision=precision)
+    data = DataSource(config, DataSpec(synthetic=SyntheticData()), seed=0)
+    start, end = layout.sample_range(engine.rank)
+    times = []
+    for step in range(warmup + steps):
+        began = time.perf_counter()
+        result = engine.step(data.micro_batches(step, start, end, 1))
+        log_step(engine, result, config.tokens_per_sample, 0.0, None, None, 0, False, 0)
+        if step >= warmup:
+            times.append(time.perf_counter() - began)
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return statistics.median(slowest.tolist())
+
+
+def measure_collectives(config: ModelConfig, repeats: int = 5,
+                        precision: str = "fp32") -> CollectiveProfile | None:
+    """Join torchrun's ranks, measure, leave; the fit on rank 0, None elsewhere."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise ValueError("--collectives runs under torchrun (RANK and WORLD_SIZE unset)")
     use_cuda = torch.cuda.is_available()
@@ -100,29 +162,45 @@ def measure_collectives(config: ModelConfig, repeats: int = 5) -> CollectiveProf
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=120))
     try:
-        coll = UnevenCollectives()
-        n = coll.world_size
-        if n < 2:
-            raise ValueError("--collectives needs at least 2 ranks (torchrun --nproc-per-node 2)")
-        # The unit's own size, and one large enough that bandwidth dominates latency (a tiny
-        # unit alone cannot separate the two).
-        small = config.block_parameters()
-        big = max(8 * small, BANDWIDTH_PROBE_ELEMENTS)
-        even = [1.0 / n] * n
-        skew = [2.0 * (i + 1) / (n * (n + 1)) for i in range(n)]  # 1:2:…:n
-        t_small = _time_pair(coll, small, even, device, repeats)
-        t_big = _time_pair(coll, big, even, device, repeats)
-        t_uneven = _time_pair(coll, big, skew, device, repeats)
-        overlap = _overlap_fraction(coll, small, device, repeats)
+        return measure_in_group(config, device, repeats, precision=precision)
     finally:
         dist.destroy_process_group()
+
+
+def measure_in_group(config: ModelConfig, device: torch.device, repeats: int = 5,
+                     group: dist.ProcessGroup | None = None,
+                     precision: str = "fp32") -> CollectiveProfile | None:
+    """Measure over an initialised process group (every rank calls it); the fit on the
+    group's rank 0, None elsewhere."""
+    coll = UnevenCollectives(group)
+    n = coll.world_size
+    if n < 2:
+        raise ValueError("--collectives needs at least 2 ranks (torchrun --nproc-per-node 2)")
+    # The unit's own size, and one large enough that bandwidth dominates latency (a tiny
+    # unit alone cannot separate the two).
+    small = config.block_parameters()
+    big = max(8 * small, BANDWIDTH_PROBE_ELEMENTS)
+    even = [1.0 / n] * n
+    skew = [2.0 * (i + 1) / (n * (n + 1)) for i in range(n)]  # 1:2:…:n
+
+    def seconds(kind: str, numel: int, ratios: list[float]) -> float:
+        # Enough back-to-back operations that one run lasts a few milliseconds at least.
+        ops = 16 if numel == small else 2
+        return _per_op_seconds(coll, kind, numel, ratios, device, repeats, ops)
+
+    fits, uneven = {}, []
+    for kind in ("all_gather", "reduce_scatter"):
+        t_big = seconds(kind, big, even)
+        fits[kind] = _ring_fit(seconds(kind, small, even), small, t_big, big, n)
+        uneven.append(seconds(kind, big, skew) / t_big - 1.0)
+    all_reduce = _per_op_seconds(coll, "all_reduce", 2, even, device, repeats, 16)
+    overlap = _overlap_fraction(coll, small, device, repeats)
+    probe = _engine_probe(config, device, group, precision, steps=max(12, 2 * repeats))
     if coll.rank != 0:
         return None
-    per_byte = (t_big - t_small) / ((big - small) * FP32_BYTES)
-    if per_byte <= 0:  # noise swamped the difference: all of the big transfer is bandwidth
-        per_byte = t_big / (big * FP32_BYTES)
-    latency = max(0.0, t_small - small * FP32_BYTES * per_byte) / (n - 1)
-    return CollectiveProfile(bandwidth_bytes_per_second=(n - 1) / n / per_byte,
-                             latency_seconds=latency, world_size=n,
-                             uneven_overhead=max(0.0, t_uneven / t_big - 1.0),
-                             overlap_fraction=overlap)
+    return CollectiveProfile(
+        bandwidth_bytes_per_second=fits["all_gather"][0], latency_seconds=fits["all_gather"][1],
+        reduce_scatter_bandwidth_bytes_per_second=fits["reduce_scatter"][0],
+        reduce_scatter_latency_seconds=fits["reduce_scatter"][1], all_reduce_seconds=all_reduce,
+        world_size=n, uneven_overhead=max(0.0, statistics.mean(uneven)),
+        overlap_fraction=overlap, probe_step_seconds=probe)

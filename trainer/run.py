@@ -73,7 +73,7 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: Path, *,
             result = engine.step(data.micro_batches(step, start, end, micro))
             outcome.losses.append(result.loss)
             if result.step % spec.log_interval_steps == 0 or result.step == last:
-                _log(engine, result, config.tokens_per_sample,
+                log_step(engine, result, config.tokens_per_sample,
                      config.training_flops_per_sample(), progress, metrics, local_rank,
                      verbose, spec.steps)
             if result.step % job.checkpoint.interval_steps == 0 or result.step == last:
@@ -106,7 +106,7 @@ def _check_memory(engine: Engine, limit_bytes: int) -> None:
         raise MemoryLimitError("another rank exceeds its memory limit (see its log)")
 
 
-def _log(engine: Engine, result: StepResult, tokens_per_sample: int, flops_per_sample: float,
+def log_step(engine: Engine, result: StepResult, tokens_per_sample: int, flops_per_sample: float,
          progress: ProgressFile | None, metrics: TrainerMetrics | None, local_rank: int,
          verbose: bool, total_steps: int) -> None:
     """Collective (every rank, same steps): gathers per-rank compute / wait seconds."""

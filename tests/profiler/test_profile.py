@@ -49,6 +49,15 @@ def test_profile_is_well_formed(tiny_profile: GpuProfile) -> None:
         assert p.other_forward_seconds > 0 and p.other_backward_seconds > 0
 
 
+def test_forward_separates_what_a_pass_pays_once(tiny_profile: GpuProfile) -> None:
+    # Measured by running one and two microbatches through a unit: the once-per-pass part is
+    # real (binding the flat buffer costs something) and never more than a whole pass.
+    for fixed, series in ((tiny_profile.block_forward_fixed_seconds, "block_forward_seconds"),
+                          (tiny_profile.other_forward_fixed_seconds, "other_forward_seconds")):
+        assert fixed is not None
+        assert 0 < fixed <= min(getattr(p, series) for p in tiny_profile.points)
+
+
 def test_profile_is_monotone_where_physics_says_so(tiny_profile: GpuProfile) -> None:
     memory = [p.compute_memory_bytes for p in tiny_profile.points]
     assert memory == sorted(memory) and len(set(memory)) == len(memory)
@@ -94,9 +103,14 @@ def test_largest_preset_profile_fits_a_termination_message(tmp_path: Path) -> No
         "source": "measured", "device_name": "NVIDIA H200 NVL 141GB HBM3e PCIe (MIG 7g.141gb)",
         "compute_capability": "9.0", "driver_version": "580.105.08",
         "torch_version": "2.13.0+cu130",
-        "collectives": CollectiveProfile(bandwidth_bytes_per_second=1.2345678901234e11,
-                                         latency_seconds=1.23456789e-05, world_size=8,
-                                         uneven_overhead=0.123456789)})
+        "block_forward_fixed_seconds": 1.23456789e-05,
+        "other_forward_fixed_seconds": 1.23456789e-05,
+        "collectives": CollectiveProfile(
+            bandwidth_bytes_per_second=1.2345678901234e11, latency_seconds=1.23456789e-05,
+            reduce_scatter_bandwidth_bytes_per_second=1.2345678901234e11,
+            reduce_scatter_latency_seconds=1.23456789e-05, all_reduce_seconds=1.23456789e-05,
+            world_size=8, uneven_overhead=0.123456789, overlap_fraction=0.123456789,
+            probe_step_seconds=12.3456789012345)})
     out = tmp_path / "profile.json"
     text = profiler.write_profile(profile, str(out))
     assert len(text.encode()) <= TERMINATION_MESSAGE_LIMIT_BYTES
@@ -165,4 +179,14 @@ def test_collectives_mode_under_torchrun(tmp_path: Path) -> None:
     profile = GpuProfile.model_validate_json(out.read_text())
     assert profile.collectives is not None
     assert profile.collectives.world_size == 2
-    assert profile.collectives.bandwidth_bytes_per_second > 1e6  # loopback: >> 1 MB/s
+    c = profile.collectives
+    assert c.bandwidth_bytes_per_second > 1e6  # loopback: >> 1 MB/s
+    assert c.reduce_scatter_bandwidth_bytes_per_second is not None
+    assert c.reduce_scatter_bandwidth_bytes_per_second > 1e6
+    assert c.reduce_scatter_latency_seconds is not None and c.all_reduce_seconds is not None
+    assert 0 < c.all_reduce_seconds < 1.0
+    # The probe is a real step of the engine: it cannot take less than the compute of one
+    # sample through every unit measured alone.
+    assert c.probe_step_seconds is not None
+    one = profile.points[0]
+    assert c.probe_step_seconds > one.block_forward_seconds + one.block_backward_seconds

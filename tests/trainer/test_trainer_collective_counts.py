@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from cephalo.api.job import DataSpec, SyntheticData, TrainingSpec
@@ -56,3 +57,29 @@ def test_one_gather_per_unit_per_pass(recompute: bool) -> None:
             assert step["calls"]["all_reduce"] == 1
             # Same counts on the rank with 8 microbatches, 1 microbatch and none.
             assert step["calls"] == results[0]["steps"][0]["calls"]
+
+
+def test_cost_model_charges_the_collectives_the_engine_issues() -> None:
+    # The counts asserted above, priced by the planner: with no compute and no bandwidth
+    # cost, one AllGather costs 1 s, one ReduceScatter 1000 s and one small all-reduce 1e6 s,
+    # so the predicted step spells out how many of each the model charges.
+    from cephalo.api.profile import GpuProfile, ProfilePoint
+    from cephalo.planner.catalog import lookup_gpu
+    from cephalo.planner.costmodel import CommModel, GpuCostModel, UnitComm
+
+    config = preset("llama-tiny")
+    zero = ProfilePoint(micro_batch_size=1, block_forward_seconds=0.0,
+                        block_backward_seconds=0.0, compute_memory_bytes=0)
+    profile = GpuProfile(product="cpu", memory_capacity_bytes=2**30, model_key="x",
+                         points=[zero])
+    cost = GpuCostModel(lookup_gpu("cpu"), profile, 2**30, config.num_layers)
+    comm = CommModel(bandwidth_bytes_per_second=1e30, latency_seconds=1.0,
+                     reduce_scatter_latency_seconds=1000.0, all_reduce_seconds=1e6,
+                     overlap_fraction=0.0)
+    unit = UnitComm.build(config, comm, world_size=2, uneven=False)
+    total = round(float(cost.step_seconds(np.array([3]), np.array([2]), unit)[0]))
+    num_units = config.num_layers + 2
+    gathers, scatters, all_reduces = total % 1000, total // 1000 % 1000, total // 10**6
+    assert gathers == num_units + (num_units - 1)  # forward, then backward without the head
+    assert scatters == num_units
+    assert all_reduces == 2  # the engine's [grad norm, loss] and the trainer's timings

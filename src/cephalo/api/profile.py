@@ -29,13 +29,24 @@ class ProfilePoint(BaseModel):
 
 
 class CollectiveProfile(BaseModel):
-    """Fitted ring-collective model: seconds = (n-1)/n * bytes / bandwidth + (n-1) * latency."""
+    """Fitted ring-collective model: seconds = (n-1)/n * bytes / bandwidth + (n-1) * latency.
+
+    `bandwidth`/`latency` are the AllGather's; ReduceScatter has its own fit when measured
+    (on gloo its fixed cost is several times the AllGather's), else it shares this one."""
 
     model_config = ConfigDict(extra="forbid")
 
     bandwidth_bytes_per_second: float = Field(gt=0)
     latency_seconds: float = Field(ge=0)
+    reduce_scatter_bandwidth_bytes_per_second: float | None = Field(default=None, gt=0)
+    reduce_scatter_latency_seconds: float | None = Field(default=None, ge=0)
+    all_reduce_seconds: float | None = Field(
+        default=None, ge=0, description="one small (scalar) all-reduce, as the step ends with")
     world_size: int = Field(ge=2, description="ranks the measurement ran on")
+    probe_step_seconds: float | None = Field(
+        default=None, gt=0, description=(
+            "one real training step with one sample per rank and even shards (slowest rank's "
+            "median): the planner learns from it what its collective model misses"))
     uneven_overhead: float | None = Field(default=None, ge=0,
                                           description="measured uneven/even time ratio - 1")
     overlap_fraction: float | None = Field(
@@ -58,6 +69,12 @@ class GpuProfile(BaseModel):
     torch_version: str | None = None
     points: list[ProfilePoint] = Field(min_length=1)
     collectives: CollectiveProfile | None = None
+    block_forward_fixed_seconds: float | None = Field(
+        default=None, ge=0, description=(
+            "part of a block's one-microbatch forward paid once per pass however many "
+            "microbatches run through it (binding the unit, cold caches)"))
+    other_forward_fixed_seconds: float | None = Field(
+        default=None, ge=0, description="the same for the embedding's forward and the data")
     optimizer_seconds_per_parameter: float | None = Field(
         default=None, ge=0, description="AdamW update time per owned parameter")
     optimizer_seconds_fixed: float | None = Field(

@@ -72,6 +72,14 @@ def proportional_assignment(problem: Problem) -> Assignment:
                        for r in range(problem.world_size)])
     exact = speeds / speeds.sum() * problem.global_batch_size
     batches = np.floor(exact).astype(int)
+    if not problem.allow_state_only and problem.global_batch_size >= problem.world_size:
+        # The job forbids state-only ranks: every rank computes at least one sample, taken
+        # from the ranks given the most beyond their exact share.
+        batches = np.maximum(batches, 1)
+        while batches.sum() > problem.global_batch_size:
+            over = max((r for r in range(len(exact)) if batches[r] > 1),
+                       key=lambda r: (batches[r] - exact[r], -r))
+            batches[over] -= 1
     # Largest remainders get the leftover samples (ties to the lower rank).
     leftover = problem.global_batch_size - int(batches.sum())
     for r in sorted(range(len(exact)), key=lambda r: (-(exact[r] - batches[r]), r))[:leftover]:

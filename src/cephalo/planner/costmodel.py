@@ -5,14 +5,18 @@ because the solver scores thousands of them.
 Step time of one GPU running ℓ microbatches of size m (the paper's Eqs. 2-3, extended with
 the embedding+head pseudo-unit and the first, un-prefetchable AllGather):
 
-    T(ℓ, m) = AG_first
-            + L · [u(ℓ·f(m), AG_block) + u(ℓ·b(m), AG_block + RS_block)]
-            + u(ℓ·f_o(m), AG_other) + u(ℓ·b_o(m), AG_other + RS_other)
+    T(ℓ, m) = AG_emb
+            + L · [u(F(ℓ, m), AG_block) + u(ℓ·b(m), AG_block + RS_block)]
+            + u(F_o(ℓ, m), AG_head) + u(ℓ·b_o(m), AG_emb + RS_emb + RS_head)
             + P/N · adam + 2 all-reduces
 
-f/b are one block's forward and recompute+backward seconds, f_o/b_o those of embedding, head
-and loss. Communication for the next unit runs under the current unit's compute, so a unit
-costs u(c, a) = max(c, a) + (1 - overlap) · min(c, a): whichever is longer when the overlap
+b is one block's recompute+backward seconds and b_o that of head, loss and embedding, per
+microbatch. A forward pass runs all ℓ microbatches through the unit in one go, so
+F(ℓ, m) = c + ℓ·(f(m) - c), where f(m) is one microbatch's whole pass and c the part of it
+paid once per pass (the profiler measures both); F_o likewise for embedding and data.
+
+Communication for the next unit runs under the current unit's compute, so a unit costs
+u(c, a) = max(c, a) + (1 - overlap) · min(c, a): whichever is longer when the overlap
 is perfect (the paper's assumption, NCCL on its own stream), their sum when nothing overlaps
 (gloo sharing two CPU cores with compute; the profiler measures the overlap). The optimizer
 updates this GPU's state share (taken as the even share P/N, so that the time does not
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -45,49 +49,95 @@ UNEVEN_COLLECTIVE_OVERHEAD = 0.15
 
 @dataclass(frozen=True)
 class CommModel:
-    """Ring collectives: seconds = (n-1)/n · bytes / bandwidth + (n-1) · latency."""
+    """Ring collectives: seconds = (n-1)/n · bytes / bandwidth + (n-1) · latency.
+
+    AllGather and ReduceScatter may have their own (bandwidth, latency): a profiler measures
+    both, and on gloo a ReduceScatter's fixed cost is several times an AllGather's. Without
+    a measurement the step's small all-reduces cost 2(n-1) ring hops of latency each."""
 
     bandwidth_bytes_per_second: float
     latency_seconds: float
     uneven_overhead: float = UNEVEN_COLLECTIVE_OVERHEAD
     overlap_fraction: float = 1.0
+    reduce_scatter_bandwidth_bytes_per_second: float | None = None
+    reduce_scatter_latency_seconds: float | None = None
+    all_reduce_seconds: float | None = None
+    # Per step, what a measured real step took beyond this model's prediction of it (see
+    # `calibrated`); added to every step on more than one GPU.
+    step_overhead_seconds: float = 0.0
 
-    def ring_seconds(self, num_bytes: float, world_size: int, uneven: bool) -> float:
+    def ring_seconds(self, num_bytes: float, world_size: int, uneven: bool,
+                     kind: str = "all_gather") -> float:
         if world_size <= 1:
             return 0.0
         n = world_size
-        seconds = (n - 1) / n * num_bytes / self.bandwidth_bytes_per_second
-        seconds += (n - 1) * self.latency_seconds
+        bandwidth, latency = self.bandwidth_bytes_per_second, self.latency_seconds
+        if kind == "reduce_scatter":
+            bandwidth = self.reduce_scatter_bandwidth_bytes_per_second or bandwidth
+            if self.reduce_scatter_latency_seconds is not None:
+                latency = self.reduce_scatter_latency_seconds
+        seconds = (n - 1) / n * num_bytes / bandwidth + (n - 1) * latency
         return seconds * (1.0 + self.uneven_overhead if uneven else 1.0)
+
+    def calibrated(self, model: ModelConfig, costs: Iterable[GpuCostModel],
+                   probe_step_seconds: float, world_size: int) -> CommModel:
+        """This model plus the per-step overhead that makes its prediction of a measured
+        probe step (one sample per rank, even shards, on `world_size` ranks of the fastest
+        GPU type) come out exact. On NCCL the overhead is small; on gloo over a few shared
+        CPU cores it holds what the per-collective fits cannot: ranks arriving at different
+        times and the transport taking CPU from compute. It is never made negative enough to
+        cancel more than the collectives' own modelled time."""
+        unit = UnitComm.build(model, self, world_size, uneven=False)
+        one = np.ones(1)
+        predicted = min(float(c.step_seconds(one, one, unit)[0]) for c in costs)
+        collectives = (unit.ag_first + model.num_layers * (2 * unit.ag_block + unit.rs_block)
+                       + unit.ag_head + unit.ag_first + unit.rs_other + unit.all_reduce_seconds)
+        overhead = max(probe_step_seconds - predicted, -collectives)
+        return replace(self, step_overhead_seconds=overhead)
+
+    def small_all_reduce_seconds(self, world_size: int) -> float:
+        if world_size <= 1:
+            return 0.0
+        if self.all_reduce_seconds is not None:
+            return self.all_reduce_seconds
+        return 2 * (world_size - 1) * self.latency_seconds
 
 
 @dataclass(frozen=True)
 class UnitComm:
-    """Seconds of each collective the step issues, for one world size and sharding."""
+    """Seconds of each collective the step issues, for one world size and sharding.
+
+    The engine gathers the embedding (exposed: nothing to hide it under), each block and the
+    head in the forward pass; each block and the embedding again in the backward pass (the
+    head's forward and backward are fused); and reduce-scatters every unit's gradient once."""
 
     ag_block: float
     rs_block: float
-    ag_other: float
-    rs_other: float
-    ag_first: float
+    ag_first: float  # the embedding unit, gathered in both passes
+    ag_head: float
+    rs_other: float  # embedding + head gradients: two collectives
     overlap_fraction: float = 1.0
     all_reduce_seconds: float = 0.0  # the step's fixed small all-reduces
     state_share_parameters: float = 0.0  # P / N: the optimizer's work per GPU
+    step_overhead_seconds: float = 0.0  # measured, beyond the model (CommModel.calibrated)
 
     @classmethod
     def build(cls, model: ModelConfig, comm: CommModel, world_size: int,
               uneven: bool) -> UnitComm:
-        def ring(params: int) -> float:
-            return comm.ring_seconds(params * COMM_BYTES_PER_PARAMETER, world_size, uneven)
+        def ring(params: int, kind: str) -> float:
+            return comm.ring_seconds(params * COMM_BYTES_PER_PARAMETER, world_size, uneven,
+                                     kind)
 
-        other = model.embedding_parameters() + model.head_parameters()
-        block = ring(model.block_parameters())
-        # A small all-reduce is latency-bound: 2(n-1) hops of a ring, twice per step.
-        all_reduce = 2 * 2 * (world_size - 1) * comm.latency_seconds
-        return cls(ag_block=block, rs_block=block, ag_other=ring(other), rs_other=ring(other),
-                   ag_first=ring(model.embedding_parameters()),
+        embedding, block, head = (model.embedding_parameters(), model.block_parameters(),
+                                  model.head_parameters())
+        # Two small all-reduces per step: [grad norm, loss], and the per-rank timings.
+        all_reduce = 2 * comm.small_all_reduce_seconds(world_size)
+        return cls(ag_block=ring(block, "all_gather"), rs_block=ring(block, "reduce_scatter"),
+                   ag_first=ring(embedding, "all_gather"), ag_head=ring(head, "all_gather"),
+                   rs_other=ring(embedding, "reduce_scatter") + ring(head, "reduce_scatter"),
                    overlap_fraction=comm.overlap_fraction, all_reduce_seconds=all_reduce,
-                   state_share_parameters=model.total_parameters() / max(world_size, 1))
+                   state_share_parameters=model.total_parameters() / max(world_size, 1),
+                   step_overhead_seconds=comm.step_overhead_seconds if world_size > 1 else 0.0)
 
 
 class GpuCostModel:
@@ -112,6 +162,10 @@ class GpuCostModel:
         self._slopes = np.array([_upper_slope(self._m, s) for s in self._series])
         mem = np.array([p.compute_memory_bytes for p in pts], dtype=np.float64)
         self.memory_intercept_bytes, self.memory_slope_bytes = _linear_fit(self._m, mem)
+        # Parts of the forward paid once per unit pass, not per microbatch (zero when the
+        # profile did not separate them).
+        self._forward_fixed = np.array([profile.block_forward_fixed_seconds or 0.0,
+                                        profile.other_forward_fixed_seconds or 0.0])
         self.optimizer_seconds_per_parameter = profile.optimizer_seconds_per_parameter or 0.0
         self.optimizer_seconds_fixed = profile.optimizer_seconds_fixed or 0.0
 
@@ -135,6 +189,11 @@ class GpuCostModel:
         """T(ℓ, m) of the module docstring, vectorised; ℓ = 0 means a state-only GPU."""
         ell = np.asarray(ell, dtype=np.float64)
         f, b, fo, bo = self.compute_seconds(np.maximum(m, 1)) * ell
+        # A forward pass runs all ℓ microbatches through a unit at once: its fixed part is
+        # paid once, not ℓ times (a profile point is one microbatch's whole pass).
+        busy = ell > 0
+        f = f - np.where(busy, (ell - 1) * self._forward_fixed[0], 0.0)
+        fo = fo - np.where(busy, (ell - 1) * self._forward_fixed[1], 0.0)
         hidden = comm.overlap_fraction
 
         def unit(compute: np.ndarray, collective: float) -> np.ndarray:
@@ -142,8 +201,12 @@ class GpuCostModel:
                                                                                  collective)
 
         per_block = unit(f, comm.ag_block) + unit(b, comm.ag_block + comm.rs_block)
-        other = unit(fo, comm.ag_other) + unit(bo, comm.ag_other + comm.rs_other)
-        fixed = comm.ag_first + comm.all_reduce_seconds + self.optimizer_seconds(comm)
+        # The embedding's forward hides the first block's gather, the last block's forward
+        # the head's: per pass, L + 1 gathers overlap compute. Charging the head's gather
+        # to the embedding+head compute keeps the count exact.
+        other = unit(fo, comm.ag_head) + unit(bo, comm.ag_first + comm.rs_other)
+        fixed = comm.ag_first + comm.all_reduce_seconds + self.optimizer_seconds(comm) + \
+            comm.step_overhead_seconds
         return fixed + self.num_layers * per_block + other
 
     def optimizer_seconds(self, comm: UnitComm) -> float:
@@ -155,7 +218,8 @@ class GpuCostModel:
         """FSDP's own gradient accumulation: every microbatch gathers every unit again and
         reduce-scatters its gradient (the paper's FSDP-GA baseline); the optimizer and the
         step's all-reduces still run once."""
-        fixed = comm.all_reduce_seconds + self.optimizer_seconds(comm)
+        fixed = comm.all_reduce_seconds + self.optimizer_seconds(comm) + \
+            comm.step_overhead_seconds
         per_micro = self.step_seconds(np.ones_like(m), m, comm) - fixed
         return np.asarray(ell, dtype=np.float64) * per_micro + fixed
 

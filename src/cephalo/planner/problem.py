@@ -95,9 +95,29 @@ def build_problem(spec: CephaloJobSpec, cluster: ClusterSpec,
             classes[key].slots.append(len(ranks))
             ranks.append((gpu.name, group.pool or gpu.name))
             rank_class.append(index)
+    probe = _probe(profiles)
+    if probe is not None:  # a real step measured on the cluster: calibrate against it
+        comm = comm.calibrated(model, [c.cost for c in classes.values()], probe.seconds,
+                               probe.world_size)
     return Problem(model, spec.precision, spec.global_batch_size, spec.planner.memory_fraction,
                    spec.planner.allow_state_only_ranks, comm, ranks, list(classes.values()),
                    rank_class)
+
+
+@dataclass(frozen=True)
+class _Probe:
+    seconds: float
+    world_size: int
+
+
+def _probe(profiles: Mapping[str, GpuProfile]) -> _Probe | None:
+    measured = [p.collectives for p in profiles.values()
+                if p.collectives is not None and p.collectives.probe_step_seconds is not None]
+    if not measured:
+        return None
+    slowest = max(measured, key=lambda c: c.probe_step_seconds or 0.0)
+    assert slowest.probe_step_seconds is not None
+    return _Probe(slowest.probe_step_seconds, slowest.world_size)
 
 
 def _comm_model(spec: CephaloJobSpec, cluster: ClusterSpec,
@@ -112,7 +132,11 @@ def _comm_model(spec: CephaloJobSpec, cluster: ClusterSpec,
         uneven = max((c.uneven_overhead for c in measured if c.uneven_overhead is not None),
                      default=UNEVEN_COLLECTIVE_OVERHEAD)
         return CommModel(slowest.bandwidth_bytes_per_second, slowest.latency_seconds,
-                         uneven_overhead=uneven, overlap_fraction=overlap)
+                         uneven_overhead=uneven, overlap_fraction=overlap,
+                         reduce_scatter_bandwidth_bytes_per_second=(
+                             slowest.reduce_scatter_bandwidth_bytes_per_second),
+                         reduce_scatter_latency_seconds=slowest.reduce_scatter_latency_seconds,
+                         all_reduce_seconds=slowest.all_reduce_seconds)
     bandwidth = cluster.network_bandwidth_bytes_per_second or (
         spec.planner.network_bandwidth_gbps * 1e9 / 8)
     latency = cluster.network_latency_seconds

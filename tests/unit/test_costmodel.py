@@ -1,0 +1,91 @@
+"""The cost model's parts that the profiler measures: per-kind collective fits, the part of a
+forward pass paid once per pass, and the calibration against a measured probe step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cephalo.api import ClusterSpec, GpuGroup, parse_job, preset
+from cephalo.api.profile import CollectiveProfile, GpuProfile, ProfilePoint
+from cephalo.planner.catalog import lookup_gpu
+from cephalo.planner.costmodel import CommModel, GpuCostModel, UnitComm
+from cephalo.planner.problem import build_problem
+
+CONFIG = preset("gpt-tiny")
+
+
+def _profile(forward: float = 1.0, backward: float = 2.0, fixed: float | None = None,
+             collectives: CollectiveProfile | None = None) -> GpuProfile:
+    point = ProfilePoint(micro_batch_size=1, block_forward_seconds=forward,
+                         block_backward_seconds=backward, compute_memory_bytes=1000)
+    return GpuProfile(product="cpu", memory_capacity_bytes=2**30, model_key="k",
+                      points=[point], block_forward_fixed_seconds=fixed,
+                      collectives=collectives)
+
+
+def _cost(profile: GpuProfile) -> GpuCostModel:
+    return GpuCostModel(lookup_gpu("cpu"), profile, 2**30, CONFIG.num_layers)
+
+
+def _step(cost: GpuCostModel, ell: int, m: int, comm: UnitComm) -> float:
+    return float(cost.step_seconds(np.array([ell]), np.array([m]), comm)[0])
+
+
+def test_reduce_scatter_and_all_reduce_have_their_own_measurements() -> None:
+    shared = CommModel(bandwidth_bytes_per_second=1e9, latency_seconds=1e-4)
+    own = CommModel(bandwidth_bytes_per_second=1e9, latency_seconds=1e-4,
+                    reduce_scatter_bandwidth_bytes_per_second=5e8,
+                    reduce_scatter_latency_seconds=3e-4, all_reduce_seconds=7e-4)
+    assert shared.ring_seconds(1e6, 2, False, "reduce_scatter") == pytest.approx(5e-4 + 1e-4)
+    assert own.ring_seconds(1e6, 2, False, "reduce_scatter") == pytest.approx(1e-3 + 3e-4)
+    assert own.ring_seconds(1e6, 2, False, "all_gather") == pytest.approx(5e-4 + 1e-4)
+    assert shared.small_all_reduce_seconds(3) == pytest.approx(4e-4)  # 2(n-1) hops
+    assert own.small_all_reduce_seconds(3) == 7e-4
+    assert own.small_all_reduce_seconds(1) == 0.0
+
+
+def test_forward_fixed_part_is_paid_once_per_pass() -> None:
+    alone = UnitComm.build(CONFIG, CommModel(1e9, 0.0), world_size=1, uneven=False)
+    plain, fixed = _cost(_profile()), _cost(_profile(fixed=0.4))
+    assert _step(fixed, 1, 1, alone) == _step(plain, 1, 1, alone)  # one pass: the same
+    # Three microbatches through each block save two fixed parts per block.
+    saved = _step(plain, 3, 1, alone) - _step(fixed, 3, 1, alone)
+    assert saved == pytest.approx(CONFIG.num_layers * 2 * 0.4)
+    assert _step(fixed, 0, 1, alone) == 0.0  # a state-only GPU runs no forward at all
+
+
+def test_calibration_makes_the_probe_step_exact_and_shifts_every_step() -> None:
+    comm = CommModel(bandwidth_bytes_per_second=1e8, latency_seconds=1e-3, overlap_fraction=0.0)
+    cost = _cost(_profile(forward=0.01, backward=0.02))
+    base = UnitComm.build(CONFIG, comm, world_size=2, uneven=False)
+    at_probe = _step(cost, 1, 1, base)
+    calibrated = comm.calibrated(CONFIG, [cost], at_probe + 0.005, world_size=2)
+    assert calibrated.step_overhead_seconds == pytest.approx(0.005)
+    unit = UnitComm.build(CONFIG, calibrated, world_size=2, uneven=False)
+    assert _step(cost, 1, 1, unit) == pytest.approx(at_probe + 0.005)
+    assert _step(cost, 4, 1, unit) == pytest.approx(_step(cost, 4, 1, base) + 0.005)
+    # A single GPU has no collectives, so nothing to calibrate.
+    alone = UnitComm.build(CONFIG, calibrated, world_size=1, uneven=False)
+    assert alone.step_overhead_seconds == 0.0
+    # A probe faster than the model may take back at most the collectives' modelled time
+    # (nothing overlaps here): the step never drops below its compute.
+    faster = comm.calibrated(CONFIG, [cost], 1e-9, world_size=2)
+    unit = UnitComm.build(CONFIG, faster, world_size=2, uneven=False)
+    compute_only = _step(cost, 1, 1, UnitComm.build(CONFIG, comm, 1, uneven=False))
+    assert _step(cost, 1, 1, unit) == pytest.approx(compute_only)
+
+
+def test_planner_calibrates_with_a_measured_probe() -> None:
+    spec = parse_job({"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
+                      "spec": {"model": {"preset": "gpt-tiny"}, "globalBatchSize": 4}}).spec
+    cluster = ClusterSpec(groups=[GpuGroup(product="cpu", count=2, memory_bytes=2**30)])
+    measured = CollectiveProfile(bandwidth_bytes_per_second=1e8, latency_seconds=1e-3,
+                                 world_size=2, overlap_fraction=0.0)
+    without = build_problem(spec, cluster, {"cpu": _profile(0.01, 0.02, None, measured)})
+    assert without.comm_model.step_overhead_seconds == 0.0
+    unit = UnitComm.build(CONFIG, without.comm_model, 2, uneven=False)
+    predicted = _step(without.classes[0].cost, 1, 1, unit)
+    probed = measured.model_copy(update={"probe_step_seconds": predicted * 1.5})
+    problem = build_problem(spec, cluster, {"cpu": _profile(0.01, 0.02, None, probed)})
+    assert problem.comm_model.step_overhead_seconds == pytest.approx(predicted * 0.5)
