@@ -14,7 +14,8 @@ drift, and the error compares the median predicted with the median measured step
 rounds; the per-round spread is printed beside it.
 
 Targets: step time within 15%, memory within 10%. Run: python bench/cost_model.py
-(about 10 minutes; --quick: fewer rounds and cases, no off-plan settings).
+(about 13 minutes; --quick: fewer rounds and cases, no off-plan settings; --device cuda:
+the same on GPUs, one rank each).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def profile_sizes(setting: list[tuple[int, int]]) -> list[int]:
 # ---- worker: one rank of one setting, under torchrun -----------------------------------
 
 def worker(preset: str, setting: list[tuple[int, int]], ratios: list[float], rounds: int,
-           output: Path) -> None:
+           output: Path, device_kind: str) -> None:
     import torch.distributed as dist
 
     from cephalo.trainer.data import DataSource
@@ -77,15 +78,19 @@ def worker(preset: str, setting: list[tuple[int, int]], ratios: list[float], rou
     from cephalo.trainer.run import log_step
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    device = torch.device("cpu")
+    if device_kind == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
     batch = sum(m * n for m, n in setting)
     spec = job_spec(preset, batch)
     config = spec.model.resolve()
-    cpu = torch.device("cpu")
     layout = Layout(batch_sizes=[m * n for m, n in setting],
                     micro_batch_sizes=[m for m, _ in setting], shard_ratios=ratios)
-    engine = Engine(config, spec.training, layout, device=cpu)
+    engine = Engine(config, spec.training, layout, device=device)
     data = DataSource(config, spec.data, spec.training.seed)
     start, end = layout.sample_range(rank)
     micro = layout.micro_batch_sizes[rank]
@@ -94,20 +99,22 @@ def worker(preset: str, setting: list[tuple[int, int]], ratios: list[float], rou
         dist.barrier()
         profile = None
         if rank == 0:  # alone, as the profiler runs before training
-            profile = profile_device(config, spec.precision, profile_sizes(setting), cpu,
-                                     device_facts(cpu), repeats=5, warmup=1,
+            profile = profile_device(config, spec.precision, profile_sizes(setting), device,
+                                     device_facts(device), repeats=5, warmup=1,
                                      training=spec.training)
         dist.barrier()
-        collectives = measure_in_group(config, cpu, repeats=5, precision=spec.precision) \
-            if world > 1 else None
+        collectives = measure_in_group(config, device, repeats=5,
+                                       precision=spec.precision) if world > 1 else None
         step_seconds = []
         for i in range(STEPS_PER_ROUND + 1):  # the first step after profiling warms caches
             if i == 1:
                 engine.comm.stats.wait_seconds.clear()
             began = time.perf_counter()
             result = engine.step(data.micro_batches(engine.step_count, start, end, micro))
-            log_step(engine, result, config.tokens_per_sample, config.training_flops_per_sample(),
-                 None, None, 0, False, 0)
+            log_step(engine, result, config.tokens_per_sample,
+                     config.training_flops_per_sample(), None, None, 0, False, 0)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             if i:
                 step_seconds.append(time.perf_counter() - began)
         waits = {k: v / STEPS_PER_ROUND for k, v in engine.comm.stats.wait_seconds.items()}
@@ -129,41 +136,47 @@ def worker(preset: str, setting: list[tuple[int, int]], ratios: list[float], rou
 
 # ---- parent: plan, launch, predict, compare --------------------------------------------
 
-def predict(preset: str, setting: list[tuple[int, int]], profile: GpuProfile,
-            with_problem: bool = False):
-    """The planner's score of this setting (step seconds and shard ratios)."""
+def local_cluster(profile: GpuProfile, ranks: int, memory_bytes: int):
+    """`cephalo run`'s view of `ranks` local devices of the profile's kind, and how much
+    slower each computes when CPU ranks outnumber the cores."""
     from cephalo.local.devices import LocalDevice
     from cephalo.local.runner import (
         LOCAL_LATENCY_SECONDS,
         LOOPBACK_BANDWIDTH_BYTES_PER_SECOND,
+        PCIE_BANDWIDTH_BYTES_PER_SECOND,
         contention_factor,
-        slowed,
     )
+
+    on_cpu = profile.product == "cpu"
+    devices = [LocalDevice("cpu" if on_cpu else "cuda", i, profile.product)
+               for i in range(ranks)]
+    cluster = ClusterSpec(groups=[GpuGroup(product=profile.product, count=ranks,
+                                           memory_bytes=memory_bytes)],
+                          network_bandwidth_bytes_per_second=LOOPBACK_BANDWIDTH_BYTES_PER_SECOND
+                          if on_cpu else PCIE_BANDWIDTH_BYTES_PER_SECOND,
+                          network_latency_seconds=LOCAL_LATENCY_SECONDS)
+    return cluster, contention_factor(devices)
+
+
+def predict(preset: str, setting: list[tuple[int, int]], profile: GpuProfile,
+            with_problem: bool = False):
+    """The planner's score of this setting (step seconds and shard ratios)."""
+    from cephalo.local.runner import slowed
     from cephalo.planner.evaluate import score
     from cephalo.planner.problem import build_problem
 
     spec = job_spec(preset, sum(m * n for m, n in setting))
-    devices = [LocalDevice("cpu", i, "cpu") for i in range(len(setting))]
-    cluster = ClusterSpec(groups=[GpuGroup(product="cpu", count=len(setting),
-                                           memory_bytes=2**30)],
-                          network_bandwidth_bytes_per_second=LOOPBACK_BANDWIDTH_BYTES_PER_SECOND,
-                          network_latency_seconds=LOCAL_LATENCY_SECONDS)
-    problem = build_problem(spec, cluster, {"cpu": slowed(profile, contention_factor(devices))})
+    cluster, contention = local_cluster(profile, len(setting), profile.memory_capacity_bytes)
+    problem = build_problem(spec, cluster, {profile.product: slowed(profile, contention)})
     ev = score(problem, [m for m, _ in setting], [n for _, n in setting])
     return (ev, problem) if with_problem else ev
 
 
-def plan_case(preset: str, ranks: int, batch: int, max_micro: int
+def plan_case(preset: str, ranks: int, batch: int, max_micro: int, device: torch.device
               ) -> tuple[list[tuple[int, int]], list[float]]:
     """The planner's (m, ℓ) per rank and shard ratios, from a first profile (as `cephalo
     run` plans), on ranks whose memory holds microbatches of at most `max_micro`."""
-    from cephalo.local.devices import LocalDevice
-    from cephalo.local.runner import (
-        LOCAL_LATENCY_SECONDS,
-        LOOPBACK_BANDWIDTH_BYTES_PER_SECOND,
-        contention_factor,
-        slowed,
-    )
+    from cephalo.local.runner import slowed
     from cephalo.planner import solve
     from cephalo.planner.catalog import lookup_gpu
     from cephalo.planner.costmodel import STATE_BYTES_PER_PARAMETER, GpuCostModel
@@ -171,30 +184,27 @@ def plan_case(preset: str, ranks: int, batch: int, max_micro: int
 
     spec = job_spec(preset, batch)
     config = spec.model.resolve()
-    profile = profile_job(spec, device=torch.device("cpu"), micro_batch_sizes=range(1, 9),
-                          repeats=3, warmup=1)
-    cost = GpuCostModel(lookup_gpu("cpu"), profile, 2**30, config.num_layers)
+    profile = profile_job(spec, device=device, micro_batch_sizes=range(1, 9), repeats=3,
+                          warmup=1)
+    cost = GpuCostModel(lookup_gpu(profile.product), profile, 2**30, config.num_layers)
     per_rank_state = STATE_BYTES_PER_PARAMETER * config.total_parameters() / ranks
     # Room for `max_micro` samples beside an even state shard, not for one more.
     room = cost.compute_memory_bytes([max_micro + 0.5])[0] + per_rank_state
-    memory = int(room / spec.planner.memory_fraction)
-    devices = [LocalDevice("cpu", i, "cpu") for i in range(ranks)]
-    cluster = ClusterSpec(groups=[GpuGroup(product="cpu", count=ranks, memory_bytes=memory)],
-                          network_bandwidth_bytes_per_second=LOOPBACK_BANDWIDTH_BYTES_PER_SECOND,
-                          network_latency_seconds=LOCAL_LATENCY_SECONDS)
-    plan = solve(spec, cluster, {"cpu": slowed(profile, contention_factor(devices))})
+    cluster, contention = local_cluster(profile, ranks,
+                                        int(room / spec.planner.memory_fraction))
+    plan = solve(spec, cluster, {profile.product: slowed(profile, contention)})
     return ([(r.micro_batch_size, r.num_micro_batches) for r in plan.ranks],
             [r.shard_ratio for r in plan.ranks])
 
 
 def run_setting(preset: str, setting: list[tuple[int, int]], rounds: int, work: Path,
-                verbose: bool = False, ratios: list[float] | None = None
+                device: torch.device, verbose: bool = False, ratios: list[float] | None = None
                 ) -> tuple[list[float], list[list[float]], CollectiveProfile | None]:
     """Launch the ranks; per round (predicted step seconds, measured step seconds)."""
     from cephalo.trainer.profile import profile_job
 
     if ratios is None:  # the shard ratios the planner gives this setting
-        first = profile_job(job_spec(preset, 8), device=torch.device("cpu"),
+        first = profile_job(job_spec(preset, 8), device=device,
                             micro_batch_sizes=profile_sizes(setting), repeats=3, warmup=1)
         ratios = predict(preset, setting, first).shard_ratios
     output = work / "rounds.json"
@@ -203,7 +213,7 @@ def run_setting(preset: str, setting: list[tuple[int, int]], rounds: int, work: 
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
          f"--nproc-per-node={len(setting)}", str(Path(__file__).resolve()), "--worker",
          "--preset", preset, "--setting", json.dumps(setting), "--ratios", json.dumps(ratios),
-         "--rounds", str(rounds), "--output", str(output)],
+         "--rounds", str(rounds), "--output", str(output), "--device", device.type],
         cwd=work, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"ranks failed:\n{proc.stderr[-3000:]}")
@@ -237,25 +247,21 @@ def run_setting(preset: str, setting: list[tuple[int, int]], rounds: int, work: 
     return predicted, measured, collectives
 
 
-def memory_check(preset: str) -> tuple[int, int]:
-    """(predicted, counted) compute bytes at microbatch 8 from a 1-4 profile."""
+def memory_check(preset: str, device: torch.device) -> tuple[int, int]:
+    """(predicted, measured) compute bytes at microbatch 8, predicted by the linear model from
+    a profile of sizes 1-4 (on CPU the measurement is the profiler's exact count)."""
     from cephalo.planner.catalog import lookup_gpu
     from cephalo.planner.costmodel import GpuCostModel
-    from cephalo.trainer.profile import UnitProfiler, profile_job
-    from cephalo.trainer.unit_ops import forward_unit
+    from cephalo.trainer.profile import profile_job
 
     spec = job_spec(preset, 8)
-    small = profile_job(spec, device=torch.device("cpu"), micro_batch_sizes=[1, 2, 3, 4],
-                        repeats=1, warmup=0)
-    model = spec.model.resolve()
-    cost = GpuCostModel(lookup_gpu("cpu"), small, 2**30, model.num_layers)
+    small = profile_job(spec, device=device, micro_batch_sizes=[1, 2, 3, 4], repeats=1,
+                        warmup=0)
+    cost = GpuCostModel(lookup_gpu(small.product), small, 2**30,
+                        spec.model.resolve().num_layers)
     predicted = int(cost.compute_memory_bytes([8])[0])
-    profiler = UnitProfiler(model, "fp32", torch.device("cpu"))
-    inputs, targets = profiler.data.batch(0, 0, 8)
-    (hidden,) = forward_unit(profiler.units[0], profiler.fulls[0], [inputs],
-                             torch.device("cpu"), "fp32")
-    counted = profiler.compute_memory_bytes(8, inputs, targets, hidden)
-    return predicted, counted
+    eight = profile_job(spec, device=device, micro_batch_sizes=[8], repeats=1, warmup=0)
+    return predicted, eight.points[0].compute_memory_bytes
 
 
 def report(preset: str, setting: list[tuple[int, int]], rounds: int, args: argparse.Namespace,
@@ -263,7 +269,7 @@ def report(preset: str, setting: list[tuple[int, int]], rounds: int, args: argpa
     """Run one setting, print its line, return its error."""
     with tempfile.TemporaryDirectory() as tmp:
         predicted, measured, comm = run_setting(preset, setting, rounds, Path(tmp),
-                                                args.verbose, ratios)
+                                                torch.device(args.device), args.verbose, ratios)
     p = statistics.median(predicted)
     m = statistics.median(s for steps in measured for s in steps)
     error = m / p - 1
@@ -279,13 +285,19 @@ def report(preset: str, setting: list[tuple[int, int]], rounds: int, args: argpa
 
 def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
+    device = torch.device(args.device)
     cases = CASES[::2] if args.quick else CASES
     off_plan = [] if args.quick else OFF_PLAN
     if args.only:
         cases = [CASES[int(i)] for i in args.only.split(",")]
         off_plan = []
+    if device.type == "cuda":  # one rank per GPU
+        gpus = torch.cuda.device_count()
+        cases = [c for c in cases if c[0] <= gpus]
+        off_plan = [s for s in off_plan if len(s) <= gpus]
     rounds = 3 if args.quick else args.rounds
     worst_time = worst_off_plan = worst_memory = 0.0
+    planned_errors: list[float] = []
     print(f"{rounds} rounds per setting, each: profile (rank 0 alone), collectives and a "
           f"probe step, {STEPS_PER_ROUND} training steps")
     header = (f"  {'ranks: m x l':<22}{'predicted':>10}{'measured':>10}{'error':>8}"
@@ -295,20 +307,24 @@ def main(args: argparse.Namespace) -> int:
         print("planned (ranks, global batch, largest microbatch that fits):")
         print(header)
         for ranks, batch, max_micro in cases:
-            setting, ratios = plan_case(preset, ranks, batch, max_micro)
+            setting, ratios = plan_case(preset, ranks, batch, max_micro, device)
             error = report(preset, setting, rounds, args, ratios)
             worst_time = max(worst_time, abs(error))
+            planned_errors.append(abs(error))
         if off_plan:
             print("off-plan (unbalanced work on identical ranks; not in the target):")
             print(header)
         for setting in off_plan:
             worst_off_plan = max(worst_off_plan, abs(report(preset, setting, rounds, args)))
-        predicted_mem, counted_mem = memory_check(preset)
+        predicted_mem, counted_mem = memory_check(preset, device)
         mem_error = predicted_mem / counted_mem - 1
         worst_memory = max(worst_memory, abs(mem_error))
         print(f"  compute memory at microbatch 8: predicted {predicted_mem} B from sizes "
-              f"1-4, counted {counted_mem} B ({mem_error:+.1%})")
-    print(f"\nworst step-time error of planned runs {worst_time:.1%} (target 15%: "
+              f"1-4, measured {counted_mem} B ({mem_error:+.1%})")
+    within = sum(e <= 0.15 for e in planned_errors)
+    print(f"\nplanned runs: {within} of {len(planned_errors)} within 15%, median |error| "
+          f"{statistics.median(planned_errors):.1%}")
+    print(f"worst step-time error of planned runs {worst_time:.1%} (target 15%: "
           f"{'met' if worst_time <= 0.15 else 'MISSED'}); worst memory error "
           f"{worst_memory:.1%} (target 10%: {'met' if worst_memory <= 0.10 else 'MISSED'})")
     if off_plan:
@@ -318,11 +334,13 @@ def main(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--verbose", action="store_true", help="print every round")
     parser.add_argument("--only", help="comma-separated indices of CASES to run")
     parser.add_argument("--presets", default="gpt-tiny,llama-tiny")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: one rank per GPU, the cases that fit the GPU count")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--preset", help=argparse.SUPPRESS)
     parser.add_argument("--setting", type=json.loads, help=argparse.SUPPRESS)
@@ -331,6 +349,6 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if args.worker:
         worker(args.preset, [tuple(s) for s in args.setting], args.ratios, args.rounds,
-               args.output)
+               args.output, args.device)
         sys.exit(0)
     sys.exit(main(args))

@@ -69,12 +69,18 @@ class CollectiveStats:
 class UnevenCollectives:
     """Collectives over one process group for shards of known, possibly uneven, sizes."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, standalone: bool = False
+                 ) -> None:
+        """`standalone`: one process on its own, whether or not a process group exists (the
+        profiler times a single-rank step inside a rank of a larger job)."""
         self.group = group
+        self.stats = CollectiveStats()
+        if standalone:
+            self.rank, self.world_size, self.backend = 0, 1, "none"
+            return
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
-        self.stats = CollectiveStats()
 
     def _global_rank(self, group_rank: int) -> int:
         if self.group is None:

@@ -96,8 +96,10 @@ class Engine:
     def __init__(self, config: ModelConfig, training: TrainingSpec, layout: Layout, *,
                  group: dist.ProcessGroup | None = None, device: torch.device | None = None,
                  precision: str = "fp32", recompute: bool = True,
-                 offload: bool | None = None, time_dilation: float = 1.0) -> None:
-        self.comm = UnevenCollectives(group)
+                 offload: bool | None = None, time_dilation: float = 1.0,
+                 standalone: bool = False) -> None:
+        # standalone: a single rank that needs no process group (see UnevenCollectives).
+        self.comm = UnevenCollectives(group, standalone=standalone)
         self.rank = self.comm.rank
         if layout.world_size != self.comm.world_size:
             raise ValueError(f"layout has {layout.world_size} ranks, process group has "

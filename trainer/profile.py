@@ -12,11 +12,15 @@ model (paper: "The profiler…", "Compute Latency Model", "Memory Utilization Mo
 * compute memory per m: on GPU the allocator's peak beyond what was allocated before (the
   training state), on CPU the bytes a step really holds — tensors saved by autograd during the
   recompute, plus the boundary tensors and the gathered unit buffers — counted exactly;
+* the AdamW step (per parameter and fixed), and one real single-rank training step with one
+  sample: what it takes beyond the cost model's prediction from the above is the engine's own
+  per-step work (inputs, buffers, logging), kept as the profile's step overhead;
 * device facts from NVML (nvidia-ml-py) where a GPU exists; the product normalised to the
   planner's catalog name;
 * with `--collectives` under torchrun: AllGather and ReduceScatter seconds at a unit's size
   and a large size, even and uneven shards, each fitted to the ring model's bandwidth and
-  latency, and the step's small all-reduce.
+  latency, the step's small all-reduce, and a probe: real training steps with one sample per
+  rank, which the planner uses to calibrate its collective model.
 
 Profiles are cached by (product, architecture, precision, torch version).
 """
@@ -44,6 +48,7 @@ from cephalo.api.profile import (
     model_key,
     profile_cache_key,
 )
+from cephalo.planner.costmodel import STATE_BYTES_PER_PARAMETER, single_rank_step_seconds
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.device_info import DeviceFacts, device_facts
 from cephalo.trainer.flat import FlatUnit
@@ -56,10 +61,13 @@ from cephalo.trainer.unit_ops import (
 )
 
 FP32_BYTES = 4
+# A probe step holds the training state of the whole model (or of an even shard across the
+# probing ranks): measured only where that is at most this share of the device's memory.
+PROBE_MEMORY_FRACTION = 0.25
 TERMINATION_LOG = "/dev/termination-log"
 # Part of the cache key: bump it whenever what a profile measures changes, so that profiles
 # cached by an older profiler are measured again instead of silently lacking fields.
-PROFILE_FORMAT = 3
+PROFILE_FORMAT = 4
 
 
 def _median(fn: Callable[[], float], repeats: int, warmup: int) -> float:
@@ -105,6 +113,7 @@ class Measured:
     points: list[ProfilePoint]
     block_forward_fixed_seconds: float
     other_forward_fixed_seconds: float
+    extra_seconds: dict[str, float]  # median of each extra run (see `measure`)
 
 
 class UnitProfiler:
@@ -141,7 +150,8 @@ class UnitProfiler:
         self._sync()
         return time.perf_counter() - started
 
-    def measure(self, sizes: Sequence[int], repeats: int, warmup: int) -> Measured:
+    def measure(self, sizes: Sequence[int], repeats: int, warmup: int,
+                extra: dict[str, Callable[[], object]] | None = None) -> Measured:
         """Median seconds per microbatch size of a block's forward and recompute+backward,
         and of the embedding + data + head + loss, as the engine runs them.
 
@@ -149,7 +159,8 @@ class UnitProfiler:
         boost, a neighbour on a shared core) shifts every size alike instead of bending the
         curve. Forward passes run once with one microbatch and once with two: the engine
         runs all of a rank's microbatches through a unit in one pass, so what the second
-        microbatch adds is the per-microbatch cost and the rest is paid once per pass."""
+        microbatch adds is the per-microbatch cost and the rest is paid once per pass.
+        `extra` runs are timed once per round too, so they see the same drift."""
         emb, block, head = self.units
         emb_full, block_full, head_full = self.fulls
         cases = {}
@@ -194,6 +205,10 @@ class UnitProfiler:
                     seconds = self._timed(lambda run=run, m=m: run(m))
                     if i >= warmup:
                         samples.setdefault((name, m), []).append(seconds)
+            for name, fn in (extra or {}).items():
+                seconds = self._timed(fn)
+                if i >= warmup:
+                    samples.setdefault((name, 0), []).append(seconds)
         med = {key: statistics.median(values) for key, values in samples.items()}
         points = [ProfilePoint(
             micro_batch_size=m, block_forward_seconds=med["bf1", m],
@@ -202,7 +217,8 @@ class UnitProfiler:
             compute_memory_bytes=self.compute_memory_bytes(m, cases[m][0][0], cases[m][1][0],
                                                            cases[m][2][0]))
             for m in cases]
-        return Measured(points, _once_per_pass(med, "bf", cases), _once_per_pass(med, "of", cases))
+        return Measured(points, _once_per_pass(med, "bf", cases), _once_per_pass(med, "of", cases),
+                        {name: med[name, 0] for name in extra or {}})
 
     def compute_memory_bytes(self, m: int, inputs: torch.Tensor, targets: torch.Tensor,
                              hidden: torch.Tensor) -> int:
@@ -285,14 +301,44 @@ def optimizer_timing(config: ModelConfig, spec: TrainingSpec, device: torch.devi
     return per_parameter, fixed
 
 
+def engine_step(config: ModelConfig, training: TrainingSpec, precision: str,
+                device: torch.device) -> Callable[[], None]:
+    """One real training step on this device alone with one sample, as a function: reading
+    the data, `Engine.step` and the trainer's per-step logging. Beyond the units and the
+    optimizer that the profile times, a step also moves inputs, keeps the activation store,
+    makes gradient buffers and logs; at small sizes that is a noticeable share."""
+    from cephalo.api.job import DataSpec, SyntheticData
+    from cephalo.trainer.engine import Engine, Layout
+    from cephalo.trainer.run import log_step
+
+    layout = Layout(batch_sizes=[1], micro_batch_sizes=[1], shard_ratios=[1.0])
+    engine = Engine(config, training, layout, device=device, precision=precision,
+                    standalone=True)
+    data = DataSource(config, DataSpec(synthetic=SyntheticData()), seed=0)
+
+    def step() -> None:
+        result = engine.step(data.micro_batches(engine.step_count, 0, 1, 1))
+        log_step(engine, result, config.tokens_per_sample, 0.0, None, None, 0, False, 0)
+
+    for _ in range(3):  # first steps allocate the optimizer's moments and buffers
+        step()
+    return step
+
+
 def profile_device(config: ModelConfig, precision: str, micro_batch_sizes: Sequence[int],
                    device: torch.device, facts: DeviceFacts, repeats: int = 5,
                    warmup: int = 2, training: TrainingSpec | None = None) -> GpuProfile:
+    training = training or TrainingSpec()
+    # The real step runs in the same rounds as the unit timings it is compared with. It
+    # holds the whole training state, so only where that takes a small part of the device
+    # (a large model's per-step overhead is negligible beside its step anyway).
+    fits = STATE_BYTES_PER_PARAMETER * config.total_parameters() <= \
+        PROBE_MEMORY_FRACTION * facts.memory_bytes
+    extra = {"step": engine_step(config, training, precision, device)} if fits else {}
     measured = UnitProfiler(config, precision, device).measure(micro_batch_sizes, repeats,
-                                                                  warmup)
-    per_parameter, fixed = optimizer_timing(config, training or TrainingSpec(), device,
-                                            repeats, warmup)
-    return GpuProfile(product=facts.product, device_name=facts.device_name,
+                                                               warmup, extra)
+    per_parameter, fixed = optimizer_timing(config, training, device, repeats, warmup)
+    profile = GpuProfile(product=facts.product, device_name=facts.device_name,
                       memory_capacity_bytes=facts.memory_bytes, source="measured",
                       model_key=model_key(config.architecture_key(), precision),
                       precision=precision,  # type: ignore[arg-type]
@@ -303,6 +349,12 @@ def profile_device(config: ModelConfig, precision: str, micro_batch_sizes: Seque
                       other_forward_fixed_seconds=measured.other_forward_fixed_seconds,
                       optimizer_seconds_per_parameter=per_parameter,
                       optimizer_seconds_fixed=fixed)
+    # What the real step took beyond the cost model's own prediction of it.
+    if "step" not in measured.extra_seconds:
+        return profile
+    overhead = max(0.0, measured.extra_seconds["step"] - single_rank_step_seconds(profile,
+                                                                                  config))
+    return profile.model_copy(update={"step_overhead_seconds": overhead})
 
 
 def cache_path(cache_dir: Path, product: str, config: ModelConfig, precision: str) -> Path:

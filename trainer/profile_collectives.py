@@ -119,6 +119,16 @@ def _overlap_fraction(coll: UnevenCollectives, numel: int, device: torch.device,
     return float(value.item())
 
 
+def _probe_fits(config: ModelConfig, device: torch.device, world_size: int) -> bool:
+    """Whether an even shard of the training state is a small part of this device."""
+    from cephalo.planner.costmodel import STATE_BYTES_PER_PARAMETER
+    from cephalo.trainer.device_info import device_facts
+    from cephalo.trainer.profile import PROBE_MEMORY_FRACTION
+
+    shard = STATE_BYTES_PER_PARAMETER * config.total_parameters() / world_size
+    return shard <= PROBE_MEMORY_FRACTION * device_facts(device).memory_bytes
+
+
 def _engine_probe(config: ModelConfig, device: torch.device, group: dist.ProcessGroup | None,
                   precision: str, steps: int, warmup: int = 2) -> float:
     """Seconds of one real training step (the engine's step and the trainer's per-step
@@ -194,8 +204,12 @@ def measure_in_group(config: ModelConfig, device: torch.device, repeats: int = 5
         fits[kind] = _ring_fit(seconds(kind, small, even), small, t_big, big, n)
         uneven.append(seconds(kind, big, skew) / t_big - 1.0)
     all_reduce = _per_op_seconds(coll, "all_reduce", 2, even, device, repeats, 16)
-    overlap = _overlap_fraction(coll, small, device, repeats)
-    probe = _engine_probe(config, device, group, precision, steps=max(12, 2 * repeats))
+    # A difference of three noisy times: the median of three estimates.
+    overlap = statistics.median(_overlap_fraction(coll, small, device, repeats)
+                                for _ in range(3))
+    probe = None
+    if _probe_fits(config, device, n):
+        probe = _engine_probe(config, device, group, precision, steps=max(12, 2 * repeats))
     if coll.rank != 0:
         return None
     return CollectiveProfile(

@@ -190,3 +190,17 @@ def test_collectives_mode_under_torchrun(tmp_path: Path) -> None:
     assert c.probe_step_seconds is not None
     one = profile.points[0]
     assert c.probe_step_seconds > one.block_forward_seconds + one.block_backward_seconds
+
+
+def test_real_step_gives_the_step_overhead_unless_the_state_would_crowd_the_device() -> None:
+    import dataclasses
+
+    config = preset("gpt-tiny")
+    cpu = torch.device("cpu")
+    facts = device_facts(cpu)
+    measured = profiler.profile_device(config, "fp32", [1, 2], cpu, facts, repeats=2, warmup=1)
+    assert measured.step_overhead_seconds is not None and measured.step_overhead_seconds >= 0
+    # A device whose memory the whole training state would crowd: no probe step, no field.
+    small = dataclasses.replace(facts, memory_bytes=16 * config.total_parameters())
+    skipped = profiler.profile_device(config, "fp32", [1, 2], cpu, small, repeats=2, warmup=1)
+    assert skipped.step_overhead_seconds is None

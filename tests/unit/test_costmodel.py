@@ -89,3 +89,40 @@ def test_planner_calibrates_with_a_measured_probe() -> None:
     probed = measured.model_copy(update={"probe_step_seconds": predicted * 1.5})
     problem = build_problem(spec, cluster, {"cpu": _profile(0.01, 0.02, None, probed)})
     assert problem.comm_model.step_overhead_seconds == pytest.approx(predicted * 0.5)
+
+
+def test_step_overhead_is_charged_to_every_step_but_not_to_its_own_baseline() -> None:
+    from cephalo.planner.costmodel import single_rank_step_seconds
+
+    bare = _profile(forward=0.01, backward=0.02)
+    with_overhead = bare.model_copy(update={"step_overhead_seconds": 0.004})
+    alone = UnitComm.build(CONFIG, CommModel(1e9, 0.0), world_size=1, uneven=False)
+    for ell in (1, 3):
+        assert _step(_cost(with_overhead), ell, 1, alone) == pytest.approx(
+            _step(_cost(bare), ell, 1, alone) + 0.004)
+    # The profiler measures a real step and subtracts this: it must not count itself.
+    assert single_rank_step_seconds(with_overhead, CONFIG) == \
+        single_rank_step_seconds(bare, CONFIG) == pytest.approx(_step(_cost(bare), 1, 1, alone))
+
+
+def test_contention_and_emulation_scale_every_measured_time() -> None:
+    from cephalo.local.emulate import Emulation, emulated_profile
+    from cephalo.local.runner import slowed
+
+    profile = _profile(fixed=0.4).model_copy(update={
+        "other_forward_fixed_seconds": 0.1, "step_overhead_seconds": 0.01,
+        "optimizer_seconds_fixed": 0.02, "optimizer_seconds_per_parameter": 1e-9})
+    twice = slowed(profile, 2.0)
+    for key in ("block_forward_fixed_seconds", "other_forward_fixed_seconds",
+                "step_overhead_seconds", "optimizer_seconds_fixed",
+                "optimizer_seconds_per_parameter"):
+        assert getattr(twice, key) == pytest.approx(2 * getattr(profile, key)), key
+    assert twice.points[0].block_forward_seconds == 2.0
+    emu = Emulation(dilation={"P100": 4.0}, capacity_bytes={"P100": 2**28}, memory_scale=1.0)
+    slow = emulated_profile(profile, "P100", emu, contention=1.5)
+    # Unit work (including a forward pass's fixed part) runs 1.5 + 4 - 1 = 4.5x as long;
+    # the step's own work and the optimizer only feel the contention.
+    assert slow.points[0].block_forward_seconds == pytest.approx(4.5)
+    assert slow.block_forward_fixed_seconds == pytest.approx(0.4 * 4.5)
+    assert slow.step_overhead_seconds == pytest.approx(0.015)
+    assert slow.optimizer_seconds_fixed == pytest.approx(0.03)

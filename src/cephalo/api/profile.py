@@ -75,6 +75,11 @@ class GpuProfile(BaseModel):
             "microbatches run through it (binding the unit, cold caches)"))
     other_forward_fixed_seconds: float | None = Field(
         default=None, ge=0, description="the same for the embedding's forward and the data")
+    step_overhead_seconds: float | None = Field(
+        default=None, ge=0, description=(
+            "per-step work of the engine beyond the units and the optimizer (inputs, "
+            "buffers, logging): a real single-rank step with one sample, minus the cost "
+            "model's prediction of it"))
     optimizer_seconds_per_parameter: float | None = Field(
         default=None, ge=0, description="AdamW update time per owned parameter")
     optimizer_seconds_fixed: float | None = Field(

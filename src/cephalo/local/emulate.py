@@ -66,7 +66,16 @@ def emulated_profile(cpu_profile: GpuProfile, product: str, emu: Emulation,
         other_forward_seconds=p.other_forward_seconds * d,
         other_backward_seconds=p.other_backward_seconds * d,
         compute_memory_bytes=p.compute_memory_bytes) for p in cpu_profile.points]
+    # The once-per-pass part of a forward is unit work (dilated); the step's own work and
+    # the optimizer run outside the units (only contention slows them).
+    scaled = {k: getattr(cpu_profile, k) * factor
+              for k, factor in (("block_forward_fixed_seconds", d),
+                                ("other_forward_fixed_seconds", d),
+                                ("step_overhead_seconds", contention),
+                                ("optimizer_seconds_fixed", contention),
+                                ("optimizer_seconds_per_parameter", contention))
+              if getattr(cpu_profile, k) is not None}
     return cpu_profile.model_copy(update={
-        "product": product, "source": "emulated", "points": points,
+        **scaled, "product": product, "source": "emulated", "points": points,
         "memory_capacity_bytes": emu.capacity_bytes[product],
         "device_name": f"emulated {product} on {cpu_profile.device_name}"})

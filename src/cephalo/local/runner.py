@@ -71,7 +71,13 @@ def slowed(profile: GpuProfile, factor: float) -> GpuProfile:
         k: getattr(p, k) * factor for k in ("block_forward_seconds", "block_backward_seconds",
                                             "other_forward_seconds", "other_backward_seconds")})
         for p in profile.points]
-    return profile.model_copy(update={"points": points})
+    # Per-step and per-pass work is CPU work too.
+    scalars = {k: getattr(profile, k) * factor
+               for k in ("block_forward_fixed_seconds", "other_forward_fixed_seconds",
+                         "step_overhead_seconds", "optimizer_seconds_fixed",
+                         "optimizer_seconds_per_parameter")
+               if getattr(profile, k) is not None}
+    return profile.model_copy(update={"points": points, **scalars})
 
 
 def _threads_per_rank(devices: list[LocalDevice]) -> int:

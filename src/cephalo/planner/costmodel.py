@@ -147,7 +147,7 @@ class GpuCostModel:
     profiled size, time and memory grow linearly with the slope fitted on the upper half of
     the points, as the paper does (GPUs are saturated there)."""
 
-    def __init__(self, gpu: GpuType, profile: GpuProfile, memory_capacity_bytes: int,
+    def __init__(self, gpu: GpuType | None, profile: GpuProfile, memory_capacity_bytes: int,
                  num_layers: int):
         self.gpu = gpu
         self.profile = profile
@@ -168,6 +168,8 @@ class GpuCostModel:
                                         profile.other_forward_fixed_seconds or 0.0])
         self.optimizer_seconds_per_parameter = profile.optimizer_seconds_per_parameter or 0.0
         self.optimizer_seconds_fixed = profile.optimizer_seconds_fixed or 0.0
+        # The engine's own per-step work beyond units and optimizer, as profiled.
+        self.step_fixed_seconds = profile.step_overhead_seconds or 0.0
 
     def compute_seconds(self, m: np.ndarray) -> np.ndarray:
         """(4, len(m)) array: block fwd, block bwd, other fwd, other bwd seconds per microbatch."""
@@ -206,7 +208,7 @@ class GpuCostModel:
         # to the embedding+head compute keeps the count exact.
         other = unit(fo, comm.ag_head) + unit(bo, comm.ag_first + comm.rs_other)
         fixed = comm.ag_first + comm.all_reduce_seconds + self.optimizer_seconds(comm) + \
-            comm.step_overhead_seconds
+            comm.step_overhead_seconds + self.step_fixed_seconds
         return fixed + self.num_layers * per_block + other
 
     def optimizer_seconds(self, comm: UnitComm) -> float:
@@ -219,9 +221,19 @@ class GpuCostModel:
         reduce-scatters its gradient (the paper's FSDP-GA baseline); the optimizer and the
         step's all-reduces still run once."""
         fixed = comm.all_reduce_seconds + self.optimizer_seconds(comm) + \
-            comm.step_overhead_seconds
+            comm.step_overhead_seconds + self.step_fixed_seconds
         per_micro = self.step_seconds(np.ones_like(m), m, comm) - fixed
         return np.asarray(ell, dtype=np.float64) * per_micro + fixed
+
+
+def single_rank_step_seconds(profile: GpuProfile, model: ModelConfig) -> float:
+    """This model's step time for one sample on one GPU alone, from `profile` without its
+    step overhead: what the profiler compares a measured step with to find that overhead."""
+    bare = profile.model_copy(update={"step_overhead_seconds": None})
+    cost = GpuCostModel(None, bare, bare.memory_capacity_bytes, model.num_layers)
+    alone = UnitComm(0.0, 0.0, 0.0, 0.0, 0.0, state_share_parameters=model.total_parameters())
+    one = np.ones(1)
+    return float(cost.step_seconds(one, one, alone)[0])
 
 
 def _linear_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
