@@ -1,8 +1,9 @@
 """The per-unit compute the engine runs, the activation store, and a profiler entry point.
 
 These are the *only* code paths that run a unit: the engine's layered schedule calls
-`forward_unit` / `backward_unit` for every unit, and `run_unit_for_profile` times a block
-with the very same two functions, so profiled times are the engine's times.
+`forward_unit` / `backward_unit` for every unit, and the profiler (`cephalo.trainer.profile`)
+times the very same two functions, so profiled times are the engine's times;
+`run_unit_for_profile` is the same measurement for one block on its own.
 
 Activation checkpointing is at unit boundaries: forward runs without autograd and keeps
 only each unit's inputs (one tensor per microbatch); backward re-runs the unit with

@@ -105,6 +105,7 @@ def test_largest_preset_profile_fits_a_termination_message(tmp_path: Path) -> No
         "torch_version": "2.13.0+cu130",
         "block_forward_fixed_seconds": 1.23456789e-05,
         "other_forward_fixed_seconds": 1.23456789e-05,
+        "step_overhead_seconds": 1.23456789e-05,
         "collectives": CollectiveProfile(
             bandwidth_bytes_per_second=1.2345678901234e11, latency_seconds=1.23456789e-05,
             reduce_scatter_bandwidth_bytes_per_second=1.2345678901234e11,
