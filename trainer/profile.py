@@ -33,7 +33,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,23 +43,15 @@ from cephalo.api.profile import (
     TERMINATION_MESSAGE_LIMIT_BYTES,
     CollectiveProfile,
     GpuProfile,
-    ProfilePoint,
     model_key,
     profile_cache_key,
 )
 from cephalo.planner.costmodel import STATE_BYTES_PER_PARAMETER, single_rank_step_seconds
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.device_info import DeviceFacts, device_facts
-from cephalo.trainer.flat import FlatUnit
-from cephalo.trainer.models import build_model
 from cephalo.trainer.optim import ShardedAdamW
-from cephalo.trainer.unit_ops import (
-    backward_unit,
-    forward_unit,
-    head_forward_backward,
-)
+from cephalo.trainer.profile_units import UnitProfiler
 
-FP32_BYTES = 4
 # A probe step holds the training state of the whole model (or of an even shard across the
 # probing ranks): measured only where that is at most this share of the device's memory.
 PROBE_MEMORY_FRACTION = 0.25
@@ -74,199 +65,6 @@ def _median(fn: Callable[[], float], repeats: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
     return statistics.median(fn() for _ in range(repeats))
-
-
-def _once_per_pass(med: dict[tuple[str, int], float], series: str, sizes) -> float:
-    """The part of a one-microbatch pass that a second microbatch does not repeat:
-    t1 - (t2 - t1) per size, the median over sizes, within [0, the smallest t1]."""
-    fixed = statistics.median(2 * med[f"{series}1", m] - med[f"{series}2", m] for m in sizes)
-    return min(max(0.0, fixed), min(med[f"{series}1", m] for m in sizes))
-
-
-class SavedBytes:
-    """Counts the distinct storage bytes autograd saves for backward (CPU memory model)."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self._seen: set[int] = set()
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in self._seen:
-            self._seen.add(storage.data_ptr())
-            self.bytes += storage.nbytes()
-        return tensor
-
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-
-
-def _nbytes(*tensors: torch.Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-@dataclass
-class Measured:
-    """What `UnitProfiler.measure` found: one point per microbatch size, and the parts of a
-    forward pass paid once per unit pass whatever the number of microbatches."""
-
-    points: list[ProfilePoint]
-    block_forward_fixed_seconds: float
-    other_forward_fixed_seconds: float
-    extra_seconds: dict[str, float]  # median of each extra run (see `measure`)
-
-
-class UnitProfiler:
-    """Times the units of one model on one device through the engine's unit functions."""
-
-    def __init__(self, config: ModelConfig, precision: str, device: torch.device,
-                 seed: int = 0) -> None:
-        self.config = config
-        self.precision = precision
-        self.device = device
-        model = build_model(config, seed=seed)
-        self.units = []
-        self.fulls = []
-        # Profile the embedding, the first block and the head; blocks are identical.
-        for index in (0, 1, config.num_layers + 1):
-            flat = FlatUnit(index, model.units[index], [1.0], 0)
-            self.fulls.append(flat.flatten().to(device))
-            flat.detach_parameters()
-            flat.module.to(device)
-            self.units.append(flat)
-        from cephalo.api.job import DataSpec, SyntheticData
-
-        self.data = DataSource(config, DataSpec(synthetic=SyntheticData()), seed)
-        self.max_unit_bytes = max(u.numel for u in self.units) * FP32_BYTES
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def _timed(self, fn: Callable[[], object]) -> float:
-        self._sync()
-        started = time.perf_counter()
-        fn()
-        self._sync()
-        return time.perf_counter() - started
-
-    def measure(self, sizes: Sequence[int], repeats: int, warmup: int,
-                extra: dict[str, Callable[[], object]] | None = None) -> Measured:
-        """Median seconds per microbatch size of a block's forward and recompute+backward,
-        and of the embedding + data + head + loss, as the engine runs them.
-
-        Repeats go round-robin over the sizes, so that a machine whose speed drifts (clock
-        boost, a neighbour on a shared core) shifts every size alike instead of bending the
-        curve. Forward passes run once with one microbatch and once with two: the engine
-        runs all of a rank's microbatches through a unit in one pass, so what the second
-        microbatch adds is the per-microbatch cost and the rest is paid once per pass.
-        `extra` runs are timed once per round too, so they see the same drift."""
-        emb, block, head = self.units
-        emb_full, block_full, head_full = self.fulls
-        cases = {}
-        for m in sorted(set(sizes)):
-            inputs, targets = self.data.batch(0, 0, 2 * m)
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
-            xs, ts = [inputs[:m], inputs[m:]], [targets[:m], targets[m:]]
-            hiddens = forward_unit(emb, emb_full, xs, self.device, self.precision)
-            cases[m] = (xs, ts, hiddens, torch.ones_like(hiddens[0]))
-        samples: dict[tuple[str, int], list[float]] = {}
-
-        def block_forward(m: int, ell: int) -> None:
-            forward_unit(block, block_full, cases[m][2][:ell], self.device, self.precision)
-
-        def block_backward(m: int) -> None:
-            _, _, hiddens, grad = cases[m]
-            backward_unit(block, block_full, hiddens[0], grad, self.device, self.precision,
-                          needs_input_grad=True)
-            block_full.grad = None
-
-        def other_forward(m: int, ell: int) -> None:
-            self.data.micro_batches(0, 0, ell * m, m)  # the data a rank reads
-            forward_unit(emb, emb_full, cases[m][0][:ell], self.device, self.precision)
-
-        def other_backward(m: int) -> None:
-            xs, ts, hiddens, _ = cases[m]
-            _, grad = head_forward_backward(head, head_full, hiddens[0], ts[0], 1.0 / m,
-                                            self.device, self.precision)
-            backward_unit(emb, emb_full, xs[0], grad, self.device, self.precision,
-                          needs_input_grad=False)
-            head_full.grad = None
-            emb_full.grad = None
-
-        runs: list[tuple[str, Callable[[int], None]]] = [
-            ("bf1", lambda m: block_forward(m, 1)), ("bf2", lambda m: block_forward(m, 2)),
-            ("bb", block_backward),
-            ("of1", lambda m: other_forward(m, 1)), ("of2", lambda m: other_forward(m, 2)),
-            ("ob", other_backward)]
-        for i in range(warmup + repeats):
-            for m in cases:
-                for name, run in runs:
-                    seconds = self._timed(lambda run=run, m=m: run(m))
-                    if i >= warmup:
-                        samples.setdefault((name, m), []).append(seconds)
-            for name, fn in (extra or {}).items():
-                seconds = self._timed(fn)
-                if i >= warmup:
-                    samples.setdefault((name, 0), []).append(seconds)
-        med = {key: statistics.median(values) for key, values in samples.items()}
-        points = [ProfilePoint(
-            micro_batch_size=m, block_forward_seconds=med["bf1", m],
-            block_backward_seconds=med["bb", m], other_forward_seconds=med["of1", m],
-            other_backward_seconds=med["ob", m],
-            compute_memory_bytes=self.compute_memory_bytes(m, cases[m][0][0], cases[m][1][0],
-                                                           cases[m][2][0]))
-            for m in cases]
-        return Measured(points, _once_per_pass(med, "bf", cases), _once_per_pass(med, "of", cases),
-                        {name: med[name, 0] for name in extra or {}})
-
-    def compute_memory_bytes(self, m: int, inputs: torch.Tensor, targets: torch.Tensor,
-                             hidden: torch.Tensor) -> int:
-        """Peak bytes of a step beyond the training state, for microbatch size m.
-
-        The engine holds at most the gathered current unit, the prefetched next one and the
-        current unit's full gradient (3 unit buffers), plus the larger of a block's and the
-        head's working set for one microbatch (they never overlap)."""
-        fixed = 3 * self.max_unit_bytes
-        if self.device.type == "cuda":
-            return fixed + max(self._cuda_peak(lambda: self._block_step(hidden)),
-                               self._cuda_peak(lambda: self._head_step(hidden, targets, m)))
-        block_bytes = self._counted(lambda: self._block_step(hidden))
-        head_bytes = self._counted(lambda: self._head_step(hidden, targets, m))
-        return fixed + max(block_bytes, head_bytes)
-
-    def _block_step(self, hidden: torch.Tensor) -> int:
-        _, block, _ = self.units
-        full = self.fulls[1]
-        (out,) = forward_unit(block, full, [hidden], self.device, self.precision)
-        grad_out = torch.ones_like(out)
-        grad_in = backward_unit(block, full, hidden, grad_out, self.device, self.precision,
-                                needs_input_grad=True)
-        full.grad = None
-        # Boundary tensors alive during the backward: input, output gradient, input gradient.
-        return _nbytes(hidden, grad_out, grad_in)
-
-    def _head_step(self, hidden: torch.Tensor, targets: torch.Tensor, m: int) -> int:
-        _, _, head = self.units
-        full = self.fulls[2]
-        _, grad = head_forward_backward(head, full, hidden, targets, 1.0 / m, self.device,
-                                        self.precision)
-        full.grad = None
-        return _nbytes(hidden, grad)
-
-    def _counted(self, step: Callable[[], int]) -> int:
-        counter = SavedBytes()
-        with counter.hooks():
-            boundary = step()
-        return counter.bytes + boundary
-
-    def _cuda_peak(self, step: Callable[[], int]) -> int:
-        torch.cuda.synchronize(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        step()
-        torch.cuda.synchronize(self.device)
-        return max(0, torch.cuda.max_memory_allocated(self.device) - before)
 
 
 OPTIMIZER_PROBE_ELEMENTS = 4 * 1024**2

@@ -88,10 +88,12 @@ class CommModel:
         times and the transport taking CPU from compute. It is never made negative enough to
         cancel more than the collectives' own modelled time."""
         unit = UnitComm.build(model, self, world_size, uneven=False)
+        silent = replace(unit, ag_block=0.0, rs_block=0.0, ag_first=0.0, ag_head=0.0,
+                         rs_other=0.0, all_reduce_seconds=0.0)
         one = np.ones(1)
-        predicted = min(float(c.step_seconds(one, one, unit)[0]) for c in costs)
-        collectives = (unit.ag_first + model.num_layers * (2 * unit.ag_block + unit.rs_block)
-                       + unit.ag_head + unit.ag_first + unit.rs_other + unit.all_reduce_seconds)
+        fastest = min(costs, key=lambda c: float(c.step_seconds(one, one, unit)[0]))
+        predicted = float(fastest.step_seconds(one, one, unit)[0])
+        collectives = predicted - float(fastest.step_seconds(one, one, silent)[0])
         overhead = max(probe_step_seconds - predicted, -collectives)
         return replace(self, step_overhead_seconds=overhead)
 

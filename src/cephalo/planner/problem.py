@@ -12,7 +12,7 @@ import numpy as np
 from cephalo.api.cluster import ClusterSpec
 from cephalo.api.job import CephaloJobSpec
 from cephalo.api.models import ModelConfig
-from cephalo.api.profile import GpuProfile
+from cephalo.api.profile import CollectiveProfile, GpuProfile
 from cephalo.planner.catalog import GpuType, lookup_gpu
 from cephalo.planner.costmodel import (
     STATE_BYTES_PER_PARAMETER,
@@ -95,29 +95,21 @@ def build_problem(spec: CephaloJobSpec, cluster: ClusterSpec,
             classes[key].slots.append(len(ranks))
             ranks.append((gpu.name, group.pool or gpu.name))
             rank_class.append(index)
-    probe = _probe(profiles)
-    if probe is not None:  # a real step measured on the cluster: calibrate against it
-        comm = comm.calibrated(model, [c.cost for c in classes.values()], probe.seconds,
-                               probe.world_size)
+    probe = _probed_collectives(profiles)
+    if probe is not None and probe.probe_step_seconds is not None:
+        # A real step measured on the cluster: calibrate against it.
+        comm = comm.calibrated(model, [c.cost for c in classes.values()],
+                               probe.probe_step_seconds, probe.world_size)
     return Problem(model, spec.precision, spec.global_batch_size, spec.planner.memory_fraction,
                    spec.planner.allow_state_only_ranks, comm, ranks, list(classes.values()),
                    rank_class)
 
 
-@dataclass(frozen=True)
-class _Probe:
-    seconds: float
-    world_size: int
-
-
-def _probe(profiles: Mapping[str, GpuProfile]) -> _Probe | None:
-    measured = [p.collectives for p in profiles.values()
-                if p.collectives is not None and p.collectives.probe_step_seconds is not None]
-    if not measured:
-        return None
-    slowest = max(measured, key=lambda c: c.probe_step_seconds or 0.0)
-    assert slowest.probe_step_seconds is not None
-    return _Probe(slowest.probe_step_seconds, slowest.world_size)
+def _probed_collectives(profiles: Mapping[str, GpuProfile]) -> CollectiveProfile | None:
+    """The collective measurement with the slowest probe step, if any has one."""
+    probed = [p.collectives for p in profiles.values()
+              if p.collectives is not None and p.collectives.probe_step_seconds is not None]
+    return max(probed, key=lambda c: c.probe_step_seconds or 0.0, default=None)
 
 
 def _comm_model(spec: CephaloJobSpec, cluster: ClusterSpec,
