@@ -25,6 +25,16 @@ class OperatorConfig:
     discovery_timeout_seconds: float = 3600.0  # CEPHALO_DISCOVERY_TIMEOUT_SECONDS
     watch_timeout_seconds: int = 300  # CEPHALO_WATCH_TIMEOUT_SECONDS (kopf server_timeout)
     run_as_user: int = 1000  # CEPHALO_RUN_AS_USER: non-root uid of trainer/profiler pods
+    # CEPHALO_NODE_DEBOUNCE_SECONDS: node events within this window wake each job once.
+    node_debounce_seconds: float = 1.0
+    # CEPHALO_NODE_RESYNC_SECONDS: the node view (kept by the watch) is re-listed this often.
+    node_resync_seconds: float = 300.0
+    # CEPHALO_PLANNING_TIMEOUT_SECONDS: a job whose planning takes longer fails
+    # (PlanningFailed); the planner runs in a child process that is then killed.
+    planning_timeout_seconds: float = 300.0
+    # CEPHALO_PLANNING_MEMORY_BYTES: memory the planning child may allocate (RLIMIT_AS over
+    # its start); the chart's memory limit must cover the operator plus this.
+    planning_memory_bytes: int = 512 * 1024**2
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> OperatorConfig:

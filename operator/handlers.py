@@ -1,9 +1,14 @@
 """kopf wiring (thin): one reconcile loop per CephaloJob, woken by its pods and by nodes.
 
 A kopf daemon per job runs `reconcile` whenever something relevant changes (a pod of the
-job, any node) or its own timer fires. kopf stops the daemon when the job is deleted and
-starts it again for every existing job when the operator restarts, so the loop itself holds
-no state that matters: everything is read back from the cluster.
+job, a node its pools could use) or its own timer fires. kopf stops the daemon when the job is
+deleted and starts it again for every existing job when the operator restarts, so the loop
+itself holds no state that matters: everything is read back from the cluster (the node view
+is a cache of the node watch, see cephalo.operator.nodes).
+
+Node events are many (1000 nodes) and bursty (a drain, a GFD relabel): each one updates the
+shared node view, and wake-ups are coalesced over `node_debounce_seconds` and sent only to
+jobs whose pools the changed nodes belong to (plus jobs still looking for GPUs).
 """
 
 from __future__ import annotations
@@ -19,14 +24,20 @@ from cephalo.api import API_GROUP, API_VERSION, PLURAL
 from cephalo.operator import metrics
 from cephalo.operator.config import OperatorConfig
 from cephalo.operator.kube import AsyncKube, Kube, load_api_client
+from cephalo.operator.nodes import NODES
 from cephalo.operator.reconcile import reconcile
 from cephalo.operator.render import LABEL_JOB
+from cephalo.operator.status import TERMINAL_PHASES, JobPhase
 
 log = logging.getLogger("cephalo.operator")
 # A job with nothing pending (finished, failed, suspended) sleeps until an event wakes it;
 # this is only the safety net against a missed event.
 IDLE_SECONDS = 600.0
 _wakeups: dict[tuple[str, str], asyncio.Event] = {}
+# GPUs each job's plan uses per pool (product label); None: no plan yet, any GPU node matters.
+_job_pools: dict[tuple[str, str], dict[str, int] | None] = {}
+_changed_products: set[str] = set()  # node changes not yet sent to the jobs (debounce)
+_node_wake: asyncio.TimerHandle | None = None
 
 
 @kopf.on.startup()
@@ -37,6 +48,10 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=API_GROUP)
     settings.persistence.finalizer = f"{API_GROUP}/operator"
     settings.watching.server_timeout = config.watch_timeout_seconds
+    # Server-side filter: the API server sends only the operator's pods, not every pod in the
+    # cluster (the handler's `labels=` filter alone is applied after the whole stream arrives).
+    settings.watching.label_selectors["v1", "pods"] = LABEL_JOB
+    NODES.resync_seconds = config.node_resync_seconds
     settings.posting.level = logging.WARNING  # our own Events are explicit; no log spam
     memo.config = config
     memo.kube = AsyncKube(Kube(await asyncio.to_thread(load_api_client)))
@@ -69,6 +84,7 @@ async def run_job(meta: kopf.Meta, stopped: kopf.DaemonStopped, memo: kopf.Memo,
             await _sleep(wakeup, stopped, IDLE_SECONDS if wait_seconds is None else wait_seconds)
     finally:
         _wakeups.pop((namespace, name), None)
+        _job_pools.pop((namespace, name), None)
         metrics.set_phase(namespace, name, None)
 
 
@@ -86,13 +102,66 @@ async def pod_changed(meta: kopf.Meta, **_: Any) -> None:
 
 
 @kopf.on.event("", "v1", "nodes")
-async def node_changed(**_: Any) -> None:
-    for namespace, name in list(_wakeups):  # pools changed: every job re-checks its plan
-        _wake(namespace, name)
+async def node_changed(type: str | None, event: kopf.RawEvent, memo: kopf.Memo,
+                       **_: Any) -> None:
+    products = NODES.apply(type, event["object"])  # type None: kopf's (re-)listing
+    if products:
+        _schedule_node_wake(products, memo.config.node_debounce_seconds)
+
+
+def _schedule_node_wake(products: set[str], delay_seconds: float) -> None:
+    """Collect changed products; one wake-up round `delay_seconds` after the first change."""
+    global _node_wake
+    _changed_products.update(products)
+    if _node_wake is None:
+        _node_wake = asyncio.get_running_loop().call_later(delay_seconds, _wake_for_nodes)
+
+
+def _wake_for_nodes() -> None:
+    global _node_wake
+    _node_wake = None
+    products = set(_changed_products)
+    _changed_products.clear()
+    available = NODES.pool_gpus()  # one discovery per burst, not one per job
+    for key in list(_wakeups):
+        if node_change_matters(_job_pools.get(key), products, available):
+            _wake(*key)
+
+
+def node_change_matters(job_pools: dict[str, int] | None, products: set[str],
+                        available: dict[str, int] | None) -> bool:
+    """Could a change to nodes of `products` change what a job does? A job still looking
+    for GPUs: yes. A planned job: only when a pool it uses now has fewer usable GPUs than its
+    plan takes from it (what reconcile's re-plan check, discovery.plan_fits, looks at).
+    `available`: usable GPUs per pool now; None when the view is not primed (then any change
+    to a pool the job uses counts)."""
+    if job_pools is None:
+        return True
+    touched = {pool: used for pool, used in job_pools.items() if pool in products}
+    if available is None:
+        return bool(touched)
+    return any(available.get(pool, 0) < used for pool, used in touched.items())
+
+
+def pools_in_use(status: dict[str, Any]) -> dict[str, int] | None:
+    """GPUs per pool a job depends on, from its status (see `_job_pools`)."""
+    phase = status.get("phase")
+    if phase in TERMINAL_PHASES or phase == JobPhase.SUSPENDED:
+        return {}  # nothing to re-check until the spec changes
+    pools = (status.get("plan") or {}).get("pools")
+    if pools and phase not in (JobPhase.PLANNING, JobPhase.PROFILING):
+        return {str(p): int(n) for p, n in pools.items()}  # GPUs lost there: re-plan
+    return None  # still looking for GPUs: any GPU node may be the one it waits for
 
 
 @kopf.on.event(API_GROUP, API_VERSION, PLURAL)
-async def job_changed(meta: kopf.Meta, status: kopf.Status, **_: Any) -> None:
+async def job_changed(type: str | None, meta: kopf.Meta, status: kopf.Status,
+                      **_: Any) -> None:
+    key = (meta.get("namespace") or "", meta.get("name") or "")
+    if type == "DELETED":
+        _job_pools.pop(key, None)  # its daemon is gone (or going): nothing left to wake
+    else:
+        _job_pools[key] = pools_in_use(dict(status))
     # Our own status writes leave generation == observedGeneration: no need to wake for them.
     if meta.get("generation") != status.get("observedGeneration") or meta.get(
             "deletionTimestamp"):

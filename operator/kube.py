@@ -27,6 +27,33 @@ MERGE_PATCH = "application/merge-patch+json"
 T = TypeVar("T")
 
 
+def controller_uid(obj: dict[str, Any]) -> str | None:
+    """The uid in the object's controller ownerReference (None: no controller)."""
+    for ref in obj.get("metadata", {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return str(ref.get("uid"))
+    return None
+
+
+def owned_by(obj: dict[str, Any], uid: str) -> bool:
+    """A child counts for a job only when its controller is *this* job: same uid. A job
+    deleted and created again under the same name has a new uid; the old job's children
+    (kept a while by a lagging garbage collector, or orphaned on purpose) are not its own."""
+    return controller_uid(obj) == uid
+
+
+class NotOwned(Exception):
+    """A child name is taken by an object that is not this job's (an older job's, being
+    removed): it was deleted, and the pass waits for it to go instead of adopting it."""
+
+
+def not_owned(obj: dict[str, Any]) -> NotOwned:
+    """What to raise after deleting `obj`, a namesake of one of our children (its uid is the
+    delete's precondition, so a namesake created since is never hit)."""
+    return NotOwned(f"{obj.get('kind', 'object')} {obj['metadata']['name']} belongs to another "
+                    f"owner (uid {controller_uid(obj)}); deleted it, waiting for it to go")
+
+
 class ApiError(Exception):
     def __init__(self, status: int, reason: str, message: str) -> None:
         super().__init__(f"HTTP {status} {reason}: {message}")
@@ -111,14 +138,18 @@ class Kube:
                 return None
             raise
 
-    def delete(self, path: str) -> bool:
-        """Delete (background propagation); False when it was already gone."""
+    def delete(self, path: str, uid: str | None = None) -> bool:
+        """Delete (background propagation); False when it was already gone. With `uid`, only
+        that very object (a precondition): never a namesake created since it was read."""
+        body: dict[str, Any] = {"propagationPolicy": "Background"}
+        if uid is not None:
+            body["preconditions"] = {"uid": uid}
         try:
-            self.request("DELETE", path, body={"propagationPolicy": "Background"})
+            self.request("DELETE", path, body=body)
             return True
         except ApiError as err:
-            if err.status == 404:
-                return False
+            if err.status == 404 or (err.status == 409 and uid is not None):
+                return False  # gone, or replaced by a namesake: either way not ours to delete
             raise
 
 
@@ -144,5 +175,7 @@ class AsyncKube:
     async def patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any] | None:
         return await self._run(self.kube.patch, path, patch)
 
-    async def delete(self, path: str) -> bool:
-        return await self._run(self.kube.delete, path)
+    async def delete(self, path: str, uid: str | None = None) -> bool:
+        return await self._run(self.kube.delete, path, uid)
+
+

@@ -1,4 +1,12 @@
-"""Operator metrics (prometheus-client, default registry: process memory/CPU come for free)."""
+"""Operator metrics (prometheus-client, default registry: process memory/CPU come for free).
+
+Per-job series carry `cephalo_namespace` and `cephalo_job`, the same two labels the chart's
+PodMonitor puts on every trainer series, so one dashboard query joins both. Not `job` and
+`namespace`: Prometheus sets those on every target (the scrape job, the operator's own
+namespace), and with the default honor_labels: false it renames a clashing scraped label to
+`exported_job`; honoring it instead would silently replace the target's own labels.
+Counters end in `_total` and are read with rate()/increase().
+"""
 
 from __future__ import annotations
 
@@ -9,6 +17,7 @@ from prometheus_client import Counter, Gauge, Histogram, start_http_server
 from cephalo.api.job import Phase
 
 PHASES: tuple[str, ...] = Phase.__args__  # type: ignore[attr-defined]
+JOB_LABELS = ("cephalo_namespace", "cephalo_job")  # .labels(namespace, name), in this order
 
 JOBS = Gauge("cephalo_operator_jobs", "CephaloJobs this operator tracks, by phase", ["phase"])
 RECONCILES = Counter("cephalo_operator_reconciles_total",
@@ -22,12 +31,16 @@ PROFILING_SECONDS = Histogram("cephalo_operator_profiling_duration_seconds",
                               "Profiler pod creation to result, per GPU product", ["product"],
                               buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1200))
 PREDICTED_SAMPLES = Gauge("cephalo_operator_predicted_samples_per_second",
-                          "The plan's predicted throughput", ["namespace", "job"])
+                          "The plan's predicted throughput", JOB_LABELS)
 MEASURED_SAMPLES = Gauge("cephalo_operator_measured_samples_per_second",
-                         "Throughput rank 0 reports", ["namespace", "job"])
-RESTARTS = Counter("cephalo_operator_gang_restarts_total", "Gang restarts", ["namespace", "job"])
+                         "Throughput rank 0 reports", JOB_LABELS)
+RESTARTS = Counter("cephalo_operator_gang_restarts_total", "Gang restarts", JOB_LABELS)
+PREEMPTIONS = Counter("cephalo_operator_preemptions_total",
+                      "Gang restarts after a disruption (preemption, eviction, drain); not "
+                      "counted toward backoffLimit", JOB_LABELS)
 REPLANS = Counter("cephalo_operator_replans_total", "Re-plans (spec change, GPUs lost)",
-                  ["namespace", "job"])
+                  JOB_LABELS)
+PER_JOB = (PREDICTED_SAMPLES, MEASURED_SAMPLES, RESTARTS, PREEMPTIONS, REPLANS)
 
 _phases: dict[tuple[str, str], str] = {}
 
@@ -36,9 +49,9 @@ def set_phase(namespace: str, job: str, phase: str | None) -> None:
     """Track a job's phase (None: the job is gone) and refresh the per-phase gauge."""
     if phase is None:
         _phases.pop((namespace, job), None)
-        for labels in (PREDICTED_SAMPLES, MEASURED_SAMPLES):
+        for metric in PER_JOB:  # a deleted job's series go too: no unbounded growth
             with contextlib.suppress(KeyError):
-                labels.remove(namespace, job)
+                metric.remove(namespace, job)
     else:
         _phases[(namespace, job)] = phase
     for p in PHASES:

@@ -11,13 +11,12 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
-import kopf
 from pydantic import ValidationError
 
 from cephalo.api import GpuProfile
 from cephalo.operator import metrics
 from cephalo.operator.discovery import Pool
-from cephalo.operator.kube import core_path, job_path
+from cephalo.operator.kube import core_path, job_path, not_owned, owned_by
 from cephalo.operator.render import (
     ANNOTATION_PROFILE_ATTEMPTS,
     LABEL_JOB,
@@ -29,10 +28,21 @@ from cephalo.operator.render import (
     render_profiler_pod,
     render_spec_config_map,
 )
-from cephalo.operator.status import PROFILED, parse_time, pod_state, tail
+from cephalo.operator.status import (
+    PROFILED,
+    JobPhase,
+    PodPhase,
+    parse_time,
+    pod_state,
+    tail,
+)
 
 if TYPE_CHECKING:
-    from cephalo.operator.reconcile import JobContext
+    from cephalo.operator.context import JobContext
+
+# When the operator created a profiler pod, by its own clock: the timeout is measured on
+# that clock, never against the API server's creationTimestamp (clocks may disagree).
+ANNOTATION_STARTED = "cephalo.dev/created-at-seconds"
 
 
 class ProfilingFailed(Exception):
@@ -63,6 +73,10 @@ async def profile(ctx: JobContext, pools: list[Pool]) -> dict[str, GpuProfile] |
     job = ctx.job
     spec_cm = render_spec_config_map(job)
     existing, _ = await ctx.kube.create(core_path(ctx.namespace, "configmaps"), spec_cm)
+    if not owned_by(existing, ctx.uid):  # an older job's: deleted, created again next pass
+        await ctx.kube.delete(core_path(ctx.namespace, "configmaps", existing["metadata"]["name"]),
+                              existing["metadata"]["uid"])
+        raise not_owned(existing)
     if existing.get("data") != spec_cm["data"]:  # the spec changed while profiling
         await ctx.kube.patch(core_path(ctx.namespace, "configmaps", spec_cm["metadata"]["name"]),
                              {"data": spec_cm["data"]})
@@ -77,7 +91,7 @@ async def profile(ctx: JobContext, pools: list[Pool]) -> dict[str, GpuProfile] |
         else:
             profiles[pool.catalog_name or pool.product] = done
     if waiting:
-        await ctx.write_status("Profiling", f"profiling {', '.join(waiting)}", {
+        await ctx.write_status(JobPhase.PROFILING, f"profiling {', '.join(waiting)}", {
             PROFILED: ("False", "Profiling", "profiler pods running for " + ", ".join(waiting))})
         return None
     return profiles
@@ -89,13 +103,18 @@ async def _profile_one(ctx: JobContext, pool: Pool, attempts: dict[str, int]) ->
     pods_path = core_path(ctx.namespace, "pods")
     name = profiler_pod_name(job, product, attempt)
     pod = await ctx.kube.get(f"{pods_path}/{name}")
+    if pod is not None and not owned_by(pod, ctx.uid):
+        await ctx.kube.delete(f"{pods_path}/{name}", pod["metadata"]["uid"])
+        raise not_owned(pod)
     if pod is None:
-        await ctx.kube.create(pods_path, render_profiler_pod(job, product, attempt, ctx.config))
+        manifest = render_profiler_pod(job, product, attempt, ctx.config)
+        manifest["metadata"].setdefault("annotations", {})[ANNOTATION_STARTED] = f"{ctx.now:.3f}"
+        await ctx.kube.create(pods_path, manifest)
         return None
     state = pod_state(pod)
-    created = parse_time(pod["metadata"].get("creationTimestamp")) or ctx.now
+    created = _started(pod, ctx.now)
     problem: str | None = None
-    if state.phase == "Succeeded":
+    if state.phase == PodPhase.SUCCEEDED:
         try:
             result = GpuProfile.model_validate_json(state.message or "")
         except ValidationError as err:
@@ -103,15 +122,15 @@ async def _profile_one(ctx: JobContext, pool: Pool, attempts: dict[str, int]) ->
                        f"GpuProfile ({err.error_count()} errors): {tail(state.message, 200)}")
         else:
             await _store(ctx, pool, result)
-            finished = parse_time(state.finished_at) or ctx.now
+            finished = ctx.now  # observed now, on the clock `created` is on
             metrics.PROFILING_SECONDS.labels(pool.catalog_name or product).observe(
                 max(0.0, finished - created))
-            kopf.event(ctx.body, type="Normal", reason="Profiled", message=(
+            ctx.event("Normal", "Profiled", (
                 f"{product}: measured {len(result.points)} microbatch sizes "
                 f"({result.source}) in {finished - created:.0f} s"))
             await ctx.kube.delete(f"{pods_path}/{name}")
             return result
-    elif state.phase == "Failed":
+    elif state.phase == PodPhase.FAILED:
         problem = (f"profiler pod {name} failed with exit code {state.exit_code}: "
                    f"{tail(state.message)}")
     elif ctx.now - created > ctx.config.profile_timeout_seconds:
@@ -125,9 +144,16 @@ async def _profile_one(ctx: JobContext, pool: Pool, attempts: dict[str, int]) ->
     await ctx.kube.delete(f"{pods_path}/{name}")
     if attempt + 1 > ctx.config.profile_retries:
         raise ProfilingFailed(f"profiling {product} failed {attempt + 1} time(s); last: {problem}")
-    kopf.event(ctx.body, type="Warning", reason="ProfilerFailed",
-               message=f"{problem}; retrying ({attempt + 2}/{ctx.config.profile_retries + 1})")
+    ctx.event("Warning", "ProfilerFailed",
+              f"{problem}; retrying ({attempt + 2}/{ctx.config.profile_retries + 1})")
     return None
+
+
+def _started(pod: dict[str, Any], default: float) -> float:
+    try:
+        return float((pod["metadata"].get("annotations") or {})[ANNOTATION_STARTED])
+    except (KeyError, ValueError):  # a pod from before this annotation
+        return parse_time(pod["metadata"].get("creationTimestamp")) or default
 
 
 async def _store(ctx: JobContext, pool: Pool, result: GpuProfile) -> None:

@@ -14,7 +14,7 @@ RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (API_GROUP, f"{PLURAL}/status", ("get", "patch")),
     ("", "pods", ("get", "list", "watch", "create", "delete")),
     ("", "configmaps", ("get", "create", "patch", "delete")),
-    ("", "services", ("get", "create")),
+    ("", "services", ("get", "create", "delete")),  # delete: an older job's namesake
     ("", "events", ("create", "patch")),
     ("", "nodes", ("get", "list", "watch")),
     # kopf discovers custom resources and namespaces (read-only)

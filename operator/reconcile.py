@@ -3,17 +3,20 @@
 Every pass starts from a fresh GET of the job (never a cached body: the status it wrote a
 moment ago must be the status it reads), so a pass is safe to repeat and an operator restart
 resumes where the cluster says the job is. Children have deterministic names and are
-created if absent; rank pods carry the attempt number and the hash of what they run, so
-stale ones (older attempt, changed spec or plan) are recognised and replaced.
+created if absent, and count only when their controller ownerReference carries this job's
+uid (an older job of the same name leaves children behind while the garbage collector
+lags, or on purpose with `--cascade=orphan`: they are deleted, never adopted). Rank pods
+carry the attempt number and the hash of what they run, so stale ones (older attempt,
+changed spec or plan) are recognised and replaced. A pass writes status once, at its end
+(`context.JobContext.flush`), and posts its Events only after that write succeeded.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
@@ -22,17 +25,24 @@ from cephalo.api import CephaloJob, JobFileError, Plan, parse_job
 from cephalo.api.plan import PlanError, parse_plan
 from cephalo.operator import metrics
 from cephalo.operator.config import OperatorConfig
+from cephalo.operator.context import JobContext, _replacing  # noqa: F401 (tests use it)
 from cephalo.operator.discovery import (
     NoGpusError,
     discover_pools,
     plan_fits,
     select_cluster,
 )
-from cephalo.operator.kube import AsyncKube, core_path, job_path
+from cephalo.operator.kube import AsyncKube, NotOwned, core_path, job_path, not_owned, owned_by
+from cephalo.operator.nodes import NODES
+from cephalo.operator.planning import PlanningFailed, plan_job
 from cephalo.operator.profiling import ProfilingFailed, delete_profilers, profile
 from cephalo.operator.render import (
     ANNOTATION_CONFIG_HASH,
+    CHECKPOINTS_DURABLE,
+    LABEL_JOB,
+    LABEL_ROLE,
     check_job_name,
+    checkpoint_target,
     config_hash,
     plan_config_map_name,
     render,
@@ -41,78 +51,16 @@ from cephalo.operator.status import (
     FAILED,
     GPUS_AVAILABLE,
     PLANNED,
+    RUNNING,
     SUSPENDED,
-    merge_conditions,
+    TERMINAL_PHASES,
+    JobPhase,
     now_iso,
     parse_time,
 )
-from cephalo.operator.training import train
-from cephalo.planner import InfeasibleError, solve
+from cephalo.operator.training import stop_unfinished, train
 
 log = logging.getLogger("cephalo.operator")
-TERMINAL = ("Succeeded", "Failed")
-
-
-@dataclass
-class JobContext:
-    kube: AsyncKube
-    config: OperatorConfig
-    body: dict[str, Any]
-    job: CephaloJob
-    now: float = field(default_factory=time.time)
-    next_check_seconds: float | None = None
-
-    @property
-    def namespace(self) -> str:
-        return self.body["metadata"]["namespace"]
-
-    @property
-    def name(self) -> str:
-        return self.body["metadata"]["name"]
-
-    @property
-    def status(self) -> dict[str, Any]:
-        return self.body.get("status") or {}
-
-    def wake_in(self, seconds: float) -> None:
-        self.next_check_seconds = min(self.next_check_seconds or seconds, seconds)
-
-    async def write_status(self, phase: str, message: str,
-                           conditions: dict[str, tuple[str, str, str]] | None = None,
-                           **fields: Any) -> None:
-        """Merge-patch status (skipped when nothing changes: no write, no watch event)."""
-        old = self.status
-        new: dict[str, Any] = {"phase": phase, "message": message,
-                               "observedGeneration": self.body["metadata"].get("generation"),
-                               **fields}
-        if conditions:
-            new["conditions"] = merge_conditions(old.get("conditions"), conditions,
-                                                 now_iso(self.now))
-        if all(old.get(k) == v for k, v in new.items()):
-            return
-        patch = {k: _replacing(old.get(k), v) for k, v in new.items()}
-        patched = await self.kube.patch(job_path(self.namespace, self.name, "status"),
-                                        {"status": patch})
-        if patched is not None:
-            self.body = patched
-        if old.get("phase") != phase:
-            log.info("%s/%s: %s -> %s (%s)", self.namespace, self.name, old.get("phase"), phase,
-                     message)
-        metrics.set_phase(self.namespace, self.name, phase)
-
-    async def fail(self, reason: str, message: str) -> None:
-        kopf.event(self.body, type="Warning", reason=reason, message=message)
-        await self.write_status("Failed", message, {FAILED: ("True", reason, message)},
-                                completionTime=now_iso(self.now))
-
-
-def _replacing(old: Any, new: Any) -> Any:
-    """A merge patch that replaces `old` by `new` (keys that disappear are nulled)."""
-    if not isinstance(old, dict) or not isinstance(new, dict):
-        return new
-    patch = {k: _replacing(old.get(k), v) for k, v in new.items()}
-    patch.update({k: None for k in old if k not in new})
-    return patch
 
 
 async def reconcile(kube: AsyncKube, config: OperatorConfig, namespace: str,
@@ -128,30 +76,96 @@ async def reconcile(kube: AsyncKube, config: OperatorConfig, namespace: str,
                         source=f"CephaloJob {namespace}/{name}")
     except (JobFileError, ValueError) as err:
         ctx = JobContext(kube, config, body, CephaloJob.model_construct())
-        if ctx.status.get("phase") != "Failed":
-            await ctx.fail("InvalidSpec", str(err))
+        if ctx.status.get("phase") != JobPhase.FAILED or _edited_since_status(body):
+            await ctx.fail("InvalidSpec", str(err))  # a new spec, a new message
+            await ctx.flush()
         return None
     ctx = JobContext(kube, config, body, job)
-    metrics.set_phase(namespace, name, ctx.status.get("phase") or "Pending")
-    if ctx.status.get("phase") in TERMINAL:
+    metrics.set_phase(namespace, name, ctx.status.get("phase") or JobPhase.PENDING)
+    if _spec_fixed(ctx):
+        # Failed for its spec alone (nothing ran) and edited since: try the new spec.
+        message = "the spec changed after it was refused; starting again"
+        await ctx.write_status(JobPhase.PENDING, message,
+                               {FAILED: ("False", "SpecChanged", message)}, completionTime=None)
+        await ctx.flush()
+    if ctx.status.get("phase") in TERMINAL_PHASES:
         return await _after_finish(ctx)
     if job.spec.suspend:
         await _suspend(ctx)
         return None
     try:
-        await _step(ctx)
+        if not await _past_deadline(ctx):
+            await _step(ctx)
     except ProfilingFailed as err:
         await ctx.fail("ProfilingFailed", str(err))
-    if ctx.status.get("phase") in TERMINAL:  # just finished: schedule the TTL, if any
+    except NotOwned as err:  # an older job's child holds a name: wait for it to go
+        log.info("%s/%s: %s", namespace, name, err)
+        ctx.wake_in(config.recheck_seconds)
+    except Exception:
+        # Keep what was decided before the failure (each decision follows the action it
+        # records, e.g. the plan summary after the plan ConfigMap exists); then retry.
+        with contextlib.suppress(Exception):
+            await ctx.flush()
+        raise
+    await ctx.flush()
+    if ctx.status.get("phase") in TERMINAL_PHASES:  # just finished: clean up, schedule TTL
         return await _after_finish(ctx)
     return ctx.next_check_seconds
 
 
+# Failures that only say the spec cannot work (no pod ran): an edited spec gets a new try.
+SPEC_FAILURE_REASONS = frozenset({"InvalidSpec", "Infeasible", "PlanningFailed"})
+
+
+def _edited_since_status(body: dict[str, Any]) -> bool:
+    """The spec changed after the last status write (generation moves on spec edits only)."""
+    status = body.get("status") or {}
+    return body["metadata"].get("generation") != status.get("observedGeneration")
+
+
+def _spec_fixed(ctx: JobContext) -> bool:
+    if ctx.status.get("phase") != JobPhase.FAILED or not _edited_since_status(ctx.body):
+        return False
+    failed = [c for c in ctx.status.get("conditions") or [] if c.get("type") == FAILED]
+    return bool(failed) and failed[0].get("reason") in SPEC_FAILURE_REASONS
+
+
+async def _past_deadline(ctx: JobContext) -> bool:
+    """Record the start (operator clock) and fail the job past spec.activeDeadlineSeconds.
+
+    Measured from status.startTime, which this operator wrote from its own clock, against
+    that same clock: no comparison with the API server's timestamps, whose clock may differ.
+    """
+    started = parse_time(ctx.status.get("startTime"))
+    if started is None:
+        phase = ctx.phase if ctx.phase not in (None, JobPhase.SUSPENDED) else JobPhase.PENDING
+        await ctx.write_status(phase, ctx.status.get("message") or "starting",
+                               startTime=now_iso(ctx.now))
+        started = ctx.now
+    deadline = ctx.job.spec.active_deadline_seconds
+    if deadline is None:
+        return False
+    remaining = started + deadline - ctx.now
+    if remaining > 0:
+        ctx.wake_in(remaining)
+        return False
+    message = (f"active for {ctx.now - started:.0f} s, past activeDeadlineSeconds {deadline}; "
+               "ranks stopped (their last checkpoint is kept)")
+    await ctx.fail("DeadlineExceeded", message)
+    await ctx.write_status(JobPhase.FAILED, message, {RUNNING: ("False", "DeadlineExceeded",
+                                                                 message)})
+    return True
+
+
 async def _step(ctx: JobContext) -> None:
-    nodes = await ctx.kube.list(core_path(None, "nodes"))
+    nodes = await NODES.nodes(ctx.kube)  # the node watch's shared view, not a LIST a pass
     discovery = discover_pools(nodes)
-    plan_cm = await ctx.kube.get(core_path(ctx.namespace, "configmaps",
-                                           plan_config_map_name(ctx.job)))
+    cm_path = core_path(ctx.namespace, "configmaps")
+    plan_cm = await ctx.kube.get(f"{cm_path}/{plan_config_map_name(ctx.job)}")
+    if plan_cm is not None and not owned_by(plan_cm, ctx.uid):
+        await ctx.kube.delete(f"{cm_path}/{plan_cm['metadata']['name']}",  # an older job's
+                              plan_cm["metadata"]["uid"])
+        raise not_owned(plan_cm)
     plan = _read_plan(plan_cm)
     if plan is not None:
         assert plan_cm is not None
@@ -166,18 +180,23 @@ async def _step(ctx: JobContext) -> None:
             stale.append("GPUs were lost (" + "; ".join(lost) + ")")
         if stale:
             message = "re-planning: " + " and ".join(stale)
-            kopf.event(ctx.body, type="Warning" if lost else "Normal", reason="Replanning",
-                       message=message + "; ranks restart from the last checkpoint")
-            metrics.REPLANS.labels(ctx.namespace, ctx.name).inc()
-            await ctx.kube.delete(core_path(ctx.namespace, "configmaps",
-                                            plan_cm["metadata"]["name"]))
-            await ctx.write_status("Planning", message, {PLANNED: ("False", "Replanning", message)})
+            ctx.event("Warning" if lost else "Normal", "Replanning",
+                      message + "; ranks restart from the last checkpoint")
+            ctx.after_write(lambda: _count(metrics.REPLANS, ctx))
+            await ctx.kube.delete(f"{cm_path}/{plan_cm['metadata']['name']}",
+                                  plan_cm["metadata"]["uid"])
+            await ctx.write_status(JobPhase.PLANNING, message,
+                                   {PLANNED: ("False", "Replanning", message)})
             plan = None
     if plan is None:
         plan = await _plan(ctx, discovery, nodes)
         if plan is None:
             return
     await train(ctx, plan)
+
+
+async def _count(counter: Any, ctx: JobContext) -> None:
+    counter.labels(ctx.namespace, ctx.name).inc()
 
 
 def _read_plan(cm: dict[str, Any] | None) -> Plan | None:
@@ -195,20 +214,31 @@ async def _plan(ctx: JobContext, discovery: Any, nodes: list[dict[str, Any]]) ->
     except NoGpusError as err:
         await _no_gpus(ctx, str(err))
         return None
+    # Issue 13: refuse before profiling or any rank pod (a plan uses every selected GPU).
+    storage = checkpoint_target(ctx.job, sum(g.count for g in cluster.groups))
+    if storage.refusal:
+        await ctx.fail("InvalidSpec", storage.refusal)
+        return None
     found = ", ".join(f"{g.pool} x{g.count}" for g in cluster.groups)
     profiles = await profile(ctx, pools)
     if profiles is None:
         ctx.wake_in(ctx.config.recheck_seconds)
         return None
-    await ctx.write_status("Planning", f"planning on {found}", {
+    await ctx.write_status(JobPhase.PLANNING, f"planning on {found}", {
         GPUS_AVAILABLE: ("True", "GpusFound", found),
         "Profiled": ("True", "Profiled", f"profiles for {', '.join(sorted(profiles))}")})
+    if ctx.status.get("phase") != JobPhase.PLANNING:  # say so first: solving takes time
+        ctx.wake_in(0.0)
+        return None
     started = time.perf_counter()
     try:
-        # The solver is CPU-bound (seconds for big clusters): never on kopf's event loop.
-        plan = await asyncio.to_thread(solve, ctx.job.spec, cluster, profiles)
-    except InfeasibleError as err:
-        await ctx.fail("Infeasible", str(err))
+        # In a limited child process, off kopf's event loop: no spec can take the operator
+        # down; a time-out, MemoryError or planner bug fails this job only.
+        plan = await plan_job(ctx.job.spec, cluster, profiles,
+                              timeout_seconds=ctx.config.planning_timeout_seconds,
+                              memory_bytes=ctx.config.planning_memory_bytes)
+    except PlanningFailed as err:
+        await ctx.fail(err.reason, str(err))
         return None
     finally:
         metrics.PLANNING_SECONDS.observe(time.perf_counter() - started)
@@ -216,6 +246,9 @@ async def _plan(ctx: JobContext, discovery: Any, nodes: list[dict[str, Any]]) ->
     objects = render(ctx.job, plan, ctx.config)
     cm_path = core_path(ctx.namespace, "configmaps")
     _cm, created = await ctx.kube.create(cm_path, objects[0])
+    if not created and not owned_by(_cm, ctx.uid):
+        await ctx.kube.delete(f"{cm_path}/{_cm['metadata']['name']}", _cm["metadata"]["uid"])
+        raise not_owned(_cm)
     if not created:  # a stale plan from before a restart: overwrite it
         await ctx.kube.patch(f"{cm_path}/{objects[0]['metadata']['name']}", {
             "metadata": {"annotations": objects[0]["metadata"]["annotations"]},
@@ -230,9 +263,13 @@ async def _plan(ctx: JobContext, discovery: Any, nodes: list[dict[str, Any]]) ->
     pools = ", ".join(f"{k} x{v}" for k, v in summary["pools"].items())
     predicted = plan.predicted_samples_per_second or 0.0
     message = f"{plan.world_size} GPUs ({pools}), predicted {predicted:.1f} samples/s, {even}"
-    kopf.event(ctx.body, type="Normal", reason="Planned", message=message)
-    await ctx.write_status("Pending", "plan ready; starting ranks",
-                           {PLANNED: ("True", "Planned", message)}, plan=summary)
+    ctx.event("Normal", "Planned", message)
+    if not storage.durable:
+        ctx.event("Warning", "CheckpointsNotDurable", storage.message)
+    await ctx.write_status(JobPhase.PENDING, "plan ready; starting ranks", {
+        PLANNED: ("True", "Planned", message),
+        CHECKPOINTS_DURABLE: (str(storage.durable), storage.reason, storage.message)},
+        plan=summary)
     return plan
 
 
@@ -252,7 +289,9 @@ def _summary(ctx: JobContext, plan: Plan) -> dict[str, Any]:
 
 
 async def _no_gpus(ctx: JobContext, message: str) -> None:
-    since = parse_time(ctx.body["metadata"].get("creationTimestamp")) or ctx.now
+    # From the first pass that found no GPUs (the condition's transition, operator clock),
+    # not from creationTimestamp: the API server's clock may disagree with ours.
+    since = ctx.now
     for c in ctx.status.get("conditions") or []:
         if c["type"] == GPUS_AVAILABLE and c["status"] == "False":
             since = parse_time(c.get("lastTransitionTime")) or since
@@ -260,22 +299,30 @@ async def _no_gpus(ctx: JobContext, message: str) -> None:
     if waited > ctx.config.discovery_timeout_seconds:
         await ctx.fail("NoGpus", f"{message}; gave up after {waited:.0f} s")
         return
-    await ctx.write_status("Pending", "waiting for GPUs: " + message,
+    await ctx.write_status(JobPhase.PENDING, "waiting for GPUs: " + message,
                            {GPUS_AVAILABLE: ("False", "NoUsableGpus", message)})
     ctx.wake_in(ctx.config.recheck_seconds)
 
 
 async def _suspend(ctx: JobContext) -> None:
+    """Record Suspended first (the gang is no longer launched, the active time restarts on
+    resume), then stop every rank and profiler pod."""
+    message = "suspended: all ranks stopped; resuming restarts them from the last checkpoint"
+    await ctx.write_status(JobPhase.SUSPENDED, message,
+                           {SUSPENDED: ("True", "Suspended", message)},
+                           launchedAttempt=None, startTime=None)
+    await ctx.flush()
     pods = await ctx.kube.list(core_path(ctx.namespace, "pods"),
-                               f"cephalo.dev/job={ctx.name},cephalo.dev/role in (trainer,profiler)")
+                               f"{LABEL_JOB}={ctx.name},{LABEL_ROLE} in (trainer,profiler)")
     for pod in pods:
         if not pod["metadata"].get("deletionTimestamp"):
-            await ctx.kube.delete(core_path(ctx.namespace, "pods", pod["metadata"]["name"]))
-    message = "suspended: all ranks stopped; resuming restarts them from the last checkpoint"
-    await ctx.write_status("Suspended", message, {SUSPENDED: ("True", "Suspended", message)})
+            await ctx.kube.delete(core_path(ctx.namespace, "pods", pod["metadata"]["name"]),
+                                  pod["metadata"]["uid"])
 
 
 async def _after_finish(ctx: JobContext) -> float | None:
+    if ctx.status.get("phase") == JobPhase.FAILED:  # idempotent: also after a crash
+        await stop_unfinished(ctx)
     ttl = ctx.job.spec.ttl_seconds_after_finished
     finished = parse_time(ctx.status.get("completionTime"))
     if ttl is None or finished is None:
@@ -283,7 +330,7 @@ async def _after_finish(ctx: JobContext) -> float | None:
     remaining = finished + ttl - ctx.now
     if remaining > 0:
         return remaining
-    kopf.event(ctx.body, type="Normal", reason="Expired",
+    kopf.event(ctx.body, type="Normal", reason="Expired",  # no status write: it goes
                message=f"deleting: finished {ttl} s ago (ttlSecondsAfterFinished)")
     await ctx.kube.delete(job_path(ctx.namespace, ctx.name))
     return None

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
@@ -17,6 +19,7 @@ from cephalo.api import API_GROUP, API_VERSION, KIND, CephaloJob, Plan
 from cephalo.api.profile import profile_cache_key
 from cephalo.operator.config import OperatorConfig
 from cephalo.operator.discovery import GPU_RESOURCE, PRODUCT_LABEL, product_matches
+from cephalo.operator.podspec import apply_pod_template
 
 LABEL_JOB = f"{API_GROUP}/job"
 LABEL_ROLE = f"{API_GROUP}/role"
@@ -28,6 +31,8 @@ ANNOTATION_CONFIG_HASH = f"{API_GROUP}/config-hash"
 ANNOTATION_PROFILE_ATTEMPTS = f"{API_GROUP}/profile-attempts"
 CONFIG_DIR = "/etc/cephalo"
 CHECKPOINT_ROOT = "/checkpoints"
+DATA_VOLUME = "dataset"
+CHECKPOINTS_DURABLE = "CheckpointsDurable"  # status condition type
 PROFILE_KEY = "profile.json"
 
 
@@ -94,7 +99,8 @@ def job_yaml(job: CephaloJob) -> str:
 def config_hash(job: CephaloJob, plan: Plan) -> str:
     """Identity of what the ranks run: a changed plan or spec makes running ranks stale."""
     spec = job.spec.to_wire()
-    for volatile in ("suspend", "backoffLimit", "ttlSecondsAfterFinished"):
+    for volatile in ("suspend", "backoffLimit", "ttlSecondsAfterFinished",
+                     "activeDeadlineSeconds"):
         spec.pop(volatile, None)
     text = json.dumps(spec, sort_keys=True) + plan.to_json()
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -156,12 +162,101 @@ def _gpu_pod(job: CephaloJob, config: OperatorConfig, *, name: str, labels: dict
         "metadata": _meta(job, name, labels, annotations),
         "spec": {
             "restartPolicy": "Never",  # the operator restarts the whole gang, never one rank
+            "terminationGracePeriodSeconds": job.spec.termination_grace_period_seconds,
             "nodeSelector": {PRODUCT_LABEL: product, **(node_selector or {})},
             "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
             "securityContext": pod_security, "automountServiceAccountToken": False,
             "enableServiceLinks": False, "containers": [container], "volumes": volumes,
         },
     }
+
+
+@dataclass(frozen=True)
+class CheckpointTarget:
+    """Where a job's checkpoints go, as rank pods see it, and what status says about it."""
+
+    directory: str  # CEPHALO_CHECKPOINT_DIR: a path, an fsspec URL, or "" (no checkpoints)
+    volume: dict[str, Any] | None  # mounted at CHECKPOINT_ROOT; None: nothing to mount
+    durable: bool  # survives a gang restart (and the pods)
+    reason: str  # CamelCase, for the condition and the Event
+    message: str
+    refusal: str | None = None  # set: the job cannot run this way; start no rank
+
+
+REFUSAL_HINT = ("set spec.checkpoint.claimName (a ReadWriteMany PVC) or spec.checkpoint.uri "
+                "(s3://…, gs://…), or spec.checkpoint.ephemeral: true to train without "
+                "checkpoints")
+
+
+def checkpoint_target(job: CephaloJob, world_size: int) -> CheckpointTarget:
+    """The checkpoint decision of issue 13 (pure) for a job of `world_size` ranks: a PVC,
+    object storage, no checkpoints (said explicitly), an emptyDir for one rank, or refusal.
+
+    Every rank writes its own shard into one checkpoint folder, so ranks must share the
+    target: a per-pod emptyDir breaks a multi-rank job at its first checkpoint (rank 0
+    creates the folder in *its* emptyDir) and is refused; a single rank may use one, but
+    status says its checkpoints die with the pod. The refusal also covers a token-file
+    volume whose mountPath collides with another mount (the pod would be rejected).
+    """
+    name, ckpt = job_name(job), job.spec.checkpoint
+    if conflict := _mount_conflict(job):
+        return CheckpointTarget("", None, False, "InvalidSpec", conflict, refusal=conflict)
+    if ckpt.claim_name:
+        directory = f"{CHECKPOINT_ROOT}/{name}"
+        return CheckpointTarget(
+            directory, {"name": "checkpoints",
+                        "persistentVolumeClaim": {"claimName": ckpt.claim_name}},
+            True, "PersistentVolumeClaim",
+            f"checkpoints in {directory} on PVC {ckpt.claim_name}")
+    if ckpt.uri:
+        directory = f"{ckpt.uri.rstrip('/')}/{job.metadata.namespace}/{name}"
+        return CheckpointTarget(directory, None, True, "ObjectStorage",
+                                f"checkpoints in {directory}")
+    if ckpt.ephemeral:
+        return CheckpointTarget(
+            "", None, False, "Ephemeral",
+            "no checkpoints (spec.checkpoint.ephemeral: true): a restart or failure starts "
+            "training again from step 0")
+    if world_size > 1:
+        message = (f"{world_size} ranks need a shared checkpoint target (each pod's "
+                   f"own emptyDir breaks at the first checkpoint): {REFUSAL_HINT}")
+        return CheckpointTarget("", None, False, "NoSharedCheckpointTarget", message,
+                                refusal=message)
+    return CheckpointTarget(
+        f"{CHECKPOINT_ROOT}/{name}", {"name": "checkpoints", "emptyDir": {}}, False, "EmptyDir",
+        "checkpoints go to the pod's emptyDir and will not survive a restart: "
+        "set spec.checkpoint.claimName (a PVC) or spec.checkpoint.uri (s3://…, gs://…)")
+
+
+def _mount_conflict(job: CephaloJob) -> str | None:
+    """A token-file mountPath that overlaps another mount of the rank pods, or None."""
+    token = job.spec.data.token_file
+    if token is None or token.claim_name is None:
+        return None
+    mount = posixpath.normpath(token.mount_path)
+    template = job.spec.pod_template
+    taken = [CONFIG_DIR, "/tmp", "/dev/shm", CHECKPOINT_ROOT,
+             *(m.mount_path for m in (template.volume_mounts if template else None) or [])]
+    for other in taken:
+        other = posixpath.normpath(other)
+        # rstrip: a mountPath of "/" overlaps everything
+        if mount == other or mount.startswith(other.rstrip("/") + "/") or \
+                other.startswith(mount.rstrip("/") + "/"):
+            return (f"spec.data.tokenFile.mountPath {token.mount_path!r} overlaps {other}, "
+                    "which rank pods mount already; choose another mountPath (and a path under "
+                    "it)")
+    return None
+
+
+def _data_volume(job: CephaloJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The token file's PVC, read-only at its mountPath (rank pods; profilers use synthetic
+    data and do not mount it)."""
+    token = job.spec.data.token_file
+    if token is None or token.claim_name is None:
+        return [], []
+    return ([{"name": DATA_VOLUME, "persistentVolumeClaim": {"claimName": token.claim_name,
+                                                             "readOnly": True}}],
+            [{"name": DATA_VOLUME, "mountPath": token.mount_path, "readOnly": True}])
 
 
 def render_spec_config_map(job: CephaloJob) -> dict[str, Any]:
@@ -175,7 +270,7 @@ def render_profiler_pod(job: CephaloJob, product: str, attempt: int,
                         config: OperatorConfig | None = None) -> dict[str, Any]:
     """One pod measuring `product` (a pool's label value) for this job's model."""
     config = config or OperatorConfig()
-    return _gpu_pod(
+    pod = _gpu_pod(
         job, config, name=profiler_pod_name(job, product, attempt),
         labels={LABEL_ROLE: "profiler", LABEL_PRODUCT: _dns_safe(product, 63),
                 LABEL_ATTEMPT: str(attempt)},
@@ -185,6 +280,7 @@ def render_profiler_pod(job: CephaloJob, product: str, attempt: int,
         env=[{"name": "CEPHALO_JOB", "value": f"{CONFIG_DIR}/job.yaml"}],
         config_map=spec_config_map_name(job), ports=[], extra_volumes=[], extra_mounts=[],
         node_selector=_pool_selector(job, product))
+    return apply_pod_template(pod, job.spec.pod_template)
 
 
 def _pool_selector(job: CephaloJob, product: str) -> dict[str, str] | None:
@@ -216,9 +312,13 @@ def render(job: CephaloJob, plan: Plan, config: OperatorConfig | None = None,
                                   {"name": "metrics", "port": config.trainer_metrics_port,
                                    "targetPort": config.trainer_metrics_port}]}}
     master = f"{rank_pod_name(job, 0)}.{service_name(job)}.{namespace}.svc"
-    ckpt = job.spec.checkpoint
-    ckpt_volume = ({"name": "checkpoints", "persistentVolumeClaim": {"claimName": ckpt.claim_name}}
-                   if ckpt.claim_name else {"name": "checkpoints", "emptyDir": {}})
+    target = checkpoint_target(job, plan.world_size)
+    assert target.refusal is None, f"render of a refused job: {target.refusal}"
+    data_volumes, data_mounts = _data_volume(job)
+    volumes, mounts = list(data_volumes), list(data_mounts)
+    if target.volume is not None:
+        volumes.insert(0, target.volume)
+        mounts.insert(0, {"name": "checkpoints", "mountPath": CHECKPOINT_ROOT})
     objects: list[dict[str, Any]] = [cm, service]
     for r in plan.ranks:
         pool = r.pool or r.gpu
@@ -234,7 +334,7 @@ def render(job: CephaloJob, plan: Plan, config: OperatorConfig | None = None,
             {"name": "CEPHALO_MICRO_BATCH_SIZE", "value": str(r.micro_batch_size)},
             {"name": "CEPHALO_NUM_MICRO_BATCHES", "value": str(r.num_micro_batches)},
             {"name": "CEPHALO_SHARD_RATIO", "value": repr(r.shard_ratio)},
-            {"name": "CEPHALO_CHECKPOINT_DIR", "value": f"{CHECKPOINT_ROOT}/{name}"},
+            {"name": "CEPHALO_CHECKPOINT_DIR", "value": target.directory},
             {"name": "CEPHALO_METRICS_PORT", "value": str(config.trainer_metrics_port)},
             {"name": "CEPHALO_RESTART_ATTEMPT", "value": str(attempt)},
         ]
@@ -249,10 +349,9 @@ def render(job: CephaloJob, plan: Plan, config: OperatorConfig | None = None,
             config_map=plan_config_map_name(job),
             ports=[{"name": "rendezvous", "containerPort": config.master_port},
                    {"name": "metrics", "containerPort": config.trainer_metrics_port}],
-            extra_volumes=[ckpt_volume],
-            extra_mounts=[{"name": "checkpoints", "mountPath": CHECKPOINT_ROOT}],
+            extra_volumes=volumes, extra_mounts=mounts,
             node_selector=_pool_selector(job, pool))
         pod["spec"]["hostname"] = rank_pod_name(job, r.rank)
         pod["spec"]["subdomain"] = service_name(job)
-        objects.append(pod)
+        objects.append(apply_pod_template(pod, job.spec.pod_template))
     return objects

@@ -4,11 +4,45 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 MESSAGE_TAIL_CHARS = 400
+
+class JobPhase(StrEnum):
+    """status.phase of a CephaloJob: the one set every module uses (`cephalo.api.job.Phase`
+    lists the same names for the CRD; a unit test keeps the two equal)."""
+
+    PENDING = "Pending"
+    PROFILING = "Profiling"
+    PLANNING = "Planning"
+    RUNNING = "Running"
+    RESTARTING = "Restarting"
+    SUSPENDED = "Suspended"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+TERMINAL_PHASES = frozenset({JobPhase.SUCCEEDED, JobPhase.FAILED})
+
+
+class PodPhase(StrEnum):
+    """status.phase of a Pod (a different set: never compare it with a JobPhase)."""
+
+    PENDING = "Pending"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    UNKNOWN = "Unknown"
+
+
+POD_DONE = frozenset({PodPhase.SUCCEEDED, PodPhase.FAILED})
+# Pod status.reason values that mean "taken away", not "crashed" (kubelet node-pressure
+# eviction, preemption, node shutdown or loss); newer clusters also set DisruptionTarget.
+DISRUPTION_POD_REASONS = frozenset({"Evicted", "Preempting", "NodeLost", "NodeShutdown",
+                                    "Shutdown", "Terminated", "UnexpectedAdmissionError"})
 
 # Condition types (each True/False with a reason and a message that says what to do).
 GPUS_AVAILABLE = "GpusAvailable"
@@ -55,6 +89,7 @@ class PodState:
     message: str | None
     pod_ip: str | None
     finished_at: str | None
+    disruption: str | None = None  # why the pod was taken away (preempted, evicted …), if so
 
 
 def pod_state(pod: dict[str, Any]) -> PodState:
@@ -69,7 +104,22 @@ def pod_state(pod: dict[str, Any]) -> PodState:
         exit_code=terminated.get("exitCode"), reason=terminated.get("reason")
         or status.get("reason"),
         message=terminated.get("message") or status.get("message"),
-        pod_ip=status.get("podIP"), finished_at=terminated.get("finishedAt"))
+        pod_ip=status.get("podIP"), finished_at=terminated.get("finishedAt"),
+        disruption=disruption(pod))
+
+
+def disruption(pod: dict[str, Any]) -> str | None:
+    """Why a pod was disrupted (a `DisruptionTarget` condition: PreemptionByScheduler,
+    EvictionByEvictionAPI, DeletionByTaintManager, TerminationByKubelet, DeletionByPodGC …;
+    or an eviction/shutdown reason), None when nothing took it away."""
+    status = pod.get("status") or {}
+    for c in status.get("conditions") or []:
+        if c.get("type") == "DisruptionTarget" and c.get("status") == "True":
+            reason = c.get("reason") or "DisruptionTarget"
+            return f"{reason}: {c['message']}" if c.get("message") else reason
+    if status.get("reason") in DISRUPTION_POD_REASONS:
+        return str(status["reason"]) + (f": {status['message']}" if status.get("message") else "")
+    return None
 
 
 def tail(text: str | None, limit: int = MESSAGE_TAIL_CHARS) -> str:

@@ -1,5 +1,17 @@
 """Train and watch: rank pods up, phase from their states, gang restarts, progress.
 
+What counts as what (operator/README.md, "Restarts and disruptions"):
+* a rank pod of the current attempt not created yet (its POST failed, the operator stopped
+  half-way) is created — until `status.launchedAttempt` records that every rank pod of this
+  attempt and plan existed at once; only after that is a missing pod a *vanished* rank;
+* a rank that failed, vanished, or was deleted by someone else (a terminating pod the
+  operator did not delete) → gang restart counted in `status.restarts` (up to backoffLimit);
+* a rank that was *disrupted* — a `DisruptionTarget` condition (preemption, eviction, drain,
+  taint manager, kubelet shutdown) or an evicted/preempted pod — → gang restart from the
+  checkpoint counted in `status.preemptions`, never toward backoffLimit.
+The attempt number (`restarts + preemptions`) is on every rank pod, so a pod of an earlier
+attempt or plan is recognised as stale and replaced.
+
 Progress: the operator scrapes rank 0's `/metrics` (the Prometheus port every rank serves
 anyway) over HTTP and copies step, loss and samples/s into status.progress. Trainer pods
 need no Kubernetes credentials for this (their service-account token is not even mounted).
@@ -9,12 +21,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
-import kopf
-
 from cephalo.api import Plan
+from cephalo.api.plan import RankPlan
 from cephalo.operator import metrics
-from cephalo.operator.kube import core_path
+from cephalo.operator.kube import core_path, not_owned, owned_by
+from cephalo.operator.progress import job_progress as _progress
 from cephalo.operator.render import (
     ANNOTATION_CONFIG_HASH,
     LABEL_ATTEMPT,
@@ -26,86 +37,139 @@ from cephalo.operator.render import (
 )
 from cephalo.operator.status import (
     FAILED,
+    POD_DONE,
     RUNNING,
     SUCCEEDED,
     SUSPENDED,
+    JobPhase,
+    PodPhase,
     PodState,
     failure_summary,
     now_iso,
-    parse_progress,
-    parse_time,
     pod_state,
 )
 
 if TYPE_CHECKING:
-    from cephalo.operator.reconcile import JobContext
+    from cephalo.operator.context import JobContext
 
-SCRAPE_TIMEOUT_SECONDS = 3.0
+
+def attempt_of(status: dict[str, Any]) -> int:
+    """Gang attempts so far: counted restarts plus disruptions (both restart every rank)."""
+    return int(status.get("restarts") or 0) + int(status.get("preemptions") or 0)
 
 
 async def train(ctx: JobContext, plan: Plan) -> None:
     job, status = ctx.job, ctx.status
-    attempt = int(status.get("restarts") or 0)
+    attempt = attempt_of(status)
     digest = config_hash(job, plan)
+    launch = f"{attempt}/{digest}"
+    launched = status.get("launchedAttempt") == launch
     objects = render(job, plan, ctx.config, attempt=attempt)
     pods_path = core_path(ctx.namespace, "pods")
-    await ctx.kube.create(core_path(ctx.namespace, "services"), objects[1])
+    services_path = core_path(ctx.namespace, "services")
+    service, _ = await ctx.kube.create(services_path, objects[1])
+    if not owned_by(service, ctx.uid):
+        await ctx.kube.delete(f"{services_path}/{service['metadata']['name']}",
+                              service["metadata"]["uid"])
+        raise not_owned(service)
     pods = await ctx.kube.list(pods_path, f"{LABEL_JOB}={ctx.name},{LABEL_ROLE}=trainer")
-    by_name = {p["metadata"]["name"]: p for p in pods}
-    stale = [p for p in pods if p["metadata"].get("annotations", {}).get(
-        ANNOTATION_CONFIG_HASH) != digest or p["metadata"]["labels"].get(LABEL_ATTEMPT)
-        != str(attempt) or p["metadata"]["name"] not in {o["metadata"]["name"] for o in objects}]
-    if stale or any(p["metadata"].get("deletionTimestamp") for p in pods):
+    wanted = {o["metadata"]["name"] for o in objects[2:]}
+    # Another job's pods (an older job of the same name) are deleted, never adopted.
+    stale = [p for p in pods if not owned_by(p, ctx.uid) or p["metadata"].get(
+        "annotations", {}).get(ANNOTATION_CONFIG_HASH) != digest or p["metadata"]["labels"].get(
+        LABEL_ATTEMPT) != str(attempt) or p["metadata"]["name"] not in wanted]
+    if stale:
         for pod in stale:
             if not pod["metadata"].get("deletionTimestamp"):
-                await ctx.kube.delete(f"{pods_path}/{pod['metadata']['name']}")
-        phase = "Restarting" if attempt > 0 else "Pending"
-        await ctx.write_status(phase, f"replacing {len(stale) or len(pods)} rank pod(s) of an "
-                               "earlier attempt or plan", _resumed(status))
+                await ctx.kube.delete(f"{pods_path}/{pod['metadata']['name']}",
+                                      pod["metadata"]["uid"])
+        phase = JobPhase.RESTARTING if attempt > 0 else JobPhase.PENDING
+        await ctx.write_status(phase, f"replacing {len(stale)} rank pod(s) of an earlier "
+                               "attempt, plan or job", _resumed(status))
         ctx.wake_in(ctx.config.recheck_seconds)
         return
-    missing = [r for r in plan.ranks if rank_pod_name(job, r.rank) not in by_name]
-    if missing and any(pod_state(p).phase != "Pending" for p in pods):
-        # A rank vanished (deleted, evicted, node gone) while its gang ran: the others are
-        # stuck in collectives with it, so this is a rank failure, not a pod to top up.
-        gone = PodState(name=rank_pod_name(job, missing[0].rank), phase="Failed", deleting=False,
-                        exit_code=None, reason="PodDisappeared",
-                        message="the pod was deleted or evicted while its gang was running",
-                        pod_ip=None, finished_at=None)
-        await _on_failure(ctx, plan, [(missing[0], gone)], attempt)
+    by_name = {p["metadata"]["name"]: p for p in pods}
+    present = [(r, pod_state(by_name[n])) for r in plan.ranks
+               if (n := rank_pod_name(job, r.rank)) in by_name]
+    if await _lost_a_rank(ctx, plan, present, launched):
+        return
+    if not launched and any(s.deleting for _, s in present):
+        # Not every rank ever ran together (a suspend just stopped them, or a pod was
+        # removed before the gang was complete): let it go, then create it again.
+        phase = (JobPhase.RESTARTING if status.get("phase") == JobPhase.RESTARTING
+                 else JobPhase.PENDING)
+        await ctx.write_status(phase, "waiting for terminating rank pods to go",
+                               _resumed(status))
+        ctx.wake_in(ctx.config.recheck_seconds)
         return
     for obj in objects[2:]:
-        if obj["metadata"]["name"] not in by_name:
+        if obj["metadata"]["name"] not in by_name:  # not created yet in this attempt
             created, _ = await ctx.kube.create(pods_path, obj)
+            if not owned_by(created, ctx.uid):
+                await ctx.kube.delete(f"{pods_path}/{created['metadata']['name']}",
+                                      created["metadata"]["uid"])
+                raise not_owned(created)
             by_name[obj["metadata"]["name"]] = created
+    if not launched:  # every rank pod of this attempt exists now: from here, missing = lost
+        await ctx.write_status(ctx.phase or JobPhase.PENDING, "rank pods created",
+                               launchedAttempt=launch)
     states = [pod_state(by_name[rank_pod_name(job, r.rank)]) for r in plan.ranks]
-    failed = [(r, s) for r, s in zip(plan.ranks, states, strict=True) if s.phase == "Failed"]
-    if failed:
-        await _on_failure(ctx, plan, failed, attempt)
-        return
-    if all(s.phase == "Succeeded" for s in states):
+    await _report(ctx, plan, states)
+
+
+async def _lost_a_rank(ctx: JobContext, plan: Plan, present: list[tuple[RankPlan, PodState]],
+                       launched: bool) -> bool:
+    """Restart (or fail) the gang when a rank was disrupted or failed, or — once every rank
+    pod of the attempt existed — was deleted or vanished."""
+    names = {s.name for _, s in present}
+    disrupted = [(r, s) for r, s in present if s.disruption]
+    if disrupted:
+        await _restart(ctx, plan, *disrupted[0], disrupted=True)
+        return True
+    # A terminating pod of the current attempt was deleted by someone else: the operator
+    # only deletes pods of an attempt it has already ended (they are stale by then).
+    deleted = [(r, PodState(name=s.name, phase="Failed", deleting=True, exit_code=s.exit_code,
+                            reason="PodDeleted", message="the pod was deleted while its gang "
+                            "was running (not by the operator, not a disruption)",
+                            pod_ip=None, finished_at=None))
+               for r, s in present if s.deleting and launched]
+    failed = [(r, s) for r, s in present if s.phase == PodPhase.FAILED]
+    vanished = [(r, PodState(name=rank_pod_name(ctx.job, r.rank), phase="Failed", deleting=False,
+                             exit_code=None, reason="PodDisappeared",
+                             message="the pod is gone while its gang was running",
+                             pod_ip=None, finished_at=None))
+                for r in plan.ranks if launched and rank_pod_name(ctx.job, r.rank) not in names]
+    lost = deleted or failed or vanished
+    if not lost:
+        return False
+    await _restart(ctx, plan, *lost[0], disrupted=False)
+    return True
+
+
+async def _report(ctx: JobContext, plan: Plan, states: list[PodState]) -> None:
+    status = ctx.status
+    if all(s.phase == PodPhase.SUCCEEDED for s in states):
         message = f"all {plan.world_size} ranks completed"
-        kopf.event(ctx.body, type="Normal", reason="Succeeded", message=message)
-        await ctx.write_status("Succeeded", message, {
+        ctx.event("Normal", "Succeeded", message)
+        await ctx.write_status(JobPhase.SUCCEEDED, message, {
             SUCCEEDED: ("True", "Completed", message),
             RUNNING: ("False", "Completed", message)}, completionTime=now_iso(ctx.now))
         return
-    if all(s.phase in ("Running", "Succeeded") for s in states):
+    if all(s.phase in (PodPhase.RUNNING, PodPhase.SUCCEEDED) for s in states):
         fields: dict[str, Any] = {}
-        if not status.get("startTime"):
-            fields["startTime"] = now_iso(ctx.now)
         progress = await _progress(ctx, states[0].pod_ip)
         if progress is not None:
             fields["progress"] = progress
         message = f"{plan.world_size} ranks running"
-        if status.get("phase") != "Running":
-            kopf.event(ctx.body, type="Normal", reason="Running", message=message)
-        await ctx.write_status("Running", message, {RUNNING: ("True", "AllRanksRunning", message),
-                                                    **_resumed(status)}, **fields)
+        if status.get("phase") != JobPhase.RUNNING:
+            ctx.event("Normal", "Running", message)
+        await ctx.write_status(JobPhase.RUNNING, message, {
+            RUNNING: ("True", "AllRanksRunning", message), **_resumed(status)}, **fields)
         ctx.wake_in(min(ctx.config.recheck_seconds, ctx.config.progress_interval_seconds))
         return
-    running = sum(s.phase == "Running" for s in states)
-    phase = "Restarting" if status.get("phase") == "Restarting" else "Pending"
+    running = sum(s.phase == PodPhase.RUNNING for s in states)
+    phase = (JobPhase.RESTARTING if status.get("phase") == JobPhase.RESTARTING
+             else JobPhase.PENDING)
     await ctx.write_status(phase, f"waiting for ranks: {running}/{plan.world_size} running",
                            _resumed(status))
     ctx.wake_in(ctx.config.recheck_seconds)
@@ -119,54 +183,58 @@ def _resumed(status: dict[str, Any]) -> dict[str, tuple[str, str, str]]:
     return {SUSPENDED: ("False", "Resumed", "resumed from the last checkpoint")}
 
 
-async def _on_failure(ctx: JobContext, plan: Plan, failed: list, attempt: int) -> None:
-    rank, state = failed[0]
-    summary = failure_summary(rank.rank, rank.pool or rank.gpu, state)
-    limit = ctx.job.spec.backoff_limit
-    pods_path = core_path(ctx.namespace, "pods")
-    if attempt < limit:
-        message = (f"gang restart {attempt + 1}/{limit}: {summary}; all ranks restart from "
-                   "the last checkpoint")
-        kopf.event(ctx.body, type="Warning", reason="GangRestart", message=message)
-        metrics.RESTARTS.labels(ctx.namespace, ctx.name).inc()
-        # Record the new attempt first: if we crash after this, the next pass sees every
-        # existing pod as stale and finishes the replacement.
-        await ctx.write_status("Restarting", message, {
-            RUNNING: ("False", "RankFailed", summary)}, restarts=attempt + 1)
-        for r in plan.ranks:
-            await ctx.kube.delete(f"{pods_path}/{rank_pod_name(ctx.job, r.rank)}")
+async def _restart(ctx: JobContext, plan: Plan, rank: RankPlan, state: PodState, *,
+                   disrupted: bool) -> None:
+    """Record a gang restart (or the end of the job); the ranks go once that is written."""
+    status = ctx.status
+    pool = rank.pool or rank.gpu
+
+    async def stop_ranks() -> None:
+        for r in plan.ranks:  # the next pass sees survivors as stale anyway; this is sooner
+            await ctx.kube.delete(core_path(ctx.namespace, "pods",
+                                            rank_pod_name(ctx.job, r.rank)))
+
+    if disrupted:
+        count = int(status.get("preemptions") or 0) + 1
+        message = (f"rank {rank.rank} (pool {pool}, pod {state.name}) was disrupted "
+                   f"({state.disruption}); all ranks restart from the last checkpoint "
+                   f"(disruption {count}, not counted toward backoffLimit)")
+        ctx.event("Warning", "Preempted", message)
+        await ctx.write_status(JobPhase.RESTARTING, message, {
+            RUNNING: ("False", "RankDisrupted", message)}, preemptions=count)
+        ctx.after_write(lambda: _count(metrics.PREEMPTIONS, ctx))
+        ctx.after_write(stop_ranks)
         ctx.wake_in(ctx.config.recheck_seconds)
         return
-    message = f"{summary} (backoffLimit {limit} reached after {attempt} restart(s))"
-    kopf.event(ctx.body, type="Warning", reason="BackoffLimitExceeded", message=message)
-    await ctx.write_status("Failed", message, {RUNNING: ("False", "RankFailed", summary),
-                                               FAILED: ("True", "BackoffLimitExceeded", message)},
-                           completionTime=now_iso(ctx.now))
-    # Free the GPUs of ranks still waiting on the dead one; keep terminated pods for logs.
-    for r in plan.ranks:
-        pod = await ctx.kube.get(f"{pods_path}/{rank_pod_name(ctx.job, r.rank)}")
-        if pod is not None and pod_state(pod).phase not in ("Failed", "Succeeded"):
-            await ctx.kube.delete(f"{pods_path}/{pod['metadata']['name']}")
+    summary = failure_summary(rank.rank, pool, state)
+    restarts, limit = int(status.get("restarts") or 0), ctx.job.spec.backoff_limit
+    if restarts < limit:
+        message = (f"gang restart {restarts + 1}/{limit}: {summary}; all ranks restart from "
+                   "the last checkpoint")
+        ctx.event("Warning", "GangRestart", message)
+        await ctx.write_status(JobPhase.RESTARTING, message, {
+            RUNNING: ("False", "RankFailed", summary)}, restarts=restarts + 1)
+        ctx.after_write(lambda: _count(metrics.RESTARTS, ctx))
+        ctx.after_write(stop_ranks)
+        ctx.wake_in(ctx.config.recheck_seconds)
+        return
+    message = f"{summary} (backoffLimit {limit} reached after {restarts} restart(s))"
+    ctx.event("Warning", "BackoffLimitExceeded", message)
+    # The ranks still running are stopped once Failed is written (see stop_unfinished).
+    await ctx.write_status(JobPhase.FAILED, message, {
+        RUNNING: ("False", "RankFailed", summary),
+        FAILED: ("True", "BackoffLimitExceeded", message)}, completionTime=now_iso(ctx.now))
 
 
-async def _progress(ctx: JobContext, pod_ip: str | None) -> dict[str, Any] | None:
-    """Scrape rank 0 when the last update is older than the progress interval."""
-    last = parse_time((ctx.status.get("progress") or {}).get("lastUpdateTime"))
-    if pod_ip is None or (last is not None
-                          and ctx.now - last < ctx.config.progress_interval_seconds):
-        return None
-    url = f"http://{pod_ip}:{ctx.config.trainer_metrics_port}/metrics"
-    try:
-        timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_SECONDS)
-        async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url) as resp:
-            text = await resp.text()
-    except (aiohttp.ClientError, TimeoutError):
-        return None  # rank 0 not serving yet; try again next pass
-    progress = parse_progress(text)
-    if not progress:
-        return None
-    progress["totalSteps"] = progress.get("totalSteps", ctx.job.spec.training.steps)
-    progress["lastUpdateTime"] = now_iso(ctx.now)
-    if "samplesPerSecond" in progress:
-        metrics.MEASURED_SAMPLES.labels(ctx.namespace, ctx.name).set(progress["samplesPerSecond"])
-    return progress
+async def _count(counter: Any, ctx: JobContext) -> None:
+    counter.labels(ctx.namespace, ctx.name).inc()
+
+
+async def stop_unfinished(ctx: JobContext) -> None:
+    """Free the GPUs of ranks still waiting on a failed gang; keep finished pods for logs."""
+    pods_path = core_path(ctx.namespace, "pods")
+    for pod in await ctx.kube.list(pods_path, f"{LABEL_JOB}={ctx.name},{LABEL_ROLE}=trainer"):
+        if (owned_by(pod, ctx.uid) and pod_state(pod).phase not in POD_DONE
+                and not pod["metadata"].get("deletionTimestamp")):
+            await ctx.kube.delete(f"{pods_path}/{pod['metadata']['name']}",
+                                  pod["metadata"]["uid"])

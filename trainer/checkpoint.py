@@ -1,28 +1,61 @@
-"""Sharded, atomic checkpoints that resume under any plan or world size.
+"""Sharded, atomic checkpoints on a shared volume or object storage, resumable under any plan
+or world size.
 
-Layout of a checkpoint root::
+Layout of a checkpoint root (a folder every rank sees, or an fsspec URL such as
+``s3://bucket/prefix/namespace/job``; see `storage.Store`)::
 
     step-00000040/
         rank-00000.pt   one file per rank: for every unit its global [start, end) offsets,
         rank-00001.pt   fp32 master shard and Adam moments; the rank's RNG state
-        meta.json       step, model config, unit sizes, every file's size and sha256
+        meta.json       step, model config, unit sizes and bounds, every file's size and sha256
         COMPLETE        written last; its presence (and matching files) = loadable
 
-Writing: every rank writes into ``.step-00000040.partial/`` (each file via temp + fsync +
-rename), rank 0 collects sizes and hashes, writes ``meta.json``, renames the folder, and
-writes ``COMPLETE`` last. Reading: the newest folder whose marker exists and whose files
-all have the recorded size (and hash) wins; anything else is torn and skipped. Because
-shards carry global offsets, a rank of a new plan reads exactly the element ranges it now
-owns from whichever old files overlap them.
+Protocol (the same on POSIX and object storage, because object stores have no rename;
+written by `checkpoint_write`, optionally in the background while training goes on):
+
+1. rank 0 deletes a stale ``COMPLETE`` / ``meta.json`` of an earlier attempt at the same
+   step, and every rank agrees (one object all-gather) before anything is written;
+2. every rank writes its own ``rank-NNNNN.pt`` straight into ``step-N/`` (creating the
+   folder itself where folders exist; a local file goes temp -> fsync -> rename -> fsync
+   folder, an object appears only when its upload completes), hashing while it writes;
+3. all ranks gather every rank's (size, sha256) or its error; any error stops every rank
+   with the same one line naming the failing rank, the path and the cause;
+4. rank 0 lists ``step-N/`` and checks that every reported file is there with its size
+   (so storage that is not shared cannot produce a marker), writes ``meta.json``, then
+   ``COMPLETE`` last, prunes, and all ranks agree on that outcome.
+
+With asynchronous checkpoints, 2 runs on a background thread from a snapshot of the shard
+and 3-4 happen at the first step boundary where every rank's upload is done (one tiny
+all-reduce per step decides), so the marker still comes last.
+
+A folder without ``COMPLETE``, or whose files' sizes (cheap listing) or hashes (when read)
+disagree with ``meta.json``, is torn and skipped. Pruning deletes a checkpoint's marker
+first, so a half-deleted checkpoint is never taken for a complete one.
+
+Resume (`resume_point`): rank 0 lists the candidates (marker + meta + sizes, no reading);
+every rank then hashes only the shard files it will read under the *new* plan (in parallel
+across ranks; on object storage the hash is taken while downloading the local copy it
+then memory-maps), and one all-gather decides: the newest candidate that every rank
+verified wins. The agreement runs on a gloo group whose timeout is the larger of
+CEPHALO_COLLECTIVE_TIMEOUT_SECONDS and the time to move the whole training state at
+50 MB/s (`storage_timeout_seconds`), so a rank reading a large checkpoint is not cut off.
+
+Why plain fsspec + torch.save and not torch.distributed.checkpoint (DCP): DCP's
+FsspecWriter gives a similar one-file-per-rank layout, but its commit point is a
+``.metadata`` written to a temp name and renamed (a copy + delete on object stores), it keeps
+no per-file hashes (a corrupted shard shows only on load), it has no torn-folder skipping or
+pruning, and it reshards through its own planner rather than the global offsets this format
+already carries (and that `cephalo export` and existing checkpoints use). Adding fsspec I/O
+to this format keeps every guarantee above at one PUT per rank and one GET per file a rank
+needs. (Not benchmarked against DCP: the choice follows from the guarantees.)
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,10 +64,13 @@ import torch
 import torch.distributed as dist
 
 from cephalo.api.models import ModelConfig
+from cephalo.trainer.storage import CheckpointError, Store, describe, gather
 
 FORMAT_VERSION = 1
 MARKER = "COMPLETE"
 META = "meta.json"
+STATE_BYTES_PER_ELEMENT = 12  # fp32 master weight + two fp32 Adam moments
+SLOWEST_STORAGE_BYTES_PER_SECOND = 50e6
 
 
 def step_dir_name(step: int) -> str:
@@ -45,27 +81,22 @@ def rank_file_name(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
-def _fsync_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def as_store(root: str | Path | Store) -> Store:
+    return root if isinstance(root, Store) else Store(root)
 
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    path: Path
+    store: Store
+    name: str  # the checkpoint's folder below the store's root ("" = the root itself)
     meta: dict[str, Any]
+
+    @property
+    def path(self) -> str:
+        return self.store.url(self.name) if self.name else self.store.url()
+
+    def rel(self, file_name: str) -> str:
+        return f"{self.name}/{file_name}" if self.name else file_name
 
     @property
     def step(self) -> int:
@@ -76,119 +107,122 @@ class CheckpointInfo:
         return ModelConfig(**self.meta["model"])
 
 
-def verify(path: Path, check_hashes: bool = True) -> CheckpointInfo | None:
-    """The checkpoint at `path` if it is complete and intact, else None (never raises)."""
+def _listed(store: Store, name: str) -> CheckpointInfo | None:
+    """The checkpoint in folder `name` if its marker, meta and file sizes agree (no reading
+    of shards), else None. Never raises for a torn or foreign folder."""
     try:
-        if not (path / MARKER).is_file():
+        sizes = store.sizes(name)
+        if MARKER not in sizes or META not in sizes:
             return None
-        meta = json.loads((path / META).read_text())
+        meta = json.loads(store.read_bytes(f"{name}/{META}" if name else META))
         if meta.get("format_version") != FORMAT_VERSION:
             return None
-        for name, facts in meta["files"].items():
-            f = path / name
-            if not f.is_file() or f.stat().st_size != facts["size_bytes"]:
+        for file_name, facts in meta["files"].items():
+            if sizes.get(file_name) != facts["size_bytes"]:
                 return None
-            if check_hashes and _sha256(f) != facts["sha256"]:
-                return None
-        return CheckpointInfo(path, meta)
+        return CheckpointInfo(store, name, meta)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def find_latest(root: str | Path, check_hashes: bool = True) -> CheckpointInfo | None:
-    """Newest intact checkpoint under `root` (or `root` itself if it is one)."""
-    root = Path(root)
-    if (root / META).exists() or (root / MARKER).exists():
-        return verify(root, check_hashes)
-    if not root.is_dir():
-        return None
-    for d in sorted(root.glob("step-*"), reverse=True):
-        info = verify(d, check_hashes)
-        if info is not None:
+def candidates(root: str | Path | Store) -> list[CheckpointInfo]:
+    """Complete-looking checkpoints, newest first (the root itself if it is one)."""
+    store = as_store(root)
+    here = store.sizes()
+    if META in here or MARKER in here:
+        info = _listed(store, "")
+        return [info] if info is not None else []
+    found = []
+    for name in reversed(store.folders("step-")):
+        info = _listed(store, name)
+        if info is None:
+            print(f"cephalo trainer: skipping torn checkpoint {store.url(name)} (missing "
+                  f"marker or a shard of the wrong size)", file=sys.stderr)
+        else:
+            found.append(info)
+    return found
+
+
+def verify_files(info: CheckpointInfo, ranks: set[int], cache_dir: Path
+                 ) -> tuple[dict[int, Path], str | None]:
+    """Local copies of the given ranks' files, or an error if one is missing or altered."""
+    local: dict[int, Path] = {}
+    for r in sorted(ranks):
+        file_name = rank_file_name(r)
+        want = info.meta["files"].get(file_name)
+        try:
+            local[r], got = info.store.local_copy(info.rel(file_name), cache_dir)
+        except Exception as err:
+            return local, f"{info.store.url(info.rel(file_name))}: {describe(err)}"
+        if want is None or got != want:
+            return local, f"{info.store.url(info.rel(file_name))} does not match meta.json"
+    return local, None
+
+
+def find_latest(root: str | Path | Store, check_hashes: bool = True,
+                cache_dir: Path | None = None) -> CheckpointInfo | None:
+    """Newest intact checkpoint under `root` (or `root` itself if it is one); one process."""
+    for info in candidates(root):
+        if not check_hashes:
             return info
-        print(f"cephalo trainer: skipping torn checkpoint {d} (missing marker or bad shard)",
+        scratch = cache_dir or Path(tempfile.mkdtemp(prefix="cephalo-verify-"))
+        try:
+            _, error = verify_files(info, set(range(int(info.meta["world_size"]))), scratch)
+        finally:
+            if cache_dir is None:
+                shutil.rmtree(scratch, ignore_errors=True)
+        if error is None:
+            return info
+        print(f"cephalo trainer: skipping torn checkpoint {info.path} ({error})",
               file=sys.stderr)
     return None
 
 
-def save(root: str | Path, engine: Any, keep: int, extra: dict[str, Any] | None = None
-         ) -> Path:
-    """Collective: every rank of `engine` writes its shard; returns the checkpoint folder."""
-    root = Path(root)
-    step = engine.step_count
-    final = root / step_dir_name(step)
-    partial = root / f".{step_dir_name(step)}.partial"
-    rank, comm = engine.rank, engine.comm
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # leftovers of a crashed attempt
-        partial.mkdir()
-    _barrier(engine)
-    opt = engine.optimizer
-    shard = {"rank": rank, "rng": torch.get_rng_state(), "units": [
-        {"start": u.start, "end": u.end, "param": opt.params[i].detach().cpu(),
-         "exp_avg": opt.exp_avg[i].cpu(), "exp_avg_sq": opt.exp_avg_sq[i].cpu()}
-        for i, u in enumerate(engine.units)]}
-    path = partial / rank_file_name(rank)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(shard, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    facts = (rank_file_name(rank), {"size_bytes": path.stat().st_size, "sha256": _sha256(path)})
-    everyone: list[Any] = [facts] * comm.world_size
-    if comm.world_size > 1:
-        dist.all_gather_object(everyone, facts, group=comm.group)
-    if rank == 0:
-        meta = {"format_version": FORMAT_VERSION, "step": step,
-                "optimizer_steps": opt.num_steps, "world_size": comm.world_size,
-                "model": engine.config.model_dump(mode="json"),
-                "unit_numels": [u.numel for u in engine.units],
-                "bounds": [u.bounds for u in engine.units],
-                "global_batch_size": engine.layout.global_batch_size,
-                "files": dict(everyone), **(extra or {})}
-        _fsync_write(partial / META, json.dumps(meta, indent=1).encode())
-        if final.exists():
-            shutil.rmtree(final)  # a torn folder of the same step from an earlier attempt
-        os.replace(partial, final)
-        _fsync_write(final / MARKER, f"{step}\n".encode())
-        _prune(root, keep)
-    _barrier(engine)
-    return final
+def storage_timeout_seconds(engine: Any, configured_seconds: float) -> float:
+    """Timeout for checkpoint agreements: time to move the whole training state at the
+    slowest storage we support, never less than the configured collective timeout."""
+    total = sum(u.numel for u in engine.units) * STATE_BYTES_PER_ELEMENT
+    return max(configured_seconds, 60.0 + total / SLOWEST_STORAGE_BYTES_PER_SECOND)
 
 
-def _barrier(engine: Any) -> None:
-    if engine.comm.world_size > 1:
-        dist.barrier(group=engine.comm.group)
-
-
-def _prune(root: Path, keep: int) -> None:
-    """Keep the newest `keep` complete checkpoints; drop torn leftovers older than the newest
-    complete one and stale partial folders (the current save has been renamed already)."""
-    complete = [d for d in sorted(root.glob("step-*")) if (d / MARKER).exists()]
-    for d in complete[:-keep]:
-        shutil.rmtree(d, ignore_errors=True)
-    newest = complete[-1].name if complete else ""
-    for d in root.glob("step-*"):
-        if not (d / MARKER).exists() and d.name < newest:
-            shutil.rmtree(d, ignore_errors=True)
-    for d in root.glob(".step-*.partial"):
-        shutil.rmtree(d, ignore_errors=True)
+def files_needed(meta: dict[str, Any], ranges: list[tuple[int, int]], rank: int) -> set[int]:
+    """Old ranks whose files hold any element in `ranges` (per unit), plus the RNG's."""
+    need = {rank if rank < int(meta["world_size"]) else 0}
+    for unit, (start, end) in enumerate(ranges):
+        for old, (s, e) in enumerate(meta["bounds"][unit]):
+            if max(s, start) < min(e, end):
+                need.add(old)
+    return need
 
 
 class ShardReader:
     """Reads global element ranges of a unit from a checkpoint's shard files (lazily, each
-    file memory-mapped once)."""
+    file memory-mapped once from local storage or a verified local copy)."""
 
-    def __init__(self, info: CheckpointInfo) -> None:
+    def __init__(self, info: CheckpointInfo, local_files: dict[int, Path] | None = None,
+                 cache_dir: Path | None = None) -> None:
         self.info = info
+        self._local = dict(local_files or {})
+        self._cache_dir = cache_dir
+        self._own_cache_dir: Path | None = None  # made here, so removed by close()
         self._files: dict[int, dict[str, Any]] = {}
+
+    def close(self) -> None:
+        """Forget the mapped files and delete downloads this reader made itself."""
+        self._files.clear()
+        if self._own_cache_dir is not None:
+            shutil.rmtree(self._own_cache_dir, ignore_errors=True)
+            self._own_cache_dir = None
 
     def _file(self, rank: int) -> dict[str, Any]:
         if rank not in self._files:
-            path = self.info.path / rank_file_name(rank)
-            self._files[rank] = torch.load(path, map_location="cpu", mmap=True,
+            if rank not in self._local:
+                if self._cache_dir is None:
+                    self._cache_dir = Path(tempfile.mkdtemp(prefix="cephalo-read-"))
+                    self._own_cache_dir = self._cache_dir
+                self._local[rank], _ = self.info.store.local_copy(
+                    self.info.rel(rank_file_name(rank)), self._cache_dir)
+            self._files[rank] = torch.load(self._local[rank], map_location="cpu", mmap=True,
                                            weights_only=True)
         return self._files[rank]
 
@@ -210,7 +244,7 @@ class ShardReader:
         return self._file(rank)["rng"]
 
 
-def restore(engine: Any, info: CheckpointInfo) -> None:
+def restore(engine: Any, info: CheckpointInfo, reader: ShardReader | None = None) -> None:
     """Load `info` into `engine` (whose plan and world size may differ from the writer's)."""
     saved = info.config
     if saved != engine.config:
@@ -220,17 +254,20 @@ def restore(engine: Any, info: CheckpointInfo) -> None:
     if info.meta["unit_numels"] != numels:
         raise ValueError(f"checkpoint {info.path} unit sizes {info.meta['unit_numels']} "
                          f"differ from the model's {numels}")
-    reader = ShardReader(info)
+    reader = reader or ShardReader(info)
     opt = engine.optimizer
-    with torch.no_grad():
-        for i, u in enumerate(engine.units):
-            for key, target in (("param", opt.params), ("exp_avg", opt.exp_avg),
-                                ("exp_avg_sq", opt.exp_avg_sq)):
-                target[i].copy_(reader.read(i, u.start, u.end, key).to(target[i].device))
+    try:
+        with torch.no_grad():
+            for i, u in enumerate(engine.units):
+                for key, target in (("param", opt.params), ("exp_avg", opt.exp_avg),
+                                    ("exp_avg_sq", opt.exp_avg_sq)):
+                    target[i].copy_(reader.read(i, u.start, u.end, key).to(target[i].device))
+        same_rank_exists = engine.rank < int(info.meta["world_size"])
+        torch.set_rng_state(reader.rng_state(engine.rank if same_rank_exists else 0))
+    finally:
+        reader.close()
     opt.num_steps = int(info.meta["optimizer_steps"])
     engine.step_count = info.step
-    same_rank_exists = engine.rank < int(info.meta["world_size"])
-    torch.set_rng_state(reader.rng_state(engine.rank if same_rank_exists else 0))
 
 
 def full_state_dict(info: CheckpointInfo) -> dict[str, torch.Tensor]:
@@ -242,9 +279,43 @@ def full_state_dict(info: CheckpointInfo) -> dict[str, torch.Tensor]:
         units = build_model(info.config).units
     reader = ShardReader(info)
     state: dict[str, torch.Tensor] = {}
-    for i, unit in enumerate(units):
-        flat = reader.read(i, 0, info.meta["unit_numels"][i])
-        for spec in param_specs(unit):
-            state[f"units.{i}.{spec.name}"] = (
-                flat[spec.offset:spec.offset + spec.numel].view(spec.shape).clone())
+    try:
+        for i, unit in enumerate(units):
+            flat = reader.read(i, 0, info.meta["unit_numels"][i])
+            for spec in param_specs(unit):
+                state[f"units.{i}.{spec.name}"] = (
+                    flat[spec.offset:spec.offset + spec.numel].view(spec.shape).clone())
+    finally:
+        reader.close()
     return state
+
+
+def resume_point(store: Store, engine: Any, group: dist.ProcessGroup | None,
+                 cache_dir: Path) -> tuple[CheckpointInfo, ShardReader] | None:
+    """Collective: the newest checkpoint whose files every rank verified (each rank hashes
+    only the files it will read), with a reader over this rank's verified local copies."""
+    rank, world = engine.rank, engine.comm.world_size
+    found = None
+    if rank == 0:
+        try:
+            found = [(info.name, info.meta) for info in candidates(store)]
+        except Exception as err:
+            found = f"rank 0 could not list {store.url()}: {describe(err)}"
+    listed = gather(group, world, found)[0]
+    if isinstance(listed, str):
+        raise CheckpointError(f"resuming failed: {listed}")
+    ranges = [(u.start, u.end) for u in engine.units]
+    for name, meta in listed:
+        info = CheckpointInfo(store, name, meta)
+        local, error = verify_files(info, files_needed(meta, ranges, rank), cache_dir)
+        errors = gather(group, world, error)
+        if not any(errors):
+            return info, ShardReader(info, local, cache_dir)
+        if not store.is_local:  # downloaded copies of a torn checkpoint
+            for path in local.values():
+                path.unlink(missing_ok=True)
+        if rank == 0:
+            bad = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
+            print(f"cephalo trainer: skipping torn checkpoint {info.path} ({bad})",
+                  file=sys.stderr, flush=True)
+    return None

@@ -16,8 +16,8 @@ from cephalo.api.plan import Plan, PlanError, load_plan
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Layout
 
-REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CEPHALO_PLAN", "CEPHALO_JOB",
-            "CEPHALO_CHECKPOINT_DIR")
+REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CEPHALO_PLAN", "CEPHALO_JOB")
+DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = 600.0
 
 
 class EnvError(ValueError):
@@ -31,9 +31,15 @@ class TrainerEnv:
     local_rank: int
     plan: Plan
     job: CephaloJobSpec
-    checkpoint_dir: Path
+    # CEPHALO_CHECKPOINT_DIR: a shared folder or an fsspec URL (s3://bucket/prefix/ns/job);
+    # empty or unset = this job explicitly keeps no checkpoints (nothing saved or resumed).
+    checkpoint_dir: str | None
     metrics_port: int
-    metrics_file: Path
+    metrics_file: Path | None  # None: no progress file (checkpoints on object storage/none)
+    # CEPHALO_COLLECTIVE_TIMEOUT_SECONDS (default 600): how long a training collective may
+    # wait for the slowest rank before the job fails (a hung rank is found this fast).
+    # Checkpoint agreements, where a rank may be hashing or uploading gigabytes, wait
+    # max(this, 60 s + training-state bytes / 50 MB/s): checkpoint.storage_timeout_seconds.
     timeout_seconds: float
     stop_after_step: int | None
     num_threads: int | None = None  # CEPHALO_NUM_THREADS (local runs share the CPU)
@@ -81,8 +87,8 @@ def read_env(env: Mapping[str, str] | None = None) -> TrainerEnv:
     missing = [n for n in REQUIRED if not env.get(n)]
     if missing:
         raise EnvError(f"missing environment variable(s) {', '.join(missing)}; run under "
-                       f"torchrun (RANK, WORLD_SIZE, MASTER_*) with CEPHALO_PLAN, CEPHALO_JOB "
-                       f"and CEPHALO_CHECKPOINT_DIR set")
+                       f"torchrun (RANK, WORLD_SIZE, MASTER_*) with CEPHALO_PLAN and "
+                       f"CEPHALO_JOB set (CEPHALO_CHECKPOINT_DIR: where checkpoints go)")
     rank, world_size = _int(env, "RANK"), _int(env, "WORLD_SIZE")
     if world_size < 1 or not 0 <= rank < world_size:
         raise EnvError(f"RANK={rank} must be in [0, WORLD_SIZE={world_size})")
@@ -129,9 +135,19 @@ def read_env(env: Mapping[str, str] | None = None) -> TrainerEnv:
     port = _int(env, "CEPHALO_METRICS_PORT", 0)
     if not 0 <= port < 65536:
         raise EnvError(f"CEPHALO_METRICS_PORT={port} is not a port (0 disables metrics)")
-    checkpoint_dir = Path(env["CEPHALO_CHECKPOINT_DIR"])
-    metrics_file = Path(env.get("CEPHALO_METRICS_FILE") or checkpoint_dir.parent /
-                        "metrics.jsonl")
+    checkpoint_dir = (env.get("CEPHALO_CHECKPOINT_DIR") or "").strip() or None
+    if checkpoint_dir is not None:
+        _check_storage_backend(checkpoint_dir)
+    metrics_file = _metrics_file(env.get("CEPHALO_METRICS_FILE"), checkpoint_dir)
+    timeout_raw = env.get("CEPHALO_COLLECTIVE_TIMEOUT_SECONDS") or ""
+    try:
+        timeout = float(timeout_raw) if timeout_raw else DEFAULT_COLLECTIVE_TIMEOUT_SECONDS
+    except ValueError:
+        raise EnvError(f"CEPHALO_COLLECTIVE_TIMEOUT_SECONDS={timeout_raw!r} is not a "
+                       f"number") from None
+    if not 0 < timeout < 10**7:  # also refuses nan and inf, which timedelta cannot hold
+        raise EnvError(f"CEPHALO_COLLECTIVE_TIMEOUT_SECONDS={timeout} must be a number of "
+                       f"seconds > 0 (default {DEFAULT_COLLECTIVE_TIMEOUT_SECONDS:.0f})")
     stop = env.get("CEPHALO_STOP_AFTER_STEP")
     dilation_raw = env.get("CEPHALO_TIME_DILATION") or "1"
     try:
@@ -147,5 +163,36 @@ def read_env(env: Mapping[str, str] | None = None) -> TrainerEnv:
         world_size=world_size, local_rank=_int(env, "LOCAL_RANK", rank),
         plan=plan, job=job, checkpoint_dir=checkpoint_dir, metrics_port=port,
         metrics_file=metrics_file,
-        timeout_seconds=float(env.get("CEPHALO_COLLECTIVE_TIMEOUT_SECONDS") or 600),
+        timeout_seconds=timeout,
         stop_after_step=_int(env, "CEPHALO_STOP_AFTER_STEP") if stop else None)
+
+
+def _metrics_file(explicit: str | None, checkpoint_dir: str | None) -> Path | None:
+    """CEPHALO_METRICS_FILE, else `metrics.jsonl` next to a local checkpoint folder (what
+    `cephalo run` reads), else none: an object-store URL has no local "next to"."""
+    if explicit:
+        return Path(explicit)
+    is_url = checkpoint_dir is not None and "://" in checkpoint_dir
+    if checkpoint_dir is None or (is_url and not checkpoint_dir.startswith("file://")):
+        return None
+    return Path(checkpoint_dir.removeprefix("file://")).parent / "metrics.jsonl"
+
+
+def _check_storage_backend(location: str) -> None:
+    """An fsspec URL whose scheme is unknown or whose package is missing fails here, on every
+    rank, before the process group forms (no network access: credentials are checked by the
+    trainer's start-up probe)."""
+    if "://" not in location:
+        return
+    import fsspec
+
+    protocol = location.split("://", 1)[0]
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ValueError:
+        raise EnvError(f"CEPHALO_CHECKPOINT_DIR={location}: unknown storage scheme "
+                       f"{protocol}://; use a shared folder or s3://, gs://, az://") from None
+    except ImportError as err:
+        raise EnvError(f"CEPHALO_CHECKPOINT_DIR={location}: {' '.join(str(err).split())} "
+                       f"(the trainer image lacks the fsspec package for {protocol}://)"
+                       ) from None

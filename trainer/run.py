@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import datetime
+import shutil
+import signal
 import sys
+import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,10 +18,12 @@ import torch.distributed as dist
 
 from cephalo.api.job import CephaloJobSpec
 from cephalo.trainer import checkpoint
+from cephalo.trainer.checkpoint_write import CheckpointWriter
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Engine, Layout, StepResult
 from cephalo.trainer.env import EnvError, read_env
 from cephalo.trainer.metrics import ProgressFile, TrainerMetrics
+from cephalo.trainer.storage import CheckpointError, Store, check_shared
 
 
 @dataclass
@@ -25,31 +32,52 @@ class TrainOutcome:
     last_step: int
     losses: list[float] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)
+    stopped_by_signal: bool = False  # every rank agreed to stop early (SIGTERM)
 
 
-def _resume_point(root: Path, engine: Engine) -> checkpoint.CheckpointInfo | None:
-    """Rank 0 picks the newest intact checkpoint; every rank loads that same one."""
-    found = checkpoint.find_latest(root) if engine.rank == 0 else None
-    box = [None if found is None else (str(found.path), found.meta)]
-    if engine.comm.world_size > 1:
-        dist.broadcast_object_list(box, src=dist.get_global_rank(engine.comm.group, 0)
-                                   if engine.comm.group is not None else 0,
-                                   group=engine.comm.group)
-    if box[0] is None:
+def _storage_group(engine: Engine, timeout_seconds: float) -> dist.ProcessGroup | None:
+    """A gloo group over the engine's ranks for checkpoint agreements and the stop vote:
+    CPU objects on any backend, and a timeout sized for storage rather than for compute."""
+    world = engine.comm.world_size
+    if world == 1:
         return None
-    path, meta = box[0]
-    return checkpoint.CheckpointInfo(Path(path), meta)
+    group = engine.comm.group
+    ranks = None if group is None else [dist.get_global_rank(group, r) for r in range(world)]
+    return dist.new_group(ranks, backend="gloo",
+                          timeout=datetime.timedelta(seconds=timeout_seconds))
 
 
-def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: Path, *,
+def _vote(stop_requested: Callable[[], bool] | None, writer: CheckpointWriter | None,
+          world: int, group: dist.ProcessGroup | None) -> tuple[bool, bool]:
+    """Collective at a step boundary: (does any rank want to stop, has every rank finished
+    its background checkpoint upload). One 2-element gloo all-reduce per step, only when
+    there is something to agree on (a SIGTERM handler, or asynchronous checkpoints): the
+    engine's own step all-reduce lives in engine.py and has no spare element for it."""
+    pending = writer is not None and writer.has_pending
+    if stop_requested is None and not pending:
+        return False, False
+    vote = torch.tensor([1.0 if stop_requested is not None and stop_requested() else 0.0,
+                         1.0 if writer is not None and writer.busy else 0.0])
+    if world > 1:
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=group)
+    return bool(vote[0] > 0), pending and not bool(vote[1] > 0)
+
+
+def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None, *,
           group: dist.ProcessGroup | None = None, device: torch.device | None = None,
           stop_after_step: int | None = None, progress_file: Path | None = None,
           metrics: TrainerMetrics | None = None, local_rank: int = 0,
           verbose: bool = True, time_dilation: float = 1.0,
-          memory_limit_bytes: int | None = None) -> TrainOutcome:
+          memory_limit_bytes: int | None = None, collective_timeout_seconds: float = 600.0,
+          stop_requested: Callable[[], bool] | None = None,
+          async_checkpoints: bool = True) -> TrainOutcome:
     """Train `job` under `layout`, resuming from the newest intact checkpoint in
-    `checkpoint_dir`; checkpoints every `intervalSteps` and always at the end (or at
-    `stop_after_step`, which simulates a preemption)."""
+    `checkpoint_dir` (a shared folder or an fsspec URL; None or "" = no checkpoints at all);
+    checkpoints every `intervalSteps` and always at the end (or at `stop_after_step`, which
+    simulates a preemption). With `stop_requested` (e.g. set by SIGTERM), the ranks vote at
+    every step boundary; when any rank asks, all write a checkpoint and return together.
+    `async_checkpoints`: interval checkpoints upload in the background while training goes
+    on (see checkpoint_write); the final one and a requested stop's are synchronous."""
     config = job.model.resolve()
     spec = job.training
     engine = Engine(config, spec, layout, group=group, device=device,
@@ -57,32 +85,65 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: Path, *,
     if memory_limit_bytes is not None:
         _check_memory(engine, memory_limit_bytes)
     data = DataSource(config, job.data, spec.seed)
-    info = _resume_point(checkpoint_dir, engine)
-    if info is not None:
-        checkpoint.restore(engine, info)
-        if verbose and engine.rank == 0:
-            print(f"cephalo trainer: resumed from {info.path} at step {info.step}", flush=True)
-    outcome = TrainOutcome(first_step=engine.step_count, last_step=engine.step_count)
-    progress = ProgressFile(progress_file) if progress_file and engine.rank == 0 else None
-    start, end = layout.sample_range(engine.rank)
-    micro = layout.micro_batch_sizes[engine.rank]
-    last = spec.steps if stop_after_step is None else min(spec.steps, stop_after_step)
+    world = engine.comm.world_size
+    storage_group = _storage_group(
+        engine, checkpoint.storage_timeout_seconds(engine, collective_timeout_seconds))
+    store = Store(checkpoint_dir) if checkpoint_dir and str(checkpoint_dir).strip() else None
+    cache_dir = Path(tempfile.mkdtemp(prefix="cephalo-checkpoint-"))
+    progress = None
+    writer = None
     try:
+        if store is None:
+            if verbose and engine.rank == 0:
+                print("cephalo trainer: no checkpoint target (CEPHALO_CHECKPOINT_DIR is "
+                      "empty): training without saving or resuming checkpoints", flush=True)
+        else:
+            check_shared(store, engine.rank, world, storage_group)
+            found = checkpoint.resume_point(store, engine, storage_group, cache_dir)
+            if found is not None:
+                info, reader = found
+                checkpoint.restore(engine, info, reader)
+                if verbose and engine.rank == 0:
+                    print(f"cephalo trainer: resumed from {info.path} at step {info.step}",
+                          flush=True)
+            shutil.rmtree(cache_dir, ignore_errors=True)  # verified copies are loaded now
+            writer = CheckpointWriter(store, engine, job.checkpoint.keep, storage_group,
+                                      asynchronous=async_checkpoints)
+        outcome = TrainOutcome(first_step=engine.step_count, last_step=engine.step_count)
+        progress = ProgressFile(progress_file) if progress_file and engine.rank == 0 else None
+        start, end = layout.sample_range(engine.rank)
+        micro = layout.micro_batch_sizes[engine.rank]
+        last = spec.steps if stop_after_step is None else min(spec.steps, stop_after_step)
         while engine.step_count < last:
             step = engine.step_count
             result = engine.step(data.micro_batches(step, start, end, micro))
             outcome.losses.append(result.loss)
             if result.step % spec.log_interval_steps == 0 or result.step == last:
                 log_step(engine, result, config.tokens_per_sample,
-                     config.training_flops_per_sample(), progress, metrics, local_rank,
-                     verbose, spec.steps)
-            if result.step % job.checkpoint.interval_steps == 0 or result.step == last:
-                path = checkpoint.save(checkpoint_dir, engine, job.checkpoint.keep)
-                outcome.checkpoints.append(str(path))
+                         config.training_flops_per_sample(), progress, metrics, local_rank,
+                         verbose, spec.steps)
+            stop, uploaded = _vote(stop_requested, writer, world, storage_group)
+            if writer is not None:
+                if uploaded:
+                    outcome.checkpoints.append(writer.finish())
+                final = stop or result.step == last
+                if final or result.step % job.checkpoint.interval_steps == 0:
+                    outcome.checkpoints += writer.start(wait=final)
+            if stop:
+                outcome.stopped_by_signal = True
+                if verbose and engine.rank == 0:
+                    print(f"cephalo trainer: stopping at step {result.step} on request "
+                          f"(SIGTERM)", flush=True)
+                break
         outcome.last_step = engine.step_count
     finally:
+        if writer is not None:
+            writer.close()
+        shutil.rmtree(cache_dir, ignore_errors=True)
         if progress is not None:
             progress.close()
+        if storage_group is not None:
+            dist.destroy_process_group(storage_group)
     return outcome
 
 
@@ -144,6 +205,10 @@ def log_step(engine: Engine, result: StepResult, tokens_per_sample: int, flops_p
               f"(waited {result.collective_wait_seconds:.3f} s on collectives)", flush=True)
 
 
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, what Kubernetes and shells expect
+EXIT_CHECKPOINT_ERROR = 4
+
+
 def main() -> int:
     try:
         env = read_env()
@@ -152,6 +217,10 @@ def main() -> int:
         print(f"cephalo trainer (rank {os.environ.get('RANK', '?')}): error: {err}",
               file=sys.stderr, flush=True)
         return 2
+    # SIGTERM (pod deletion, preemption, node drain) only raises a flag: the ranks agree at
+    # the next step boundary, write a checkpoint and exit 143 together.
+    terminated = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: terminated.set())
     torch.manual_seed(env.job.training.seed)
     if env.num_threads:
         torch.set_num_threads(env.num_threads)
@@ -171,15 +240,22 @@ def main() -> int:
                             stop_after_step=env.stop_after_step,
                             progress_file=env.metrics_file, metrics=metrics,
                             local_rank=env.local_rank, time_dilation=env.time_dilation,
-                            memory_limit_bytes=env.memory_limit_bytes)
+                            memory_limit_bytes=env.memory_limit_bytes,
+                            collective_timeout_seconds=env.timeout_seconds,
+                            stop_requested=terminated.is_set)
         except MemoryLimitError as err:
             print(f"cephalo trainer (rank {env.rank}): error: {err}", file=sys.stderr,
                   flush=True)
             return 3
+        except CheckpointError as err:  # the same root cause on every rank
+            print(f"cephalo trainer (rank {env.rank}): error: {err}", file=sys.stderr,
+                  flush=True)
+            return EXIT_CHECKPOINT_ERROR
         if env.rank == 0:
-            print(f"cephalo trainer: done at step {outcome.last_step}; checkpoint "
+            print(f"cephalo trainer: {'stopped' if outcome.stopped_by_signal else 'done'} at "
+                  f"step {outcome.last_step}; checkpoint "
                   f"{outcome.checkpoints[-1] if outcome.checkpoints else '(none new)'}",
                   flush=True)
     finally:
         dist.destroy_process_group()
-    return 0
+    return EXIT_TERMINATED if outcome.stopped_by_signal else 0

@@ -198,3 +198,47 @@ def test_dashboard_configmap_carries_the_json_and_sidecar_label() -> None:
     assert cm["metadata"]["annotations"] == {"grafana_folder": "Cephalo"}
     assert json.loads(cm["data"]["cephalo.json"]) == json.loads(DASHBOARD.read_text())
     assert not [o for o in render() if o["kind"] == "ConfigMap"], "off by default"
+
+
+# ---- one label name for the job across operator and trainer series (issue 11, defect 10) ----
+JOB_LABELS = {"cephalo_namespace", "cephalo_job"}
+RATE_FUNCTIONS = re.compile(r"\b(?:rate|irate|increase)\s*\(\s*([a-zA-Z_:][a-zA-Z0-9_:]*)")
+
+
+def test_operator_series_never_carry_a_label_prometheus_sets_on_targets() -> None:
+    """Such a label is renamed `exported_<name>` (or, with honorLabels, wins over the
+    target's own): either way a query by it breaks. Job and namespace use JOB_LABELS."""
+    exported = operator_exports()
+    clashes = {name: sorted(labels & DISCOVERY_LABELS) for name, labels in
+               exported.labels.items() if labels & DISCOVERY_LABELS}
+    assert not clashes, f"operator series with target labels: {clashes}"
+    per_job = {name for name, labels in exported.labels.items() if labels & JOB_LABELS}
+    assert "cephalo_operator_predicted_samples_per_second" in per_job
+    assert all(exported.labels[name] >= JOB_LABELS for name in per_job), \
+        "a per-job operator series must carry both cephalo_namespace and cephalo_job"
+
+
+def test_trainer_series_get_the_same_job_labels_and_monitors_honor_no_labels() -> None:
+    assert podmonitor_target_labels() >= JOB_LABELS
+    objects = render({"metrics": {"serviceMonitor": {"enabled": True},
+                                  "podMonitor": {"enabled": True}}})
+    endpoints = one(objects, "ServiceMonitor")["spec"]["endpoints"] + \
+        one(objects, "PodMonitor")["spec"]["podMetricsEndpoints"]
+    assert not any(e.get("honorLabels") for e in endpoints), \
+        "honorLabels lets a scraped page overwrite target labels; no series needs it"
+
+
+def test_dashboard_joins_jobs_by_the_shared_labels_and_rates_only_counters() -> None:
+    exported = Exported()
+    for source in (operator_exports(), trainer_exports()):
+        exported.labels.update(source.labels)
+    for title, expr in queries():
+        used = labels_used(expr)
+        by_job = set().union(*used.values()) & {"job", "namespace", *JOB_LABELS}
+        assert by_job <= JOB_LABELS, f"panel {title!r} selects jobs by {sorted(by_job)}"
+        rated = set(RATE_FUNCTIONS.findall(expr))
+        for name in metric_names(expr):
+            if name.endswith("_total"):
+                assert name in rated, f"panel {title!r} reads counter {name} without rate()"
+            elif not name.endswith(("_sum", "_count", "_bucket")):
+                assert name not in rated, f"panel {title!r} takes rate() of gauge {name}"

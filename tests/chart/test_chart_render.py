@@ -284,7 +284,8 @@ def test_monitors_match_the_operator_and_its_trainer_pods() -> None:
     assert ports[endpoint["port"]] == EVERYTHING_ON["operator"]["trainerMetricsPort"]
     # Relabelings read pod labels the rank pod really has (Prometheus' meta label spelling).
     meta = {"__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", k)
-            for k in rank_pod["metadata"]["labels"]} | {"__meta_kubernetes_pod_node_name"}
+            for k in rank_pod["metadata"]["labels"]} | {"__meta_kubernetes_pod_node_name",
+                                                        "__meta_kubernetes_namespace"}
     for relabel in endpoint["relabelings"]:
         assert set(relabel["sourceLabels"]) <= meta, relabel
     assert one(render({"metrics": {"podMonitor": {"enabled": True}}}), "PodMonitor")[

@@ -172,3 +172,23 @@ def test_real_text_from_a_token_file(tmp_path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     written = (_run_dir(tmp_path, "local-text") / "job.yaml").read_text()
     assert str(tokens) in written  # the relative path was made absolute for the ranks
+
+
+def test_resume_onto_more_ranks_summarizes_only_the_new_segment(tmp_path, tiny_job) -> None:
+    """Issue 13: resuming a 1-rank run on 2 ranks trained, then crashed in the summary
+    (the metrics file still held the first segment's 1-rank records)."""
+    job = tiny_job(steps=4)
+    one = _plan_file(tmp_path, [("cpu", 6)])
+    first = run_cephalo(tmp_path, "run", str(job), "--plan", str(one), "--devices", "cpu:1",
+                        "--steps", "2")
+    assert first.returncode == 0, first.stdout + first.stderr
+    two = _plan_file(tmp_path, [("cpu", 4), ("cpu", 2)])
+    done = run_cephalo(tmp_path, "run", str(job), "--plan", str(two), "--devices", "cpu:2",
+                       "--resume")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "over steps 3-4 (resumed after step 2)" in done.stdout
+    assert "rank 1 cpu:1" in done.stdout
+    run_dir = _run_dir(tmp_path, "tiny")
+    steps = [json.loads(line)["step"] for line in
+             (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]  # the run's whole history stays in the metrics file

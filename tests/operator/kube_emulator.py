@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
-import datetime
 import json
 import re
 import time
@@ -40,6 +39,7 @@ import aiohttp.web
 import attrs
 import kmock
 from kmock._internal import rendering
+from kube_faults import Faults, FaultVerbs, injected_error, server_time
 from kube_selectors import ObjKey, match_fields, match_labels
 from kube_selectors import api_error as _error
 from kube_writes import WriteVerbs
@@ -59,15 +59,16 @@ class ApiCall:
     name: str | None
     status: int
     user_agent: str = ""
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    committed: bool = False  # the write took effect (even when its reply was an injected 500)
+    label_selector: str = ""  # of a list or watch: what the client asked the server to filter
 
 
 @attrs.define(kw_only=True)
-class ApiEmulator(WriteVerbs, kmock.KubernetesEmulator):
+class ApiEmulator(FaultVerbs, WriteVerbs, kmock.KubernetesEmulator):
     calls: list[ApiCall] = attrs.field(factory=list, init=False)
+    faults: Faults = attrs.field(factory=Faults, init=False)  # tests replace it to inject
+    kubelet_stop_seconds: float = attrs.field(default=0.2, init=False)  # SIGTERM → exit 143
+    clock_skew_seconds: float = attrs.field(default=0.0, init=False)  # server clock vs ours
     kubeconfig: Any = attrs.field(default=None, init=False)  # set by the test fixture
     _store: dict[ObjKey, dict[str, Any]] = attrs.field(factory=dict, init=False)
     _log: list[tuple[int, str, str, str, dict[str, Any]]] = attrs.field(factory=list, init=False)
@@ -106,10 +107,11 @@ class ApiEmulator(WriteVerbs, kmock.KubernetesEmulator):
                 and obj["metadata"]["name"] == name]
 
     def created(self, plural: str, group: str = "") -> Counter[tuple[str, str]]:
-        """Successful creations per (namespace, name): a count > 1 means created twice."""
+        """Creations that took effect per (namespace, name): a count > 1 means created twice
+        (a create whose reply was lost to an injected fault counts: the object exists)."""
         return Counter((c.namespace, c.name or "") for c in self.calls
                        if c.verb == "create" and c.resource == plural and c.group == group
-                       and 200 <= c.status < 300)
+                       and c.committed)
 
     def rbac_rules(self, *, include_tests: bool = True) -> set[tuple[str, str, str, str]]:
         """(verb, apiGroup, resource[/sub], namespace or '') for every request served;
@@ -144,18 +146,27 @@ class ApiEmulator(WriteVerbs, kmock.KubernetesEmulator):
         # Skip KubernetesEmulator._handle: it mutates kmock's own store before dispatching.
         # Record first: a watch only returns when its stream ends.
         index = self._record(request)
-        status = 200
+        status, committed = 200, False
+        fault = self.faults.draw(request) if index is not None else None
         try:
+            if fault is not None and fault.startswith("before"):
+                raise injected_error(fault)
             if len(self._payloads) == self._builtin_payloads and request.resource is not None \
                     and request.resource.plural:
-                return await self._serve_directly(request)
-            return await super(kmock.KubernetesEmulator, self)._handle(request)
+                response = await self._serve_directly(request)
+            else:
+                response = await super(kmock.KubernetesEmulator, self)._handle(request)
+            committed = True
+            if fault is not None:  # it took effect, but the client never hears so
+                raise injected_error(fault)
+            return response
         except kmock.KubernetesError as exc:
             status = exc.status
             raise
         finally:
             if index is not None:
-                self.calls[index] = dataclasses.replace(self.calls[index], status=status)
+                self.calls[index] = dataclasses.replace(self.calls[index], status=status,
+                                                        committed=committed)
 
     async def _serve_directly(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         """Our handlers without kmock's DSL routing, which re-filters every past request on
@@ -175,6 +186,8 @@ class ApiEmulator(WriteVerbs, kmock.KubernetesEmulator):
                    kmock.action.DELETE: self._serve_delete}.get(request.action)
         if handler is None and request.method == kmock.method.PUT:
             handler = self._serve_put
+        if request.method == kmock.method.POST and request.subresource == "eviction":
+            handler = self._serve_create  # kmock sees no action in a POST to a named object
         if handler is None:
             raise _error(405, "MethodNotAllowed", f"{request.method} {request.url.path}")
         created = request.action == kmock.action.CREATE
@@ -194,7 +207,8 @@ class ApiEmulator(WriteVerbs, kmock.KubernetesEmulator):
         if name is None and verb == "create" and isinstance(request.data, dict):
             name = (request.data.get("metadata") or {}).get("name")
         self.calls.append(ApiCall(verb, res.group or "", plural, request.namespace or "", name,
-                                  0, request.headers.get("User-Agent", "")))
+                                  0, request.headers.get("User-Agent", ""),
+                                  label_selector=request.params.get("labelSelector", "")))
         return len(self.calls) - 1
 
     # ---- store ---------------------------------------------------------------------------
@@ -233,7 +247,8 @@ class ApiEmulator(WriteVerbs, kmock.KubernetesEmulator):
 
     def _insert(self, key: ObjKey, obj: dict[str, Any]) -> dict[str, Any]:
         meta = obj.setdefault("metadata", {})
-        meta.update(name=key[3], uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
+        meta.update(name=key[3], uid=str(uuid.uuid4()),
+                    creationTimestamp=server_time(self.clock_skew_seconds), generation=1)
         if key[2] is not None:
             meta["namespace"] = key[2]
         meta.pop("deletionTimestamp", None)
@@ -242,22 +257,20 @@ class ApiEmulator(WriteVerbs, kmock.KubernetesEmulator):
         self._publish(key, "ADDED", obj)
         return obj
 
-    def _remove(self, key: ObjKey, cascade: bool = True) -> None:
+    def _remove(self, key: ObjKey, orphan: bool = False) -> None:
         obj = self._store.pop(key)
         self._bump(obj)
         self._publish(key, "DELETED", obj)
-        uid = obj["metadata"]["uid"]
-        if cascade:  # background propagation: dependents go once the owner is gone
-            for dep_key, dep in list(self._store.items()):
-                owners = dep["metadata"].get("ownerReferences") or []
-                if dep_key in self._store and any(o.get("uid") == uid for o in owners):
-                    self._delete(dep_key)
+        # Background propagation: the GC removes (or, for Orphan, frees) the dependents.
+        self._collect_dependents(obj["metadata"]["uid"], orphan)
 
-    def _delete(self, key: ObjKey) -> dict[str, Any]:
+    def _delete(self, key: ObjKey, grace_seconds: float | None = None) -> dict[str, Any]:
         obj = self._store[key]
+        if key[:2] == ("", "pods") and grace_seconds != 0 and self._runs_on_a_node(obj):
+            return self._terminate_gracefully(key, grace_seconds)
         if obj["metadata"].get("finalizers"):
             if not obj["metadata"].get("deletionTimestamp"):
-                obj["metadata"]["deletionTimestamp"] = _now()
+                obj["metadata"]["deletionTimestamp"] = server_time(self.clock_skew_seconds)
                 obj["metadata"]["deletionGracePeriodSeconds"] = 0
                 self._bump(obj)
                 self._publish(key, "MODIFIED", obj)
@@ -273,6 +286,8 @@ class ApiEmulator(WriteVerbs, kmock.KubernetesEmulator):
 
     # ---- verbs ---------------------------------------------------------------------------
     async def _serve_create(self, request: rendering.Request) -> dict[str, Any]:
+        if request.subresource == "eviction" and request.resource.plural == "pods":
+            return self._evict(request)  # kubectl drain, the Eviction API
         obj = copy.deepcopy(request.data) if isinstance(request.data, dict) else None
         if obj is None:
             raise _error(400, "BadRequest", "create needs a JSON object body")
@@ -324,6 +339,8 @@ class ApiEmulator(WriteVerbs, kmock.KubernetesEmulator):
         group, plural, ns, name = self._key(request, None)
         since = request.params.get("resourceVersion", "")
         timeout_seconds = float(request.params.get("timeoutSeconds") or 0) or None
+        if self.faults.watch_drop_seconds is not None:  # the server closes streams early
+            timeout_seconds = min(timeout_seconds or float("inf"), self.faults.watch_drop_seconds)
         # Snapshot and subscription happen with no await in between: no event can be lost.
         queue: asyncio.Queue[Any] = asyncio.Queue()
         if since in ("", "0"):

@@ -47,7 +47,9 @@ def job_body(name: str = "gpt", namespace: str = "default", uid: str | None = No
         "metadata": {"name": name, "namespace": namespace},
         "spec": {"image": "registry.example/cephalo-trainer:0.1.0",
                  "model": {"preset": "gpt-small"}, "globalBatchSize": 64,
-                 "training": {"steps": 100}, **spec},
+                 "training": {"steps": 100},
+                 # a multi-rank job needs a shared checkpoint target (else it is refused)
+                 "checkpoint": {"claimName": "ckpt"}, **spec},
     }
     if uid is not None:
         body["metadata"]["uid"] = uid

@@ -1,6 +1,7 @@
-"""Write verbs of the API emulator: patch (merge, JSON, strategic), PUT, delete.
+"""Write verbs of the API emulator: patch (merge, JSON, strategic), PUT.
 
-A mixin of `kube_emulator.ApiEmulator`, split out to keep modules small; it relies on the
+A mixin of `kube_emulator.ApiEmulator`, split out to keep modules small (DELETE is in
+`kube_faults.py`, with graceful deletion and garbage collection); it relies on the
 emulator's store primitives (`_key`, `_get`, `_info`, `_bump`, `_publish`, `_remove`, `_delete`).
 """
 
@@ -80,17 +81,8 @@ class WriteVerbs:
         self._bump(new)
         self._store[key] = new
         self._publish(key, "MODIFIED", new)
-        if meta.get("deletionTimestamp") and not meta.get("finalizers"):
-            self._remove(key)
+        left = meta.get("finalizers") or []
+        if (meta.get("deletionTimestamp") and old["metadata"].get("finalizers") != left
+                and left in ([], ["orphan"])):  # the last finalizer went: now it goes (the
+            self._remove(key, orphan=left == ["orphan"])  # GC handles `orphan` itself)
         return copy.deepcopy(new)
-
-    async def _serve_delete(self, request: rendering.Request) -> dict[str, Any]:
-        key = self._key(request)
-        self._get(key)
-        body = request.data if isinstance(request.data, dict) else {}
-        policy = body.get("propagationPolicy") or request.params.get("propagationPolicy")
-        if policy == "Orphan" and not self._store[key]["metadata"].get("finalizers"):
-            snapshot = copy.deepcopy(self._store[key])
-            self._remove(key, cascade=False)
-            return snapshot
-        return self._delete(key)

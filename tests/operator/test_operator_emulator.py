@@ -183,3 +183,74 @@ async def test_kmock_reactions_still_take_precedence_for_fault_injection(
     assert emulator.list_objects("pods") == []  # the reaction answered; nothing was stored
     async with emulator.get(NS_PODS) as resp:  # other requests still reach the store
         assert resp.status == 200
+
+
+def _as_operator(api: ApiEmulator) -> None:
+    """Fault injection targets the operator's client; let this test's requests count as it."""
+    api.faults.user_agent_prefix = "kmock/"
+
+
+async def test_injected_write_faults_before_and_after_the_write(emulator: ApiEmulator) -> None:
+    _as_operator(emulator)
+    emulator.faults.fail_next("POST", f"{NS_PODS}/lost-reply", kind="after-500")
+    emulator.faults.fail_next("POST", f"{NS_PODS}/refused", kind="before-500")
+    assert (await _post(emulator, NS_PODS, _pod("lost-reply")))["http"] == 500
+    assert (await _post(emulator, NS_PODS, _pod("refused")))["http"] == 500
+    assert [p["metadata"]["name"] for p in emulator.list_objects("pods")] == ["lost-reply"]
+    assert emulator.created("pods") == {("default", "lost-reply"): 1}  # it did take effect
+    assert (await _post(emulator, NS_PODS, _pod("refused")))["http"] == 201  # once only
+    emulator.faults = type(emulator.faults)(seed=3, write_error_fraction=0.5,
+                                            user_agent_prefix="kmock/")
+    answers = [(await _post(emulator, NS_PODS, _pod(f"r{i}")))["http"] for i in range(40)]
+    assert 8 < sum(a != 201 for a in answers) < 32 and set(answers) <= {201, 409, 500}
+    async with emulator.get(NS_PODS) as resp:  # reads are never faulted
+        assert resp.status == 200
+
+
+async def test_watch_streams_are_dropped_periodically(emulator: ApiEmulator) -> None:
+    emulator.faults.watch_drop_seconds = 0.3
+    started = asyncio.get_running_loop().time()
+    events = await asyncio.wait_for(_watch(emulator, NS_PODS, {"resourceVersion": "1"}, 99), 5)
+    assert events == [] and asyncio.get_running_loop().time() - started < 3
+
+
+async def test_delayed_gc_orphan_and_delete_preconditions(emulator: ApiEmulator) -> None:
+    emulator.faults.gc_delay_seconds = 0.5
+    owners = []
+    for name in ("lag", "orph"):
+        job = await _post(emulator, JOBS, {"apiVersion": "cephalo.dev/v1alpha1",
+                                           "kind": "CephaloJob", "metadata": {"name": name},
+                                           "spec": {}})
+        pod = _pod(f"{name}-child")
+        pod["status"] = {}  # never ran: deleted at once, not gracefully
+        pod["metadata"]["ownerReferences"] = [{
+            "apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob", "name": name,
+            "uid": job["metadata"]["uid"], "controller": True}]
+        owners.append(await _post(emulator, NS_PODS, pod))
+    await _json(emulator.delete(f"{JOBS}/lag"))
+    await _json(emulator.delete(f"{JOBS}/orph", json={"propagationPolicy": "Orphan"}))
+    names = {p["metadata"]["name"]: p for p in emulator.list_objects("pods")}
+    assert set(names) == {"lag-child", "orph-child"}  # the GC has not run yet
+    assert "ownerReferences" not in names["orph-child"]["metadata"]  # orphaned at once
+    await asyncio.sleep(0.8)
+    assert [p["metadata"]["name"] for p in emulator.list_objects("pods")] == ["orph-child"]
+    wrong = await _json(emulator.delete(f"{NS_PODS}/orph-child", json={
+        "preconditions": {"uid": owners[0]["metadata"]["uid"]}}))
+    assert wrong["http"] == 409 and len(emulator.list_objects("pods")) == 1
+
+
+async def test_running_pods_terminate_gracefully_with_sigterm(emulator: ApiEmulator) -> None:
+    pod = _pod("run")
+    pod["spec"]["terminationGracePeriodSeconds"] = 300
+    await _post(emulator, NS_PODS, pod)
+    await _patch(emulator, f"{NS_PODS}/run/status", {"status": {"phase": "Running",
+                 "containerStatuses": [{"name": "c", "state": {"running": {}}}]}})
+    deleting = await _json(emulator.delete(f"{NS_PODS}/run"))
+    assert deleting["metadata"]["deletionTimestamp"]
+    assert deleting["metadata"]["deletionGracePeriodSeconds"] == 300
+    seen = await asyncio.wait_for(_watch(emulator, NS_PODS, {
+        "resourceVersion": deleting["metadata"]["resourceVersion"]}, 2), 5)
+    assert [e["type"] for e in seen] == ["MODIFIED", "DELETED"]
+    terminated = seen[0]["object"]["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert seen[0]["object"]["status"]["phase"] == "Failed" and terminated["exitCode"] == 143
+    assert emulator.list_objects("pods") == []

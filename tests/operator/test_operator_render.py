@@ -15,11 +15,13 @@ import yaml
 from crd_schema import load_schema, pruned, type_errors
 from kube_fixtures import cluster_a, gpu_node, job_body
 
-from cephalo.api import Plan, parse_job
+from cephalo.api import JobFileError, Plan, parse_job
+from cephalo.api.podtemplate import CONTRACT_ENV
 from cephalo.operator.config import OperatorConfig
 from cephalo.operator.discovery import NoGpusError, discover_pools, plan_fits, select_cluster
 from cephalo.operator.render import (
     check_job_name,
+    checkpoint_target,
     config_hash,
     profile_config_map_name,
     render,
@@ -33,8 +35,13 @@ K8S_VERSION = "1.30.0"
 UID = "0d5c2b1e-0000-4000-8000-000000000001"
 
 
+NO_TARGET = {"intervalSteps": 100}  # a checkpoint spec without claimName, uri or ephemeral
+
+
 def _job(**spec):
-    return parse_job(job_body("gpt", uid=UID, **spec))
+    """The test job; checkpoints on a PVC unless the test says otherwise (a multi-rank job
+    without a shared checkpoint target is refused)."""
+    return parse_job(job_body("gpt", uid=UID, **{"checkpoint": {"claimName": "ckpt"}, **spec}))
 
 
 def _plan() -> Plan:
@@ -165,8 +172,8 @@ def test_rank_pods_carry_the_plan() -> None:
         assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
         assert pod["metadata"]["ownerReferences"][0]["uid"] == UID
         assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9999"
-    # emptyDir checkpoints without a claim
-    assert {"name": "checkpoints", "emptyDir": {}} in pods[0]["spec"]["volumes"]
+    assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "ckpt"}} in \
+        pods[0]["spec"]["volumes"]
 
 
 def test_job_names_that_cannot_name_children_are_rejected() -> None:
@@ -218,3 +225,248 @@ def test_test_jobs_are_valid_for_the_crd() -> None:
             {"product": "P40", "maxGpus": 2, "nodeSelector": {"a": "b"}, "memoryMiB": 1000}],
             checkpoint={"claimName": "ckpt"}, ttlSecondsAfterFinished=5, backoffLimit=1)):
         assert type_errors(body, schema) == [] and pruned(body, schema) == []
+
+
+# ---- storage: checkpoints (issue 13), token-file volume, podTemplate --------------------
+def _one_rank_plan() -> Plan:
+    return Plan.model_validate({
+        "global_batch_size": 64, "world_size": 1, "predicted_step_seconds": 0.5,
+        "ranks": [{"rank": 0, "gpu": "L4", "pool": "NVIDIA-L4", "batch_size": 64,
+                   "micro_batch_size": 8, "num_micro_batches": 8, "shard_ratio": 1.0}],
+        "baselines": {}})
+
+
+def _env(pod: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+
+
+def _mounts(pod: dict) -> dict[str, dict]:
+    return {m["mountPath"]: m for m in pod["spec"]["containers"][0]["volumeMounts"]}
+
+
+def _volumes(pod: dict) -> dict[str, dict]:
+    return {v["name"]: v for v in pod["spec"]["volumes"]}
+
+
+def test_multi_rank_job_without_a_shared_checkpoint_target_is_refused() -> None:
+    """Regression (issue 13): each rank got its own emptyDir and ranks >= 1 crashed at the
+    first checkpoint (FileNotFoundError in .step-N.partial); now nothing is rendered."""
+    job = _job(checkpoint=NO_TARGET)
+    target = checkpoint_target(job, _plan().world_size)
+    assert target.refusal is not None and not target.durable
+    assert target.refusal.startswith("3 ranks need a shared checkpoint target")
+    for fix in ("spec.checkpoint.claimName (a ReadWriteMany PVC)",
+                "spec.checkpoint.uri (s3://…, gs://…)", "spec.checkpoint.ephemeral: true"):
+        assert fix in target.refusal
+    assert "\n" not in target.refusal
+    with pytest.raises(AssertionError, match="render of a refused job"):
+        render(job, _plan())
+
+
+def test_single_rank_without_a_target_keeps_an_emptydir_and_says_it_is_not_durable() -> None:
+    job, plan = _job(checkpoint=NO_TARGET), _one_rank_plan()
+    target = checkpoint_target(job, plan.world_size)
+    assert target.refusal is None and not target.durable and target.reason == "EmptyDir"
+    assert "will not survive a restart" in target.message
+    objects = render(job, plan)
+    _validate(objects)
+    (pod,) = objects[2:]
+    assert _volumes(pod)["checkpoints"] == {"name": "checkpoints", "emptyDir": {}}
+    assert _env(pod)["CEPHALO_CHECKPOINT_DIR"] == "/checkpoints/gpt"
+    _check_golden("render-single-emptydir.yaml", [pod])
+
+
+def test_pvc_checkpoints_mount_the_claim_on_every_rank() -> None:
+    job = _job(checkpoint={"claimName": "ckpt"})
+    target = checkpoint_target(job, _plan().world_size)
+    assert target.durable and target.reason == "PersistentVolumeClaim" and not target.refusal
+    for pod in render(job, _plan())[2:]:
+        assert _volumes(pod)["checkpoints"]["persistentVolumeClaim"] == {"claimName": "ckpt"}
+        assert _mounts(pod)["/checkpoints"]["name"] == "checkpoints"
+        assert _env(pod)["CEPHALO_CHECKPOINT_DIR"] == "/checkpoints/gpt"
+
+
+def test_object_storage_checkpoints_need_no_volume_and_take_credentials_from_a_secret() -> None:
+    job = _job(checkpoint={"uri": "s3://team-bucket/cephalo/"},
+               podTemplate={"envFrom": [{"secretRef": {"name": "s3-credentials"}}],
+                            "env": [{"name": "AWS_ENDPOINT_URL",
+                                     "value": "http://minio.storage:9000"}]})
+    target = checkpoint_target(job, _plan().world_size)
+    assert target.durable and target.reason == "ObjectStorage"
+    objects = render(job, _plan())
+    _validate(objects)
+    for pod in objects[2:]:
+        env = _env(pod)
+        assert env["CEPHALO_CHECKPOINT_DIR"] == "s3://team-bucket/cephalo/default/gpt"
+        assert env["AWS_ENDPOINT_URL"] == "http://minio.storage:9000"
+        assert "checkpoints" not in _volumes(pod) and "/checkpoints" not in _mounts(pod)
+        assert pod["spec"]["containers"][0]["envFrom"] == [{"secretRef": {"name":
+                                                                          "s3-credentials"}}]
+    _check_golden("render-object-storage.yaml", objects[2:3])
+
+
+def test_ephemeral_multi_rank_job_runs_without_checkpoints() -> None:
+    job = _job(checkpoint={"ephemeral": True})
+    target = checkpoint_target(job, _plan().world_size)
+    assert target.refusal is None and not target.durable and target.reason == "Ephemeral"
+    assert "step 0" in target.message
+    objects = render(job, _plan())
+    _validate(objects)
+    for pod in objects[2:]:
+        assert _env(pod)["CEPHALO_CHECKPOINT_DIR"] == ""
+        assert "checkpoints" not in _volumes(pod)
+
+
+def test_token_file_claim_is_mounted_read_only_in_rank_pods() -> None:
+    """Regression (issue 13): data.tokenFile.claimName was never mounted, so every rank of
+    examples/token-file.yaml failed with "token file … does not exist"."""
+    data = {"tokenFile": {"path": "/data/owt/train.bin", "claimName": "datasets",
+                          "mountPath": "/data"}}
+    job = _job(data=data, checkpoint={"claimName": "ckpt"})
+    objects = render(job, _plan())
+    _validate(objects)
+    for pod in objects[2:]:
+        assert _volumes(pod)["dataset"] == {
+            "name": "dataset", "persistentVolumeClaim": {"claimName": "datasets",
+                                                         "readOnly": True}}
+        assert _mounts(pod)["/data"] == {"name": "dataset", "mountPath": "/data",
+                                         "readOnly": True}
+    _check_golden("render-token-file.yaml", objects[2:3])
+    # The profiler measures on synthetic data (trainer/profile_units.py): no data volume.
+    profiler = render_profiler_pod(job, "NVIDIA-L4", attempt=0)
+    assert "dataset" not in _volumes(profiler)
+
+
+def test_token_file_mount_path_that_collides_is_refused() -> None:
+    data = {"tokenFile": {"path": "/checkpoints/t.bin", "claimName": "datasets",
+                          "mountPath": "/checkpoints"}}
+    target = checkpoint_target(_job(data=data, checkpoint={"claimName": "ckpt"}), 3)
+    assert target.refusal and "mountPath '/checkpoints' overlaps /checkpoints" in target.refusal
+    clash = _job(data={"tokenFile": {"path": "/data/t.bin", "claimName": "datasets"}},
+                 checkpoint={"claimName": "ckpt"},
+                 podTemplate={"volumes": [{"name": "cache", "emptyDir": {}}],
+                              "volumeMounts": [{"name": "cache", "mountPath": "/data/cache"}]})
+    assert "overlaps /data/cache" in (checkpoint_target(clash, 3).refusal or "")
+
+
+POD_TEMPLATE = {
+    "labels": {"team": "nlp", "kueue.x-k8s.io/queue-name": "gpu"},
+    "annotations": {"example.com/owner": "nlp"},
+    "env": [{"name": "WANDB_PROJECT", "value": "cephalo"},
+            {"name": "AWS_SECRET_ACCESS_KEY",
+             "valueFrom": {"secretKeyRef": {"name": "s3", "key": "secret"}}}],
+    "envFrom": [{"secretRef": {"name": "wandb"}}, {"configMapRef": {"name": "proxy",
+                                                                     "optional": True}}],
+    "volumes": [{"name": "hf-cache", "persistentVolumeClaim": {"claimName": "hf"}},
+                {"name": "certs", "secret": {"secretName": "ca", "defaultMode": 0o444}}],
+    "volumeMounts": [{"name": "hf-cache", "mountPath": "/cache/hf"},
+                     {"name": "certs", "mountPath": "/etc/ssl/custom", "readOnly": True}],
+    "imagePullSecrets": [{"name": "registry"}],
+    "tolerations": [{"key": "spot", "operator": "Exists", "effect": "NoSchedule"}],
+    "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 1, "preference": {"matchExpressions": [
+            {"key": "zone", "operator": "In", "values": ["a"]}]}}]}},
+    "priorityClassName": "training",
+    "serviceAccountName": "trainer",
+    "resources": {"requests": {"cpu": 8, "memory": "64Gi"}, "limits": {"memory": "64Gi"}},
+}
+
+
+def test_pod_template_is_merged_into_rank_and_profiler_pods() -> None:
+    job = _job(checkpoint={"claimName": "ckpt"}, podTemplate=POD_TEMPLATE)
+    plain = render(_job(checkpoint={"claimName": "ckpt"}), _plan())
+    objects = render(job, _plan())
+    profiler = render_profiler_pod(job, "NVIDIA-L4", attempt=0)
+    _validate([*objects, profiler])
+    _check_golden("render-pod-template.yaml", [objects[2], profiler])
+    for pod, before in ((objects[2], plain[2]), (profiler, None)):
+        meta, spec = pod["metadata"], pod["spec"]
+        (container,) = spec["containers"]
+        assert meta["labels"]["team"] == "nlp" and meta["labels"]["cephalo.dev/job"] == "gpt"
+        assert meta["annotations"]["example.com/owner"] == "nlp"
+        assert container["env"][-2:] == [
+            {"name": "WANDB_PROJECT", "value": "cephalo"},
+            {"name": "AWS_SECRET_ACCESS_KEY",
+             "valueFrom": {"secretKeyRef": {"name": "s3", "key": "secret"}}}]
+        assert [e.get("secretRef", e.get("configMapRef"))["name"]
+                for e in container["envFrom"]] == ["wandb", "proxy"]
+        assert _mounts(pod)["/cache/hf"]["name"] == "hf-cache"
+        assert _volumes(pod)["certs"]["secret"]["secretName"] == "ca"
+        assert spec["imagePullSecrets"] == [{"name": "registry"}]
+        assert spec["priorityClassName"] == "training" and spec["affinity"]
+        assert spec["serviceAccountName"] == "trainer"
+        assert spec["automountServiceAccountToken"] is False  # the token stays unmounted
+        assert {"key": "nvidia.com/gpu", "operator": "Exists",
+                "effect": "NoSchedule"} in spec["tolerations"]
+        assert {"key": "spot", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+        # The operator's fields win: one GPU from the plan, its nodeSelector, security.
+        assert container["resources"] == {
+            "requests": {"cpu": 8, "memory": "64Gi", "nvidia.com/gpu": 1},
+            "limits": {"memory": "64Gi", "nvidia.com/gpu": 1}}
+        assert spec["nodeSelector"]["nvidia.com/gpu.product"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        if before is not None:  # everything the operator set is still there, unchanged
+            assert container["env"][:len(before["spec"]["containers"][0]["env"])] == \
+                before["spec"]["containers"][0]["env"]
+            assert spec["volumes"][:len(before["spec"]["volumes"])] == before["spec"]["volumes"]
+
+
+@pytest.mark.parametrize(("template", "message"), [
+    ({"env": [{"name": "CEPHALO_CHECKPOINT_DIR", "value": "/x"}]},
+     "env CEPHALO_CHECKPOINT_DIR is set by the operator (the trainer's environment contract)"),
+    ({"env": [{"name": "RANK", "value": "0"}]}, "env RANK is set by the operator"),
+    ({"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]},
+     "env A given more than once"),
+    ({"volumes": [{"name": "checkpoints", "emptyDir": {}}]},
+     "volume name 'checkpoints' is used by the operator"),
+    ({"volumes": [{"emptyDir": {}}]}, "every podTemplate volume needs a `name`"),
+    ({"volumes": [{"name": "v", "emptyDir": {}}],
+      "volumeMounts": [{"name": "v", "mountPath": "/tmp/x"}]},
+     "mountPath '/tmp/x' overlaps /tmp, which the operator mounts"),
+    ({"volumeMounts": [{"name": "nope", "mountPath": "/x"}]},
+     "volumeMount 'nope' names no volume in podTemplate.volumes"),
+    ({"labels": {"cephalo.dev/job": "other"}}, "keys under cephalo.dev/ are set by the operator"),
+    ({"labels": {"team": "n l p"}}, "value 'n l p' is not a Kubernetes label value"),
+    ({"resources": {"limits": {"nvidia.com/gpu": 2}}}, "GPUs come from the plan"),
+    ({"resources": {"requests": {"memory": "lots"}}}, "'lots' is not a Kubernetes quantity"),
+    ({"envFrom": [{"prefix": "X_"}]}, "exactly one of secretRef or configMapRef"),
+])
+def test_pod_template_conflicts_are_refused_with_a_clear_message(template, message) -> None:
+    with pytest.raises(JobFileError) as err:
+        parse_job(job_body("gpt", uid=UID, podTemplate=template), source="job.yaml")
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert str(err.value).startswith("job.yaml: spec.podTemplate")
+
+
+def test_pod_template_bodies_are_valid_for_the_crd() -> None:
+    schema = load_schema()
+    body = job_body("pt", podTemplate=POD_TEMPLATE, checkpoint={"uri": "s3://b/p"})
+    assert type_errors(body, schema) == [] and pruned(body, schema) == []
+
+
+def test_cluster_examples_have_a_checkpoint_target_that_multi_rank_plans_accept() -> None:
+    """Every example meant for `kubectl apply` runs on several GPUs (the chart's smoke test,
+    custom-tiny-gpt.yaml, included): none may be refused for want of a shared target."""
+    root = Path(__file__).resolve().parents[2] / "examples"
+    applied = [p for p in sorted(root.glob("*.yaml"))
+               if f"kubectl apply -f examples/{p.name}" in p.read_text()]
+    assert {"custom-tiny-gpt.yaml", "object-storage.yaml", "token-file.yaml"} <= {
+        p.name for p in applied}
+    for path in applied:
+        body = yaml.safe_load(path.read_text())
+        body["metadata"].update(namespace="default", uid=UID)
+        job = parse_job(body)
+        target = checkpoint_target(job, _plan().world_size)
+        assert target.refusal is None, (path.name, target.refusal)
+        _validate(render(job, _plan())[2:3])
+    tiny = parse_job({**yaml.safe_load((root / "custom-tiny-gpt.yaml").read_text())})
+    assert tiny.spec.checkpoint.ephemeral  # the smoke test needs no storage on a bare cluster
+
+
+def test_every_env_var_the_operator_sets_is_refused_in_the_pod_template() -> None:
+    """CONTRACT_ENV (what podTemplate.env may not name) covers everything render sets, so a
+    user variable can never silently shadow or be shadowed by the operator's."""
+    job = _job(data={"tokenFile": {"path": "/data/t.bin", "claimName": "datasets"}})
+    pods = [*render(job, _plan())[2:], render_profiler_pod(job, "NVIDIA-L4", attempt=0)]
+    names = {e["name"] for pod in pods for e in pod["spec"]["containers"][0]["env"]}
+    assert "CEPHALO_CHECKPOINT_DIR" in names and names <= CONTRACT_ENV

@@ -61,7 +61,7 @@ def test_read_env_accepts_a_good_environment(tmp_path: Path) -> None:
     (lambda e: e.update(RANK="2"), "RANK=2 must be in [0, WORLD_SIZE=2)"),
     (lambda e: e.update(WORLD_SIZE="3"), "the plan is for 2 ranks"),
     (lambda e: e.update(CEPHALO_BATCH_SIZE="4"), "CEPHALO_BATCH_SIZE=4 but the plan"),
-    (lambda e: e.update(CEPHALO_PLAN="/nonexistent.json"), "no such plan file"),
+    (lambda e: e.update(CEPHALO_PLAN="/nonexistent.json"), "no such file"),
     (lambda e: e.update(CEPHALO_TIME_DILATION="0.5"), "must be >= 1"),
     (lambda e: e.update(CEPHALO_MEMORY_LIMIT_BYTES="lots"), "is not an integer"),
 ])

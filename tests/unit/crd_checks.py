@@ -118,3 +118,52 @@ def apply_defaults(value: Any, node: dict[str, Any]) -> Any:
         for item in value:
             apply_defaults(item, node["items"])
     return value
+
+
+# ---- CEL rules (x-kubernetes-validations), evaluated by an independent CEL implementation -----
+def _cel_program(rule: str) -> Any:
+    import celpy  # cel-python: a CEL interpreter we did not write
+
+    if rule not in _CEL_CACHE:
+        env = celpy.Environment()
+        _CEL_CACHE[rule] = env.program(env.compile(rule))
+    return _CEL_CACHE[rule]
+
+
+_CEL_CACHE: dict[str, Any] = {}
+
+
+def cel_errors(value: Any, node: dict[str, Any] | None = None, path: str = "") -> list[str]:
+    """Every x-kubernetes-validations rule that fails (or cannot be evaluated) on `value`,
+    as the API server runs them: on each node whose value is present, after defaulting.
+    Pass a defaulted object (`apply_defaults`) for the API server's view."""
+    import celpy
+
+    node = root_schema() if node is None else node
+    found: list[str] = []
+    for rule in node.get("x-kubernetes-validations", []):
+        try:
+            result = _cel_program(rule["rule"]).evaluate({"self": celpy.json_to_cel(value)})
+        except Exception as err:  # the API server reports an evaluation error as invalid
+            found.append(f"{path or '(root)'}: {rule['message']} (error: {err})")
+            continue
+        if isinstance(result, Exception) or not bool(result):
+            found.append(f"{path or '(root)'}: {rule['message']}")
+    if isinstance(value, dict):
+        for name, child in value.items():
+            prop = node.get("properties", {}).get(name)
+            if prop is not None and child is not None:
+                found += cel_errors(child, prop, f"{path}.{name}".lstrip("."))
+    elif isinstance(value, list) and isinstance(node.get("items"), dict):
+        for i, item in enumerate(value):
+            found += cel_errors(item, node["items"], f"{path}.{i}")
+    return found
+
+
+def crd_verdict(obj: dict[str, Any]) -> list[str]:
+    """What the API server says to `kubectl apply` of obj: schema errors, else the CEL rules
+    on the defaulted object (the server defaults before it validates)."""
+    errors = schema_errors(obj)
+    if errors:
+        return errors
+    return cel_errors(apply_defaults(copy.deepcopy(obj), root_schema()))

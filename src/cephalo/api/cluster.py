@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+MAX_GPUS_PER_GROUP = 100_000
+
 
 class GpuGroup(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     product: str = Field(description="catalog name (e.g. L4) or a discovery label")
-    count: int = Field(ge=1)
+    # The same bound as a job's gpuPools[].maxGpus: beyond any real cluster.
+    count: int = Field(ge=1, le=MAX_GPUS_PER_GROUP)
     pool: str | None = Field(default=None, description="pool name; default: the product")
     memory_bytes: int | None = Field(default=None, ge=1, description="override the catalog")
 

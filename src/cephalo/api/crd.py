@@ -14,7 +14,9 @@ Pydantic emits JSON Schema 2020-12; the Kubernetes API server wants an OpenAPI v
 * pure value validations (`anyOf`/`oneOf` of `required` lists from `json_schema_extra`) are
   kept: structural schemas allow them because they add no types;
 * defaults given by a `default_factory` are evaluated, so that the API server fills in
-  `training: {}` (and then every nested default) exactly as pydantic would.
+  `training: {}` (and then every nested default) exactly as pydantic would;
+* `x-kubernetes-validations` (CEL rules from `cephalo.api.cel`, put on the models through
+  `json_schema_extra`) are copied, so cross-field checks run at admission too.
 
 Anything else (a union of two real types, an unknown keyword) raises, so a model change that
 the CRD cannot express fails `cephalo crd` and the drift test instead of shipping a wrong CRD.
@@ -29,10 +31,13 @@ from pydantic import BaseModel
 from pydantic.json_schema import GenerateJsonSchema, NoDefault
 from pydantic_core import core_schema
 
+from cephalo.api.cel import name_rules
 from cephalo.api.job import (
     API_GROUP,
     API_VERSION,
+    JOB_NAME_PATTERN,
     KIND,
+    MAX_JOB_NAME_CHARS,
     PLURAL,
     CephaloJobSpec,
     CephaloJobStatus,
@@ -45,7 +50,8 @@ CRD_NAME = f"{PLURAL}.{API_GROUP}"
 # an error, because the API server would reject it or (worse) silently ignore it.
 _PASSTHROUGH_KEYWORDS = frozenset({
     "type", "description", "default", "enum", "minimum", "maximum", "minLength", "maxLength",
-    "minItems", "maxItems", "pattern", "format", "required", "multipleOf",
+    "minItems", "maxItems", "pattern", "format", "required", "multipleOf", "maxProperties",
+    "x-kubernetes-validations",
 })
 # Keywords that only validate values and are therefore allowed inside anyOf/oneOf branches.
 _BRANCH_KEYWORDS = frozenset({"required"})
@@ -207,6 +213,9 @@ def open_api_v3_schema() -> dict[str, Any]:
             "status": _status_schema(),
         },
         "required": ["spec"],
+        # The name becomes the rank pods' hostnames and the Service: refuse at apply time
+        # what the operator could only fail later (root rules may read metadata.name).
+        "x-kubernetes-validations": name_rules(MAX_JOB_NAME_CHARS, JOB_NAME_PATTERN),
     }
 
 

@@ -6,26 +6,47 @@ OpenAPI schema from them, `cephalo run` and the operator parse job YAML with the
 
 from __future__ import annotations
 
-import posixpath
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
+from cephalo.api.cel import PARENT_SEGMENT_PATTERN, model_rules, token_file_rules
 from cephalo.api.models import PRESETS, ModelConfig
+from cephalo.api.podtemplate import PodTemplate
+from cephalo.api.safeyaml import YamlError, load_yaml_file
+from cephalo.errors import CephaloError
 
 API_GROUP = "cephalo.dev"
 API_VERSION = "v1alpha1"
 KIND = "CephaloJob"
 PLURAL = "cephalojobs"
 
+# "<name>-rank-<i>" names each rank pod and is its hostname: a 63-character DNS label, so the
+# job name leaves room for "-rank-" and four digits; it also names the job's Service (a DNS
+# label that starts with a letter) and the local run folder runs/<name>/.
+MAX_JOB_NAME_CHARS = 47
+MAX_GLOBAL_BATCH_SIZE = 65_536
+JOB_NAME_PATTERN = r"[a-z]([-a-z0-9]*[a-z0-9])?"
+
 
 class CamelModel(BaseModel):
     """Base for every wire type: camelCase aliases, snake_case attributes, no unknown keys."""
 
+    # strict: "4" and true are not integers, 1 is not a boolean (the API server's view of
+    # the CRD schema, so that kubectl and pydantic give the same verdict); no inf/NaN, which
+    # JSON and so a custom resource cannot carry either.
     model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=False
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=False,
+        strict=True, allow_inf_nan=False,
     )
 
     def to_wire(self) -> dict[str, Any]:
@@ -35,29 +56,41 @@ class CamelModel(BaseModel):
 class ModelSpec(CamelModel):
     """A preset by name, or a custom architecture. Fields given next to a preset override it."""
 
+    # The cross-field checks of ModelConfig as CEL, so that the API server refuses them too.
     model_config = ConfigDict(json_schema_extra={
         "anyOf": [{"required": ["preset"]},
                   {"required": ["family", "numLayers", "hiddenSize", "numHeads"]}],
+        "x-kubernetes-validations": model_rules(),
     })
 
-    preset: str | None = Field(default=None, description=(
+    # The maxima below are far beyond any published model (the largest have ~130 blocks,
+    # width ~25k, vocabularies ~256k): they only stop a typo or a hostile spec from making
+    # the planner, profiler or trainer allocate without bound.
+    preset: str | None = Field(default=None, json_schema_extra={"enum": sorted(PRESETS)},
+                               description=(
         "Preset name: " + ", ".join(sorted(PRESETS)) + ". Or give `family` and dimensions."))
     family: Literal["gpt", "llama", "vit", "bert"] | None = Field(
         default=None, description="Architecture family of a custom model.")
-    num_layers: int | None = Field(default=None, ge=1, description="Transformer blocks.")
-    hidden_size: int | None = Field(default=None, ge=1, description="Model width.")
-    num_heads: int | None = Field(default=None, ge=1, description="Attention heads.")
-    num_kv_heads: int | None = Field(default=None, ge=1,
-                                     description="Key/value heads (llama, grouped-query).")
-    ffn_hidden_size: int | None = Field(default=None, ge=1,
-                                        description="MLP width (default 4 x hiddenSize).")
-    vocab_size: int | None = Field(default=None, ge=2, description="Vocabulary (text models).")
-    sequence_length: int | None = Field(default=None, ge=1,
-                                        description="Tokens per sample (text; default 512).")
-    image_size: int | None = Field(default=None, ge=1, description="Image side in pixels (vit).")
-    patch_size: int | None = Field(default=None, ge=1, description="Patch side in pixels (vit).")
-    num_classes: int | None = Field(default=None, ge=2,
-                                    description="Classes (vit, bert classification heads).")
+    num_layers: int | None = Field(default=None, ge=1, le=1024, description=(
+        "Transformer blocks (at most 1024; the deepest published models have ~130)."))
+    hidden_size: int | None = Field(default=None, ge=1, le=65_536, description=(
+        "Model width (at most 65536; the widest published models are ~25k)."))
+    num_heads: int | None = Field(default=None, ge=1, le=1024, description=(
+        "Attention heads (at most 1024)."))
+    num_kv_heads: int | None = Field(default=None, ge=1, le=1024, description=(
+        "Key/value heads (llama, grouped-query; at most 1024)."))
+    ffn_hidden_size: int | None = Field(default=None, ge=1, le=262_144, description=(
+        "MLP width (default 4 x hiddenSize; at most 262144)."))
+    vocab_size: int | None = Field(default=None, ge=2, le=4_194_304, description=(
+        "Vocabulary (text models; at most 4194304, 16x the largest published)."))
+    sequence_length: int | None = Field(default=None, ge=1, le=1_048_576, description=(
+        "Tokens per sample (text; default 512; at most 1048576)."))
+    image_size: int | None = Field(default=None, ge=1, le=16_384, description=(
+        "Image side in pixels (vit; at most 16384)."))
+    patch_size: int | None = Field(default=None, ge=1, le=16_384, description=(
+        "Patch side in pixels (vit; at most 16384)."))
+    num_classes: int | None = Field(default=None, ge=2, le=4_194_304, description=(
+        "Classes (vit, bert classification heads; at most 4194304)."))
 
     @model_validator(mode="after")
     def _preset_or_family(self) -> ModelSpec:
@@ -90,25 +123,31 @@ class ModelSpec(CamelModel):
 class TrainingSpec(CamelModel):
     """Optimizer (AdamW), learning-rate schedule and seed; a step uses globalBatchSize samples."""
 
-    steps: int = Field(default=100, ge=1, description="Optimizer steps to run.")
-    learning_rate: float = Field(default=3e-4, gt=0, description="Peak AdamW learning rate.")
+    # Maxima: far beyond real runs (LLaMA 2: 500k steps); they stop typos and hostile specs.
+    steps: int = Field(default=100, ge=1, le=100_000_000, description=(
+        "Optimizer steps to run (at most 1e8)."))
+    learning_rate: float = Field(default=3e-4, gt=0, le=10, description=(
+        "Peak AdamW learning rate (at most 10)."))
     min_learning_rate_ratio: float = Field(
         default=0.1, ge=0, le=1, description="Final LR as a fraction of the peak (cosine/linear).")
     schedule: Literal["constant", "cosine", "linear"] = Field(
         default="cosine", description="LR schedule after warm-up.")
-    warmup_steps: int = Field(default=0, ge=0, description="Linear warm-up steps.")
-    weight_decay: float = Field(default=0.0, ge=0, description="AdamW decoupled weight decay.")
+    warmup_steps: int = Field(default=0, ge=0, le=100_000_000, description=(
+        "Linear warm-up steps (at most 1e8)."))
+    weight_decay: float = Field(default=0.0, ge=0, le=10, description=(
+        "AdamW decoupled weight decay (at most 10)."))
     adam_beta1: float = Field(default=0.9, ge=0, lt=1, description="AdamW first-moment decay.")
     adam_beta2: float = Field(default=0.999, ge=0, lt=1,
                               description="AdamW second-moment decay.")
-    adam_epsilon: float = Field(default=1e-8, gt=0,
-                                description="AdamW term added to the denominator.")
+    adam_epsilon: float = Field(default=1e-8, gt=0, le=1,
+                                description="AdamW term added to the denominator (at most 1).")
     gradient_clip_norm: float | None = Field(
-        default=1.0, gt=0,
+        default=1.0, gt=0, le=1e9,
         description="Global gradient-norm clip across all shards; null disables.")
-    seed: int = Field(default=0, ge=0, description="Seeds weights, synthetic data and dropout.")
-    log_interval_steps: int = Field(default=1, ge=1,
-                                    description="Log loss and throughput every N steps.")
+    seed: int = Field(default=0, ge=0, le=2**32 - 1, description=(
+        "Seeds weights, synthetic data and dropout (at most 2^32-1, numpy's seed range)."))
+    log_interval_steps: int = Field(default=1, ge=1, le=100_000_000, description=(
+        "Log loss and throughput every N steps (at most 1e8)."))
 
 
 class SyntheticData(CamelModel):
@@ -118,21 +157,28 @@ class SyntheticData(CamelModel):
 class TokenFileData(CamelModel):
     """Token ids from a file on a volume mounted into every trainer pod."""
 
-    path: str = Field(description="nanoGPT-style flat binary of token ids (memory-mapped).")
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": token_file_rules()})
+
+    path: str = Field(min_length=1, max_length=4096, description=(
+        "nanoGPT-style flat binary of token ids (memory-mapped)."))
     dtype: Literal["uint16", "uint32"] = Field(
         default="uint16", description="Integer type of the token ids in the file.")
     claim_name: str | None = Field(default=None, description=(
         "PersistentVolumeClaim holding the file, mounted read-only at mountPath in every "
-        "trainer pod; none: the file is already there (in the image, or local for cephalo run)."))
-    mount_path: str = Field(default="/data", description="Where claimName is mounted.")
+        "trainer pod; none: the file is already there (in the image, or local for cephalo run)."),
+        max_length=253)
+    mount_path: str = Field(default="/data", max_length=4096,
+                            description="Where claimName is mounted.")
 
     @model_validator(mode="after")
     def _path_on_volume(self) -> TokenFileData:
+        # Literal prefixes, no normalisation: the same test as the CRD's CEL rule.
         if self.claim_name is None:
             return self
-        mount = posixpath.normpath(self.mount_path)
-        if not posixpath.isabs(mount) or not posixpath.normpath(self.path).startswith(
-                mount.rstrip("/") + "/"):
+        parent = re.compile(PARENT_SEGMENT_PATTERN)
+        mount = self.mount_path
+        if not mount.startswith("/") or parent.search(mount) or parent.search(self.path) or \
+                self.path.endswith("/") or not self.path.startswith(mount.rstrip("/") + "/"):
             raise ValueError(
                 f"tokenFile.path {self.path!r} is not inside mountPath {self.mount_path!r}, where "
                 f"volume {self.claim_name!r} is mounted; use an absolute mountPath and a path "
@@ -160,15 +206,17 @@ class DataSpec(CamelModel):
 class GpuPoolSpec(CamelModel):
     """GPUs of one product to train on, optionally narrowed by node labels and capped."""
 
-    product: str | None = Field(default=None, description=(
+    product: str | None = Field(default=None, max_length=63, description=(
         "GPU product as in the node label nvidia.com/gpu.product (e.g. NVIDIA-A10G) or a "
-        "catalog name (A10G)."))
+        "catalog name (A10G); a label value, so at most 63 characters."))
     node_selector: dict[str, str] | None = Field(
-        default=None, description="Extra node labels a node of this pool must carry.")
-    max_gpus: int | None = Field(default=None, ge=1, description="Use at most this many GPUs.")
+        default=None, max_length=64,
+        description="Extra node labels a node of this pool must carry (at most 64).")
+    max_gpus: int | None = Field(default=None, ge=1, le=100_000, description=(
+        "Use at most this many GPUs (at most 100000)."))
     memory_mi_b: int | None = Field(
-        default=None, ge=1, alias="memoryMiB",
-        description="Override the GPU memory (MiB) the planner assumes.")
+        default=None, ge=1, le=16_777_216, alias="memoryMiB",
+        description="Override the GPU memory (MiB) the planner assumes (at most 16 TiB).")
 
 
 class PlannerSpec(CamelModel):
@@ -176,43 +224,85 @@ class PlannerSpec(CamelModel):
 
     memory_fraction: float = Field(default=0.8, gt=0, le=1, description=(
         "Fraction of each GPU's memory the plan may use (the paper caps at 80%)."))
-    profile_micro_batch_sizes: list[int] = Field(
-        default_factory=lambda: list(range(1, 9)), min_length=1,
-        description="Microbatch sizes the profiler measures (linear extrapolation beyond).")
-    network_bandwidth_gbps: float = Field(default=10.0, gt=0, description=(
-        "Bandwidth per GPU for collectives (Gbit/s) when no collective profile exists."))
-    network_latency_microseconds: float = Field(default=50.0, ge=0, description=(
-        "Per-hop latency of collectives when no collective profile exists."))
+    # Every size is run by the profiler on every GPU product: a few small sizes suffice.
+    profile_micro_batch_sizes: list[Annotated[int, Field(ge=1, le=4096)]] = Field(
+        default_factory=lambda: list(range(1, 9)), min_length=1, max_length=64,
+        description=("Microbatch sizes the profiler measures (linear extrapolation beyond); "
+                     "1 to 64 sizes, each 1 to 4096."))
+    network_bandwidth_gbps: float = Field(default=10.0, gt=0, le=100_000, description=(
+        "Bandwidth per GPU for collectives (Gbit/s) when no collective profile exists "
+        "(at most 100000)."))
+    network_latency_microseconds: float = Field(default=50.0, ge=0, le=10_000_000, description=(
+        "Per-hop latency of collectives when no collective profile exists (at most 10 s)."))
     allow_state_only_ranks: bool = Field(default=True, description=(
         "Let a slow GPU take no batch and only hold training state when that is faster."))
 
 
-class CheckpointSpec(CamelModel):
-    """Sharded, atomic checkpoints: where they go, how often, how many are kept."""
+CHECKPOINT_URI_PATTERN = r"^[a-z][a-z0-9+.-]*://[^/].*$"  # scheme://bucket-or-host/...
 
-    claim_name: str | None = Field(default=None, description=(
-        "PersistentVolumeClaim for checkpoints (operator); none = emptyDir (lost with the pods)."))
-    interval_steps: int = Field(default=100, ge=1, description="Write a checkpoint every N steps.")
-    keep: int = Field(default=2, ge=1, description="Complete checkpoints to keep.")
+
+class CheckpointSpec(CamelModel):
+    """Sharded, atomic checkpoints: where they go (a shared PVC, object storage, or
+    explicitly nowhere), how often, how many are kept."""
+
+    claim_name: str | None = Field(default=None, max_length=253, description=(
+        "ReadWriteMany PersistentVolumeClaim for checkpoints, shared by all ranks (operator)."))
+    uri: str | None = Field(default=None, max_length=1024, json_schema_extra={
+        "pattern": CHECKPOINT_URI_PATTERN}, description=(
+        "fsspec URL of the checkpoint root (s3://bucket/prefix; gs://, az:// with their "
+        "fsspec packages); a job's checkpoints go to <uri>/<namespace>/<job name>. "
+        "Credentials from the pod template's env/envFrom."))
+    ephemeral: bool = Field(default=False, description=(
+        "Explicitly keep no checkpoints: a restart starts again from step 0."))
+    interval_steps: int = Field(default=100, ge=1, le=100_000_000,
+                                description="Write a checkpoint every N steps.")
+    keep: int = Field(default=2, ge=1, le=1000, description=(
+        "Complete checkpoints to keep (at most 1000: each one is a full training state)."))
+
+    @model_validator(mode="after")
+    def _one_target(self) -> CheckpointSpec:
+        if self.uri is not None and not re.fullmatch(CHECKPOINT_URI_PATTERN, self.uri):
+            raise ValueError(f"checkpoint.uri {self.uri!r} is not a URL such as "
+                             f"s3://bucket/prefix; for a volume use checkpoint.claimName")
+        given = [name for name, set_ in (("claimName", self.claim_name is not None),
+                                         ("uri", self.uri is not None),
+                                         ("ephemeral: true", self.ephemeral)) if set_]
+        if len(given) > 1:
+            raise ValueError(f"checkpoint: give only one of claimName, uri and ephemeral: true "
+                             f"(got {' and '.join(given)})")
+        return self
 
 
 class CephaloJobSpec(CamelModel):
-    image: str | None = Field(default=None, description=(
+    image: str | None = Field(default=None, max_length=4096, description=(
         "Trainer image; default: the operator's configured trainer image."))
     model: ModelSpec
-    global_batch_size: int = Field(ge=1, description="Samples per optimizer step (B).")
+    global_batch_size: int = Field(ge=1, le=MAX_GLOBAL_BATCH_SIZE, description=(
+        f"Samples per optimizer step (B); at most {MAX_GLOBAL_BATCH_SIZE}, twice the largest "
+        "published batch (ViT-G: 32768 images): the planner's time and memory grow with B."))
     precision: Literal["fp32", "bf16"] = Field(default="fp32", description=(
         "fp32 (the paper's setting) or bf16 autocast with fp32 master weights."))
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     data: DataSpec = Field(default_factory=lambda: DataSpec(synthetic=SyntheticData()))
-    gpu_pools: list[GpuPoolSpec] | None = Field(default=None, description=(
-        "GPU pools to use; default: every GPU product found."))
+    gpu_pools: list[GpuPoolSpec] | None = Field(default=None, max_length=64, description=(
+        "GPU pools to use (at most 64); default: every GPU product found."))
     planner: PlannerSpec = Field(default_factory=PlannerSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
-    backoff_limit: int = Field(default=3, ge=0, description="Gang restarts before Failed.")
+    backoff_limit: int = Field(default=3, ge=0, le=10_000, description=(
+        "Gang restarts before Failed (at most 10000)."))
     suspend: bool = Field(default=False, description="Stop all ranks; resume from checkpoint.")
-    ttl_seconds_after_finished: int | None = Field(default=None, ge=0, description=(
-        "Delete the job this long after it Succeeded or Failed."))
+    ttl_seconds_after_finished: int | None = Field(default=None, ge=0, le=315_360_000,
+                                                   description=(
+        "Delete the job this long after it Succeeded or Failed (at most ten years)."))
+    pod_template: PodTemplate | None = Field(default=None, description=(
+        "Additions to every rank and profiler pod: env/envFrom (storage credentials), "
+        "volumes, labels, annotations, tolerations, priority, CPU/memory."))
+    termination_grace_period_seconds: int = Field(default=300, ge=0, le=86_400, description=(
+        "Seconds a rank pod gets between SIGTERM (preemption, eviction, restart) and SIGKILL: "
+        "long enough for every rank to reach a step boundary and write a checkpoint."))
+    active_deadline_seconds: int | None = Field(default=None, ge=1, le=31_536_000, description=(
+        "Fail the job (reason DeadlineExceeded) this long after it started (status.startTime); "
+        "time spent suspended does not count."))
 
     @model_validator(mode="after")
     def _model_resolves(self) -> CephaloJobSpec:
@@ -220,11 +310,18 @@ class CephaloJobSpec(CamelModel):
         return self
 
 
+class StatusModel(CamelModel):
+    """Base of the status types: written by the operator, not the user, so as lax as before
+    (a measured loss may be NaN; an older operator may have written a float step)."""
+
+    model_config = ConfigDict(strict=False, allow_inf_nan=True)
+
+
 Phase = Literal["Pending", "Profiling", "Planning", "Running", "Restarting", "Suspended",
                 "Succeeded", "Failed"]
 
 
-class Condition(CamelModel):
+class Condition(StatusModel):
     """One observed aspect of the job (Kubernetes API conventions), keyed by `type`."""
 
     type: str
@@ -234,7 +331,7 @@ class Condition(CamelModel):
     last_transition_time: str | None = None
 
 
-class PlanSummary(CamelModel):
+class PlanSummary(StatusModel):
     """The current plan in brief; the full plan JSON is in `configMap`."""
 
     world_size: int | None = Field(default=None, description="Ranks (GPUs) in the plan.")
@@ -248,7 +345,7 @@ class PlanSummary(CamelModel):
     pools: dict[str, int] | None = Field(default=None, description="GPUs used per pool.")
 
 
-class Progress(CamelModel):
+class Progress(StatusModel):
     """Training progress as last reported by rank 0."""
 
     step: int | None = Field(default=None, description="Last completed optimizer step.")
@@ -259,7 +356,7 @@ class Progress(CamelModel):
     last_update_time: str | None = None
 
 
-class CephaloJobStatus(CamelModel):
+class CephaloJobStatus(StatusModel):
     model_config = ConfigDict(extra="allow")  # kopf keeps its own bookkeeping in status
 
     phase: Phase | None = None
@@ -268,7 +365,14 @@ class CephaloJobStatus(CamelModel):
     observed_generation: int | None = None
     plan: PlanSummary | None = None
     progress: Progress | None = None
-    restarts: int | None = None
+    restarts: int | None = Field(default=None, description=(
+        "Gang restarts counted toward backoffLimit (a rank failed or was deleted)."))
+    preemptions: int | None = Field(default=None, description=(
+        "Gang restarts after a disruption (preemption, eviction, drain); not counted toward "
+        "backoffLimit."))
+    launched_attempt: str | None = Field(default=None, description=(
+        "<attempt>/<config hash> once every rank pod of that attempt existed: a rank pod "
+        "missing after that vanished, one missing before it is still to be created."))
     start_time: str | None = None
     completion_time: str | None = None
 
@@ -277,6 +381,18 @@ class ObjectMeta(BaseModel):
     model_config = ConfigDict(extra="allow")
     name: str | None = None
     namespace: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _job_name(cls, name: str | None) -> str | None:
+        # The CRD's root CEL rule says the same (cephalo.api.cel.name_rules).
+        if name is not None and (len(name) > MAX_JOB_NAME_CHARS or
+                                 not re.fullmatch(JOB_NAME_PATTERN, name)):
+            raise ValueError(
+                f"{name[:64]!r} is not a job name: at most {MAX_JOB_NAME_CHARS} characters "
+                "(rank pods are <name>-rank-<i>, a 63-character hostname), starting with a "
+                "letter, only lowercase letters, digits and '-'")
+        return name
 
 
 class CephaloJob(CamelModel):
@@ -297,17 +413,24 @@ class CephaloJob(CamelModel):
         return self
 
 
-class JobFileError(ValueError):
+class JobFileError(CephaloError, ValueError):
     """A job file that cannot be used; the message says where and what to fix."""
 
 
+# More errors than this are counted, not listed: a hostile file can hold thousands.
+MAX_LISTED_ERRORS = 5
+
+
 def format_validation_error(err: ValidationError) -> str:
-    """pydantic's errors as one line: `field.path: message; …`."""
+    """pydantic's errors as one line: `field.path: message; …` (the first few)."""
     parts = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        msg = e["msg"].removeprefix("Value error, ")
+    errors = err.errors(include_url=False, include_input=False)
+    for e in errors[:MAX_LISTED_ERRORS]:
+        loc = ".".join(str(p)[:64] for p in e["loc"]) or "(top level)"
+        msg = " ".join(e["msg"].removeprefix("Value error, ").split())
         parts.append(f"{loc}: {msg}")
+    if len(errors) > MAX_LISTED_ERRORS:
+        parts.append(f"and {len(errors) - MAX_LISTED_ERRORS} more")
     return "; ".join(parts)
 
 
@@ -322,15 +445,9 @@ def parse_job(data: Any, source: str = "job") -> CephaloJob:
 
 
 def load_job(path: str) -> CephaloJob:
-    """Read and validate a CephaloJob YAML file."""
+    """Read and validate a CephaloJob YAML file (size, depth and aliases bounded)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise JobFileError(f"{path}: no such file") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise JobFileError(f"{path}: not valid YAML{where}: {problem}") from None
+        data = load_yaml_file(path, what="CephaloJob YAML file")
+    except YamlError as err:
+        raise JobFileError(str(err)) from None
     return parse_job(data, source=path)

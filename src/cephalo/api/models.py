@@ -33,18 +33,21 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    # The same maxima as the CephaloJob's ModelSpec (a test checks): a config read back from
+    # a checkpoint's meta.json is bounded like a spec, so a corrupted one cannot make the
+    # planner or an export allocate without bound.
     family: Family
-    num_layers: int = Field(ge=1)
-    hidden_size: int = Field(ge=1)
-    num_heads: int = Field(ge=1)
-    num_kv_heads: int | None = Field(default=None, ge=1, description="llama only (GQA)")
-    ffn_hidden_size: int = Field(ge=1)
-    vocab_size: int | None = Field(default=None, ge=2)
-    sequence_length: int | None = Field(default=None, ge=1)
-    image_size: int | None = Field(default=None, ge=1)
-    patch_size: int | None = Field(default=None, ge=1)
-    num_channels: int = Field(default=3, ge=1)
-    num_classes: int | None = Field(default=None, ge=2)
+    num_layers: int = Field(ge=1, le=1024)
+    hidden_size: int = Field(ge=1, le=65_536)
+    num_heads: int = Field(ge=1, le=1024)
+    num_kv_heads: int | None = Field(default=None, ge=1, le=1024, description="llama only (GQA)")
+    ffn_hidden_size: int = Field(ge=1, le=262_144)
+    vocab_size: int | None = Field(default=None, ge=2, le=4_194_304)
+    sequence_length: int | None = Field(default=None, ge=1, le=1_048_576)
+    image_size: int | None = Field(default=None, ge=1, le=16_384)
+    patch_size: int | None = Field(default=None, ge=1, le=16_384)
+    num_channels: int = Field(default=3, ge=1, le=64)
+    num_classes: int | None = Field(default=None, ge=2, le=4_194_304)
     norm_epsilon: float = 1e-5
     rope_theta: float = 10000.0
 

@@ -12,11 +12,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cephalo.api.job import format_validation_error
+from cephalo.api.safeyaml import YamlError, read_text_file
+from cephalo.errors import CephaloError
 
 SHARD_RATIO_TOLERANCE = 1e-9
 
 
-class PlanError(ValueError):
+class PlanError(CephaloError, ValueError):
     """A plan that breaks an invariant; the message says which and by how much."""
 
 
@@ -94,12 +96,16 @@ def parse_plan(data: Any, source: str = "plan") -> Plan:
         raise PlanError(f"{source}: {format_validation_error(err)}") from None
 
 
+# A plan is ~300 bytes a rank: this is tens of thousands of ranks.
+MAX_PLAN_BYTES = 16 * 1024**2
+
+
 def load_plan(path: str) -> Plan:
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise PlanError(f"{path}: no such plan file") from None
-    except json.JSONDecodeError as err:
-        raise PlanError(f"{path}: not valid JSON: {err}") from None
+        data = json.loads(read_text_file(path, MAX_PLAN_BYTES, what="plan JSON file"))
+    except YamlError as err:
+        raise PlanError(str(err)) from None
+    except (json.JSONDecodeError, RecursionError) as err:
+        why = err.msg if isinstance(err, json.JSONDecodeError) else "nested too deeply"
+        raise PlanError(f"{path}: not valid JSON: {why}") from None
     return parse_plan(data, source=path)

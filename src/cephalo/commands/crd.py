@@ -12,6 +12,7 @@ import sys
 import tempfile
 
 from cephalo.api.crd import crd_yaml
+from cephalo.cli import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +25,7 @@ def _write_atomically(path: str, text: str) -> None:
     """Write then rename, so an interrupted run never leaves a half-written CRD behind."""
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
-        raise FileNotFoundError(f"--output {path}: directory {directory} does not exist")
+        raise UserError(f"--output {path}: directory {directory} does not exist")
     fd, tmp = tempfile.mkstemp(prefix=".cephalo-crd-", suffix=".yaml", dir=directory)
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
@@ -41,7 +42,10 @@ def _write_atomically(path: str, text: str) -> None:
 def run(args: argparse.Namespace) -> int:
     text = crd_yaml()
     if args.output:
-        _write_atomically(args.output, text)
+        try:
+            _write_atomically(args.output, text)
+        except OSError as err:  # a folder, a read-only place: the user's to fix
+            raise UserError(f"--output {args.output}: {err.strerror or err}") from None
         print(f"wrote {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(text)

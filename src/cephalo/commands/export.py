@@ -2,7 +2,9 @@
 state_dict that `cephalo.trainer.models.build_model(config).load_state_dict` accepts.
 
 CKPT_DIR is a checkpoint root (its newest intact checkpoint is used) or one checkpoint
-folder. torch is imported only when this command runs.
+folder, on local disk or object storage (an fsspec URL such as s3://bucket/prefix/ns/job,
+with the backend's usual credentials in the environment). torch is imported only when this
+command runs.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint_dir", metavar="CKPT_DIR",
-                        help="checkpoint root (newest complete checkpoint) or one step-* folder")
+                        help="checkpoint root (newest complete checkpoint) or one step-* folder; "
+                             "a local path or a URL such as s3://bucket/prefix/ns/job")
     parser.add_argument("--output", "-o", required=True, help="where to write the state_dict (.pt)")
     parser.add_argument("--config-output", default=None,
                         help="also write the model architecture (ModelConfig) as JSON here")
@@ -25,11 +28,19 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from cephalo.trainer.checkpoint import find_latest, full_state_dict
+    from cephalo.trainer.storage import Store, describe
 
-    root = Path(args.checkpoint_dir)
-    if not root.exists():
+    root = args.checkpoint_dir
+    try:
+        store = Store(root)
+    except (ImportError, ValueError) as err:  # unknown scheme, backend not installed
+        raise ValueError(f"{root}: unusable checkpoint location: {describe(err)}") from None
+    if store.is_local and not Path(store.root).exists():
         raise FileNotFoundError(f"{root}: no such checkpoint directory")
-    info = find_latest(root)
+    try:
+        info = find_latest(store)
+    except OSError as err:  # credentials, missing bucket, network
+        raise ValueError(f"{root}: cannot read checkpoints: {describe(err)}") from None
     if info is None:
         raise ValueError(f"{root}: no complete checkpoint (a checkpoint needs its COMPLETE "
                          f"marker, meta.json and intact rank-*.pt shards)")

@@ -7,8 +7,12 @@ import re
 import sys
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from cephalo.api import ClusterSpec, GpuGroup, GpuProfile, Plan, load_job, parse_job
-from cephalo.api.job import CephaloJobSpec
+from cephalo.api.cluster import MAX_GPUS_PER_GROUP
+from cephalo.api.job import CephaloJobSpec, format_validation_error
+from cephalo.api.safeyaml import YamlError, read_text_file
 from cephalo.cli import UserError
 
 GIB = 1024**3
@@ -41,8 +45,8 @@ def parse_gpus(text: str) -> ClusterSpec:
         match = re.fullmatch(r"(?:(\d+)\s*[xX*]\s*)?(.+)", item)
         assert match is not None
         count = int(match.group(1) or 1)
-        if count < 1:
-            raise UserError(f"--gpus: count must be at least 1 in {item!r}")
+        if not 1 <= count <= MAX_GPUS_PER_GROUP:
+            raise UserError(f"--gpus: count must be 1 to {MAX_GPUS_PER_GROUP} in {item[:40]!r}")
         from cephalo.planner import lookup_gpu
 
         lookup_gpu(match.group(2))  # a clear error for an unknown name, before planning
@@ -61,9 +65,13 @@ def load_profiles(folder: str) -> dict[str, GpuProfile]:
     profiles = {}
     for file in sorted(path.glob("*.json")):
         try:
-            profile = GpuProfile.model_validate_json(file.read_text())
-        except ValueError as err:
-            raise UserError(f"--profiles: {file} is not a GpuProfile: {err}") from None
+            profile = GpuProfile.model_validate_json(
+                read_text_file(str(file), 16 * 1024**2, what="GpuProfile JSON file"))
+        except YamlError as err:
+            raise UserError(f"--profiles: {err}") from None
+        except ValidationError as err:
+            raise UserError(f"--profiles: {file} is not a GpuProfile: "
+                            f"{format_validation_error(err)}") from None
         profiles[lookup_gpu(profile.product).name] = profile
     return profiles
 

@@ -7,10 +7,11 @@ import os
 import re
 from dataclasses import dataclass
 
+from cephalo.errors import CephaloError
 from cephalo.planner.catalog import lookup_gpu
 
 
-class DeviceError(ValueError):
+class DeviceError(CephaloError, ValueError):
     """A device selection that cannot work on this machine; the message says what to use."""
 
 

@@ -1,5 +1,6 @@
 """Launch one trainer process per local device and watch them: progress from rank 0's
-metrics file, a crashed rank stops the others (its error shown), Ctrl-C stops everyone.
+metrics file, a crashed rank stops the others (the root cause's error shown: see
+cephalo.local.rootcause), Ctrl-C stops everyone.
 
 Each rank runs in its own session so a terminal Ctrl-C reaches only this launcher, which
 then terminates the ranks in order; checkpoints are atomic, so the last complete one stays.
@@ -20,11 +21,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cephalo.api.job import CephaloJobSpec, load_job
 from cephalo.api.plan import Plan
 from cephalo.local.devices import LocalDevice
+from cephalo.local.rootcause import RankFailure, describe, root_cause
 
 POLL_SECONDS = 0.2
 TERMINATE_GRACE_SECONDS = 5.0
+# After the first rank fails, how long the others get to fail on their own (the cause may
+# exit a moment after the peers it broke) before the launcher stops them and reads the logs.
+ROOT_CAUSE_GRACE_SECONDS = 3.0
 
 
 def free_port() -> int:
@@ -46,11 +52,28 @@ class LaunchResult:
     failed_rank: int | None = None
     error_tail: str = ""
     records: list[dict] = field(default_factory=list)
+    checkpoint_dir: str = ""  # where the ranks checkpointed ("" = nowhere: ephemeral job)
+
+
+def checkpoint_location(spec: CephaloJobSpec, job_name: str, run_dir: Path) -> str:
+    """Where a local run's ranks checkpoint (CEPHALO_CHECKPOINT_DIR).
+
+    `checkpoint.uri`: `<uri>/<job name>/<run directory name>`, one prefix per run like the
+    run directory itself (so --resume, which reuses the run directory, finds it again);
+    `checkpoint.ephemeral`: nowhere; otherwise the run directory's `checkpoints/` (a
+    claimName is a cluster volume: on one machine the run directory stands in for it).
+    """
+    ckpt = spec.checkpoint
+    if ckpt.uri:
+        return f"{ckpt.uri.rstrip('/')}/{job_name}/{run_dir.name}"
+    if ckpt.ephemeral:
+        return ""
+    return str(run_dir / "checkpoints")
 
 
 def rank_environment(rank: int, plan: Plan, ranks: list[RankEnv], run_dir: Path,
                      job_file: Path, plan_file: Path, port: int,
-                     threads_per_rank: int) -> dict[str, str]:
+                     threads_per_rank: int, checkpoint_dir: str | None = None) -> dict[str, str]:
     r = plan.ranks[rank]
     info = ranks[rank]
     env = dict(os.environ)
@@ -58,7 +81,8 @@ def rank_environment(rank: int, plan: Plan, ranks: list[RankEnv], run_dir: Path,
         "RANK": str(rank), "WORLD_SIZE": str(plan.world_size), "LOCAL_RANK": str(rank),
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         "CEPHALO_PLAN": str(plan_file), "CEPHALO_JOB": str(job_file),
-        "CEPHALO_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
+        "CEPHALO_CHECKPOINT_DIR": str(run_dir / "checkpoints") if checkpoint_dir is None
+        else checkpoint_dir,
         "CEPHALO_METRICS_FILE": str(run_dir / "metrics.jsonl"),
         "CEPHALO_METRICS_PORT": "0",
         "CEPHALO_BATCH_SIZE": str(r.batch_size),
@@ -81,9 +105,9 @@ def rank_environment(rank: int, plan: Plan, ranks: list[RankEnv], run_dir: Path,
     return env
 
 
-def _follow(path: Path) -> Iterator[list[dict]]:
-    """Yields the complete JSON lines appended to `path` since the last call."""
-    offset = 0
+def _follow(path: Path, offset: int) -> Iterator[list[dict]]:
+    """Yields the complete JSON lines appended to `path` after byte `offset` since the last
+    call."""
     buffer = ""
     while True:
         new: list[dict] = []
@@ -104,6 +128,27 @@ def _tail(path: Path, lines: int = 15) -> str:
     except OSError:
         return ""
     return "\n".join(text[-lines:])
+
+
+def _blame(procs: list[subprocess.Popen], logs: Path, result: LaunchResult) -> None:
+    """Pick the rank that caused the failure (see cephalo.local.rootcause): give the others
+    a moment to fail on their own, in the order they do, then read every log."""
+    order = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+    deadline = time.monotonic() + ROOT_CAUSE_GRACE_SECONDS
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(POLL_SECONDS)
+        order += [r for r, p in enumerate(procs) if p.poll() not in (None, 0) and r not in order]
+    running = [r for r, p in enumerate(procs) if p.poll() is None]
+    failures = [RankFailure(r, procs[r].poll(), _tail(logs / f"rank-{r}.log", 40))
+                for r in [*order, *running]]
+    cause = root_cause(failures)
+    first = failures[0]
+    result.returncode = cause.exit_code if cause.exit_code not in (None, 0) else 1
+    result.failed_rank = cause.rank
+    result.error_tail = _tail(logs / f"rank-{cause.rank}.log")
+    if cause is not first:
+        result.error_tail += (f"\n(rank {first.rank} failed first, with: {describe(first)}; "
+                              f"a consequence of rank {cause.rank}'s error)")
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -127,12 +172,17 @@ def launch(plan: Plan, ranks: list[RankEnv], run_dir: Path, job_file: Path, plan
     logs.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs: list[subprocess.Popen] = []
-    result = LaunchResult(returncode=0)
-    follow = _follow(run_dir / "metrics.jsonl")
+    job = load_job(str(job_file))
+    result = LaunchResult(returncode=0, checkpoint_dir=checkpoint_location(
+        job.spec, job.metadata.name or run_dir.parent.name, run_dir))
+    metrics_file = run_dir / "metrics.jsonl"
+    # Only this launch's records: a resumed run appends to the earlier segments' records,
+    # which may come from another plan (another world size). Measured before any rank starts.
+    follow = _follow(metrics_file, metrics_file.stat().st_size if metrics_file.exists() else 0)
     try:
         for rank in range(plan.world_size):
             env = rank_environment(rank, plan, ranks, run_dir, job_file, plan_file, port,
-                                   threads_per_rank)
+                                   threads_per_rank, result.checkpoint_dir)
             if stop_after_step is not None:
                 env["CEPHALO_STOP_AFTER_STEP"] = str(stop_after_step)
             with open(logs / f"rank-{rank}.log", "ab") as log:
@@ -146,12 +196,8 @@ def launch(plan: Plan, ranks: list[RankEnv], run_dir: Path, job_file: Path, plan
                 result.records.extend(records)
                 on_records(records)
             codes = [p.poll() for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                # The first rank to fail is the cause; others fail after it in collectives.
-                rank, code = failed[0]
-                result.returncode, result.failed_rank = code, rank
-                result.error_tail = _tail(logs / f"rank-{rank}.log")
+            if any(c not in (None, 0) for c in codes):
+                _blame(procs, logs, result)
                 break
             if all(c == 0 for c in codes):
                 records = next(follow)

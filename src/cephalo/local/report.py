@@ -57,10 +57,15 @@ class Summary:
     rank_wait_seconds: list[float]
     rank_idle_seconds: list[float]
     step_seconds: float
+    first_step: int = 1  # > 1: a resumed run segment
 
 
 def summarize(records: Sequence[dict], plan: Plan) -> Summary | None:
-    """Median over the logged steps, skipping the first (warm-up: allocator, threads)."""
+    """Median over the logged steps, skipping the first (warm-up: allocator, threads).
+
+    Only records of this plan's world size count: a metrics file that a resumed run appends
+    to may hold earlier segments' records, logged under another plan."""
+    records = [r for r in records if len(r["ranks"]) == plan.world_size]
     if not records:
         return None
     steady = list(records[1:]) or list(records)
@@ -73,7 +78,7 @@ def summarize(records: Sequence[dict], plan: Plan) -> Summary | None:
     idle = [max(0.0, step_s - c - w) for c, w in zip(compute, wait, strict=True)]
     return Summary(plan.global_batch_size / step_s, plan.predicted_samples_per_second,
                    records[0]["loss"], records[-1]["loss"], int(records[-1]["step"]),
-                   compute, wait, idle, step_s)
+                   compute, wait, idle, step_s, int(records[0]["step"]))
 
 
 def format_summary(summary: Summary, plan: Plan, labels: list[str]) -> str:
@@ -83,8 +88,10 @@ def format_summary(summary: Summary, plan: Plan, labels: list[str]) -> str:
         if predicted else ""
     lines.append(f"  throughput  measured {summary.measured_samples_per_second:.2f} samples/s, "
                  f"predicted {predicted or float('nan'):.2f}{ratio}")
-    lines.append(f"  loss        {summary.first_loss:.4f} -> {summary.last_loss:.4f} "
-                 f"over {summary.steps} steps")
+    span = (f"over {summary.steps} steps" if summary.first_step <= 1 else
+            f"over steps {summary.first_step}-{summary.steps} (resumed after step "
+            f"{summary.first_step - 1})")
+    lines.append(f"  loss        {summary.first_loss:.4f} -> {summary.last_loss:.4f} {span}")
     lines.append(f"  step time   {summary.step_seconds:.3f} s (median after the first step)")
     lines.append("  per rank    compute / waiting on collectives / idle (seconds per step)")
     for r in range(plan.world_size):

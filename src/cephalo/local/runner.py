@@ -9,8 +9,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -20,6 +18,15 @@ from cephalo.api.job import CephaloJob, load_job
 from cephalo.api.plan import Plan, PlanError, load_plan
 from cephalo.api.profile import GpuProfile
 from cephalo.commands.plan import format_plan
+from cephalo.local.checks import (
+    RunError,
+    RunOptions,
+    check_inputs,
+    check_plan,
+    choose_run_dir,
+    make_run_dir,
+    remove_created,
+)
 from cephalo.local.devices import DeviceError, LocalDevice, select_devices
 from cephalo.local.emulate import Emulation, emulated_profile, plan_emulation
 from cephalo.local.launcher import RankEnv, launch
@@ -30,24 +37,6 @@ from cephalo.planner import solve
 LOOPBACK_BANDWIDTH_BYTES_PER_SECOND = 2e9
 PCIE_BANDWIDTH_BYTES_PER_SECOND = 10e9
 LOCAL_LATENCY_SECONDS = 1e-4
-
-
-class RunError(ValueError):
-    """A `cephalo run` input that cannot work: one line, non-zero exit, nothing running."""
-
-
-@dataclass
-class RunOptions:
-    job_path: str
-    devices: str | None = None
-    emulate: str | None = None
-    plan_path: str | None = None
-    run_dir: str | None = None
-    resume: bool = False
-    steps: int | None = None
-    memory_scale: float | None = None
-    stop_after_step: int | None = None
-    runs_root: str = "runs"
 
 
 EMULATE_ANNOTATION = "cephalo.dev/local-emulate"
@@ -83,31 +72,6 @@ def slowed(profile: GpuProfile, factor: float) -> GpuProfile:
 def _threads_per_rank(devices: list[LocalDevice]) -> int:
     cpu_ranks = sum(d.kind == "cpu" for d in devices)
     return max(1, (os.cpu_count() or 1) // max(cpu_ranks, 1)) if cpu_ranks else 2
-
-
-def choose_run_dir(job: CephaloJob, options: RunOptions) -> Path:
-    name = job.metadata.name or Path(options.job_path).stem
-    if options.run_dir:
-        run_dir = Path(options.run_dir)
-        if not options.resume and (run_dir / "checkpoints").exists() and \
-                any((run_dir / "checkpoints").iterdir()):
-            raise RunError(f"{run_dir} already holds checkpoints: pass --resume to continue "
-                           f"that run, or choose another --run-dir")
-    elif options.resume:
-        runs = sorted(p for p in (Path(options.runs_root) / name).glob("*") if p.is_dir())
-        if not runs:
-            raise RunError(f"--resume: no earlier run of {name!r} under "
-                           f"{Path(options.runs_root) / name}; start one without --resume")
-        run_dir = runs[-1]
-    else:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        run_dir = Path(options.runs_root) / name / stamp
-        suffix = 1
-        while run_dir.exists():
-            suffix += 1
-            run_dir = Path(options.runs_root) / name / f"{stamp}-{suffix}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir.resolve()
 
 
 def write_job(job: CephaloJob, options: RunOptions, run_dir: Path) -> Path:
@@ -185,17 +149,6 @@ def build_cluster(devices: list[LocalDevice], host_memory_bytes: int | None = No
                        if on_gpu else LOOPBACK_BANDWIDTH_BYTES_PER_SECOND)
 
 
-def check_plan(plan: Plan, devices: list[LocalDevice], source: str) -> None:
-    if plan.world_size != len(devices):
-        raise RunError(f"{source} is for {plan.world_size} ranks but {len(devices)} devices "
-                       f"were selected ({', '.join(d.label for d in devices)}); pass "
-                       f"--devices/--emulate with {plan.world_size} devices or re-plan")
-    for rank, device in zip(plan.ranks, devices, strict=True):
-        if rank.gpu not in ("cpu", device.product):
-            raise RunError(f"{source}: rank {rank.rank} is planned for {rank.gpu} but runs on "
-                           f"{device.label}; re-plan for these devices")
-
-
 def run_job(options: RunOptions, out=print) -> int:
     try:
         job = load_job(options.job_path)
@@ -214,17 +167,33 @@ def run_job(options: RunOptions, out=print) -> int:
         devices = select_devices(options.devices, emulate)
     except (DeviceError, ValueError) as err:
         raise RunError(str(err)) from None
+    # Everything that can be refused is refused before anything is written.
+    check_inputs(job.spec, options)
+    given_plan: Plan | None = None
+    if options.plan_path:
+        try:
+            given_plan = load_plan(options.plan_path)
+        except PlanError as err:
+            raise RunError(str(err)) from None
+        check_plan(given_plan, devices, options.plan_path, job.spec)
     run_dir = choose_run_dir(job, options)
+    created = make_run_dir(run_dir)
+    run_dir = run_dir.resolve()
+    try:
+        return _run_in(run_dir, job, options, devices, given_plan, out)
+    except BaseException:
+        remove_created(created)
+        raise
+
+
+def _run_in(run_dir: Path, job: CephaloJob, options: RunOptions, devices: list[LocalDevice],
+            given_plan: Plan | None, out) -> int:
     job_file = write_job(job, options, run_dir)
     spec = load_job(str(job_file)).spec
     threads = _threads_per_rank(devices)
     emulation: Emulation | None = None
-    if options.plan_path:
-        try:
-            plan = load_plan(options.plan_path)
-        except PlanError as err:
-            raise RunError(str(err)) from None
-        check_plan(plan, devices, options.plan_path)
+    if given_plan is not None:
+        plan = given_plan
     else:
         out(f"Profiling {len({d.product for d in devices})} device type(s) …")
         measured = profile_devices(devices, job_file, run_dir, threads)
@@ -281,6 +250,9 @@ def run_job(options: RunOptions, out=print) -> int:
     plots = write_plots(result.records, summary, labels, run_dir)
     if plots:
         out("  plots       " + ", ".join(str(p) for p in plots))
-    out(f"  checkpoints {run_dir / 'checkpoints'}  (export: cephalo export "
-        f"{run_dir / 'checkpoints'} --output model.pt)")
+    if result.checkpoint_dir:
+        out(f"  checkpoints {result.checkpoint_dir}  (export: cephalo export "
+            f"{result.checkpoint_dir} --output model.pt)")
+    else:
+        out("  checkpoints none (spec.checkpoint.ephemeral: true)")
     return 0

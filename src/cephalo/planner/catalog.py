@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from cephalo.errors import CephaloError
+
 MIB = 1024**2
 
 
@@ -75,14 +77,18 @@ for _g in GPU_CATALOG.values():
         _INDEX.setdefault(_normalize(_spelling).removeprefix("tesla"), _g)
 
 
+class UnknownGpuError(CephaloError, ValueError):
+    """A GPU name that is not in the catalog; the message lists the known ones."""
+
+
 def lookup_gpu(label_or_name: str) -> GpuType:
     """The catalog entry for a catalog name ('A10G'), a GFD label ('NVIDIA-A10G') or an NVML
-    device name ('NVIDIA A10G', 'Tesla T4'); ValueError listing the known names otherwise."""
+    device name ('NVIDIA A10G', 'Tesla T4'); UnknownGpuError listing the known names otherwise."""
     key = _normalize(label_or_name)
     for candidate in (key, key.removeprefix("nvidia"), key.removeprefix("nvidiatesla"),
                       key.removeprefix("tesla")):
         if candidate in _INDEX:
             return _INDEX[candidate]
     known = ", ".join(n for n in GPU_CATALOG if n != "cpu")
-    raise ValueError(f"unknown GPU {label_or_name!r}; known GPUs: {known} "
+    raise UnknownGpuError(f"unknown GPU {label_or_name[:64]!r}; known GPUs: {known} "
                      "(GPU Feature Discovery labels such as NVIDIA-A10G or Tesla-T4 work too)")

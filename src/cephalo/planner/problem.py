@@ -13,6 +13,7 @@ from cephalo.api.cluster import ClusterSpec
 from cephalo.api.job import CephaloJobSpec
 from cephalo.api.models import ModelConfig
 from cephalo.api.profile import CollectiveProfile, GpuProfile
+from cephalo.errors import CephaloError
 from cephalo.planner.catalog import GpuType, lookup_gpu
 from cephalo.planner.costmodel import (
     STATE_BYTES_PER_PARAMETER,
@@ -27,7 +28,7 @@ from cephalo.planner.search import ClassTable
 GIB = 1024**3
 
 
-class InfeasibleError(ValueError):
+class InfeasibleError(CephaloError, ValueError):
     """The job cannot run on these GPUs; the message has the numbers and what would fit."""
 
 

@@ -65,6 +65,12 @@ def _bool_sumset(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return prod[:n] > 0.5
 
 
+# The (rows x B) block `_minplus` reduces at once. A fixed row count (it was 256) made the
+# block grow with B: 2 GiB at B = 10^6. A byte budget keeps it constant; the rows stay many
+# enough (B <= 65536: >= 32 rows) for numpy to amortise its per-call overhead.
+MINPLUS_BLOCK_BYTES = 16 * 1024**2
+
+
 def _minplus(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """out[s] = min_i x[i] + y[s-i], truncated to len(x); rows in chunks to bound memory."""
     n = x.size
@@ -73,8 +79,9 @@ def _minplus(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     windows = np.lib.stride_tricks.sliding_window_view(padded, n)
     out = np.full(n, INF)
     finite = np.flatnonzero(np.isfinite(x))
-    for start in range(0, finite.size, 256):
-        rows = finite[start:start + 256]
+    chunk = max(1, MINPLUS_BLOCK_BYTES // (n * padded.itemsize))
+    for start in range(0, finite.size, chunk):
+        rows = finite[start:start + chunk]
         block = x[rows, None] + windows[n - rows]
         np.minimum(out, block.min(axis=0), out=out)
     return out

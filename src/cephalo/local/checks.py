@@ -1,0 +1,167 @@
+"""What `cephalo run` checks before it writes anything: the run directory (never outside
+runs/, --resume only onto a run with a checkpoint), the data and a given plan against the job
+and the devices. A refused run leaves nothing behind (`make_run_dir` / `remove_created`).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from cephalo.api.job import CephaloJob, CephaloJobSpec
+from cephalo.api.plan import Plan
+from cephalo.errors import CephaloError
+from cephalo.local.devices import LocalDevice
+
+
+class RunError(CephaloError, ValueError):
+    """A `cephalo run` input that cannot work: one line, non-zero exit, nothing running."""
+
+
+@dataclass
+class RunOptions:
+    job_path: str
+    devices: str | None = None
+    emulate: str | None = None
+    plan_path: str | None = None
+    run_dir: str | None = None
+    resume: bool = False
+    steps: int | None = None
+    memory_scale: float | None = None
+    stop_after_step: int | None = None
+    runs_root: str = "runs"
+
+
+def run_name(job: CephaloJob, job_path: str) -> str:
+    """The folder name under runs/: metadata.name (validated: a DNS label), else the file's
+    stem made into one, so that no name (`..`, `/etc/x`) can lead outside runs/."""
+    if job.metadata.name:
+        return job.metadata.name
+    stem = re.sub(r"[^a-z0-9-]+", "-", Path(job_path).stem.lower()).strip("-")
+    return stem[:47] or "job"
+
+
+def has_complete_checkpoint(run_dir: Path) -> bool:
+    """A checkpoint the ranks can resume from (its COMPLETE marker is written last)."""
+    return any((run_dir / "checkpoints").glob("step-*/COMPLETE"))
+
+
+def _check_resumable(run_dir: Path, spec: CephaloJobSpec, what: str) -> None:
+    if spec.checkpoint.ephemeral:
+        raise RunError("--resume: the job keeps no checkpoints (checkpoint.ephemeral: true); "
+                       "run it again without --resume")
+    if spec.checkpoint.uri is None and not has_complete_checkpoint(run_dir):
+        raise RunError(f"--resume: {what} holds no complete checkpoint, so it would start at "
+                       "step 0; run without --resume to start afresh")
+
+
+def choose_run_dir(job: CephaloJob, options: RunOptions) -> Path:
+    """The run directory, checked but not created (`make_run_dir` does that)."""
+    name = run_name(job, options.job_path)
+    if options.run_dir:
+        run_dir = Path(options.run_dir)
+        if run_dir.exists() and not run_dir.is_dir():
+            raise RunError(f"--run-dir {run_dir} is a file, not a folder")
+        if options.resume:
+            if not run_dir.is_dir():  # a typo must not start a fresh run silently
+                raise RunError(f"--resume --run-dir {run_dir}: no such run folder; check the "
+                               "path, or drop --resume to start a new run there")
+            _check_resumable(run_dir, job.spec, str(run_dir))
+        elif (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+            raise RunError(f"{run_dir} already holds checkpoints: pass --resume to continue "
+                           f"that run, or choose another --run-dir")
+    elif options.resume:
+        root = Path(options.runs_root) / name
+        runs = sorted(p for p in root.glob("*") if p.is_dir())
+        resumable = [p for p in runs if has_complete_checkpoint(p)] \
+            if job.spec.checkpoint.uri is None else runs
+        if not resumable:
+            _check_resumable(runs[-1] if runs else root, job.spec,
+                             f"no earlier run of {name!r} under {root}")
+            raise RunError(f"--resume: no earlier run of {name!r} under {root}; start one "
+                           "without --resume")
+        run_dir = resumable[-1]
+    else:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        run_dir = Path(options.runs_root) / name / stamp
+        suffix = 1
+        while run_dir.exists():
+            suffix += 1
+            run_dir = Path(options.runs_root) / name / f"{stamp}-{suffix}"
+    return run_dir
+
+
+def make_run_dir(run_dir: Path) -> list[Path]:
+    """Create run_dir; the folders this created, deepest first (to remove on a refusal)."""
+    created = []
+    for folder in [run_dir, *run_dir.parents]:
+        if folder.exists():
+            break
+        created.append(folder)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RunError(f"cannot create run folder {run_dir}: {err.strerror or err}") from None
+    return created
+
+
+def remove_created(created: list[Path]) -> None:
+    """Undo make_run_dir: a refused run leaves nothing behind (nor an empty folder that a
+    later --resume would pick)."""
+    if created:
+        shutil.rmtree(created[0], ignore_errors=True)
+        for folder in created[1:]:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+
+def check_inputs(spec: CephaloJobSpec, options: RunOptions) -> None:
+    """What would otherwise fail only after the profiler or the ranks started."""
+    token = spec.data.token_file
+    if token is not None and token.claim_name is None and not options.plan_path:
+        path = Path(token.path)
+        if not path.is_file():
+            what = "is a folder" if path.is_dir() else "does not exist"
+            raise RunError(f"data.tokenFile.path {token.path} {what}; give the token file "
+                           "(a flat binary of token ids) or use data: {synthetic: {}}")
+
+
+def check_plan(plan: Plan, devices: list[LocalDevice], source: str,
+               spec: CephaloJobSpec | None = None) -> None:
+    """A given plan fits the job and the devices (checked before any rank starts)."""
+    if spec is not None:
+        check_plan_fits_job(plan, spec, source)
+    if plan.world_size != len(devices):
+        raise RunError(f"{source} is for {plan.world_size} ranks but {len(devices)} devices "
+                       f"were selected ({', '.join(d.label for d in devices)}); pass "
+                       f"--devices/--emulate with {plan.world_size} devices or re-plan")
+    for rank, device in zip(plan.ranks, devices, strict=True):
+        if rank.gpu not in ("cpu", device.product):
+            raise RunError(f"{source}: rank {rank.rank} is planned for {rank.gpu} but runs on "
+                           f"{device.label}; re-plan for these devices")
+
+
+def check_plan_fits_job(plan: Plan, spec: CephaloJobSpec, source: str) -> None:
+    if plan.global_batch_size != spec.global_batch_size:
+        raise RunError(f"{source} is for global batch {plan.global_batch_size} but the job's "
+                       f"globalBatchSize is {spec.global_batch_size}; re-plan for the job")
+    units = spec.model.resolve().num_units
+    overrides = (plan.model_extra or {}).get("unit_shard_ratios") or {}
+    if not isinstance(overrides, dict):
+        raise RunError(f"{source}: unit_shard_ratios must map unit indices to lists of ratios")
+    for unit, ratios in overrides.items():
+        index = int(unit) if isinstance(unit, str) and unit.isdigit() else -1
+        if not 0 <= index < units:
+            raise RunError(f"{source}: unit_shard_ratios key {str(unit)[:20]!r} is not a unit "
+                           f"index 0..{units - 1} of this model")
+        ok = isinstance(ratios, list) and len(ratios) == plan.world_size and all(
+            isinstance(r, int | float) and not isinstance(r, bool) and 0 <= r <= 1
+            for r in ratios) and abs(sum(ratios) - 1) <= 1e-9
+        if not ok:
+            raise RunError(f"{source}: unit_shard_ratios[{index}] must hold {plan.world_size} "
+                           "ratios in [0, 1] summing to 1")

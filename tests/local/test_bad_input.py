@@ -1,0 +1,285 @@
+"""Bad input to the real `cephalo` command, as a new user (or an attacker) would give it
+(issue 17): every case exits with code 2 and one stderr line, shows no traceback, starts no
+process and writes nothing — checked on the whole working folder, before and after."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from .cli_helpers import TINY_JOB, run_cephalo
+
+Setup = Callable[[Path], list[str]]  # prepares files in the folder, returns the arguments
+
+
+def _job(path: Path, text: str) -> str:
+    path.write_text(text)
+    return path.name
+
+
+def _tiny(**replace: str) -> str:
+    text = TINY_JOB.format(name="tiny", batch=8, steps=2)
+    for old, new in replace.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    return text
+
+
+def _plan(batch_sizes: list[int], **extra: object) -> dict:
+    n = len(batch_sizes)
+    return {"global_batch_size": sum(batch_sizes), "world_size": n,
+            "ranks": [{"rank": i, "batch_size": b, "micro_batch_size": b,
+                       "num_micro_batches": 1, "shard_ratio": 1 / n}
+                      for i, b in enumerate(batch_sizes)], **extra}
+
+
+# The 578-byte "billion laughs" of issue 17, in metadata: 9^9 expansions.
+ALIAS_BOMB = """\
+apiVersion: cephalo.dev/v1alpha1
+kind: CephaloJob
+metadata:
+  name: bomb
+  a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]
+  b: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]
+  c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]
+  d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]
+  e: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]
+  f: &f [*e,*e,*e,*e,*e,*e,*e,*e,*e]
+  g: &g [*f,*f,*f,*f,*f,*f,*f,*f,*f]
+  h: &h [*g,*g,*g,*g,*g,*g,*g,*g,*g]
+  i: &i [*h,*h,*h,*h,*h,*h,*h,*h,*h]
+spec: {model: {preset: gpt-tiny}, globalBatchSize: 8}
+"""
+
+
+def folder_as_job(d: Path) -> list[str]:
+    (d / "job.yaml").mkdir()
+    return ["run", "job.yaml", "--devices", "cpu:2"]
+
+
+def deep_yaml(d: Path) -> list[str]:
+    return ["run", _job(d / "deep.yaml", "metadata: " + "[" * 20_000 + "]" * 20_000 + "\n"),
+            "--devices", "cpu:2"]
+
+
+def alias_bomb(d: Path) -> list[str]:
+    assert len(ALIAS_BOMB) < 700
+    return ["run", _job(d / "bomb.yaml", ALIAS_BOMB), "--devices", "cpu:2"]
+
+
+def alias_bomb_plan(d: Path) -> list[str]:
+    return ["plan", "--gpus", "2xL4", "--job", _job(d / "bomb.yaml", ALIAS_BOMB)]
+
+
+def huge_scalar(d: Path) -> list[str]:
+    with (d / "big.yaml").open("w") as f:
+        f.write(_tiny() + "  note: ")
+        chunk = "x" * 2**20
+        for _ in range(100):  # 100 MB on one line
+            f.write(chunk)
+        f.write("\n")
+    return ["run", "big.yaml", "--devices", "cpu:2"]
+
+
+def batch_1e9(d: Path) -> list[str]:
+    text = _tiny(**{"globalBatchSize: 8": "globalBatchSize: 1000000000"})
+    return ["run", _job(d / "j.yaml", text), "--devices", "cpu:2"]
+
+
+def batch_1e9_plan(d: Path) -> list[str]:
+    return ["plan", "--gpus", "2xL4", "--model", "gpt-tiny", "--batch-size", "1000000000"]
+
+
+def batch_exponent(d: Path) -> list[str]:
+    return ["run", _job(d / "j.yaml", _tiny(**{"globalBatchSize: 8": "globalBatchSize: 1e9"})),
+            "--devices", "cpu:2"]
+
+
+def batch_true(d: Path) -> list[str]:
+    return ["run", _job(d / "j.yaml", _tiny(**{"globalBatchSize: 8": "globalBatchSize: true"})),
+            "--devices", "cpu:2"]
+
+
+def learning_rate_inf(d: Path) -> list[str]:
+    return ["run", _job(d / "j.yaml", _tiny(**{"learningRate: 1.0e-2": "learningRate: .inf"})),
+            "--devices", "cpu:2"]
+
+
+def profile_size_zero(d: Path) -> list[str]:
+    return ["run", _job(d / "j.yaml", _tiny(**{"[1, 2, 4]": "[0]"})), "--devices", "cpu:2"]
+
+
+def name_escapes_runs(d: Path) -> list[str]:
+    return ["run", _job(d / "j.yaml", _tiny(**{"name: tiny": "name: ../../escape"})),
+            "--devices", "cpu:2"]
+
+
+def name_absolute(d: Path) -> list[str]:
+    return ["run", _job(d / "j.yaml", _tiny(**{"name: tiny": f"name: {d / 'abs'}"})),
+            "--devices", "cpu:2"]
+
+
+def many_errors_one_line(d: Path) -> list[str]:
+    text = ("apiVersion: cephalo.dev/v1alpha1\nkind: CephaloJob\nmetadata: {name: m}\n"
+            "spec:\n  model: {family: gpt, numLayers: x, hiddenSize: [1], numHeads: -1}\n"
+            "  globalBatchSize: '8'\n  training: {steps: 0, seed: -1, schedule: wavy}\n"
+            "  precision: fp8\n")
+    return ["run", _job(d / "j.yaml", text), "--devices", "cpu:2"]
+
+
+def not_utf8(d: Path) -> list[str]:
+    (d / "j.yaml").write_bytes(b"\xff\xfe" + _tiny().encode("utf-16-le"))
+    return ["run", "j.yaml", "--devices", "cpu:2"]
+
+
+def resume_empty_run(d: Path) -> list[str]:
+    """A rejected run (of an older version) left an empty folder: --resume must not pick
+    it and silently start at step 0."""
+    (d / "runs" / "tiny" / "20250101-000000").mkdir(parents=True)
+    return ["run", _job(d / "j.yaml", _tiny()), "--devices", "cpu:2", "--resume"]
+
+
+def resume_mistyped_run_dir(d: Path) -> list[str]:
+    (d / "runs" / "tiny").mkdir(parents=True)
+    return ["run", _job(d / "j.yaml", _tiny()), "--devices", "cpu:2", "--resume",
+            "--run-dir", "runs/tiny/2025O101-000000"]
+
+
+def plan_batch_mismatch(d: Path) -> list[str]:
+    (d / "plan.json").write_text(json.dumps(_plan([2, 2])))
+    return ["run", _job(d / "j.yaml", _tiny()), "--devices", "cpu:2", "--plan", "plan.json"]
+
+
+def plan_bad_unit_ratios(d: Path) -> list[str]:
+    (d / "plan.json").write_text(json.dumps(_plan([4, 4], unit_shard_ratios={"0": [0.9, 0.9]})))
+    return ["run", _job(d / "j.yaml", _tiny()), "--devices", "cpu:2", "--plan", "plan.json"]
+
+
+def plan_unit_out_of_range(d: Path) -> list[str]:
+    (d / "plan.json").write_text(json.dumps(_plan([4, 4], unit_shard_ratios={"99": [0.5, 0.5]})))
+    return ["run", _job(d / "j.yaml", _tiny()), "--devices", "cpu:2", "--plan", "plan.json"]
+
+
+def plan_is_a_folder(d: Path) -> list[str]:
+    (d / "plan.json").mkdir()
+    return ["run", _job(d / "j.yaml", _tiny()), "--devices", "cpu:2", "--plan", "plan.json"]
+
+
+def plan_deep_json(d: Path) -> list[str]:
+    (d / "plan.json").write_text("[" * 100_000 + "]" * 100_000)
+    return ["run", _job(d / "j.yaml", _tiny()), "--devices", "cpu:2", "--plan", "plan.json"]
+
+
+def missing_token_file(d: Path) -> list[str]:
+    text = _tiny(**{"checkpoint:": "data: {tokenFile: {path: missing.bin}}\n  checkpoint:"})
+    return ["run", _job(d / "j.yaml", text), "--devices", "cpu:2"]
+
+
+def token_file_is_a_folder(d: Path) -> list[str]:
+    (d / "tokens").mkdir()
+    text = _tiny(**{"checkpoint:": "data: {tokenFile: {path: tokens}}\n  checkpoint:"})
+    return ["run", _job(d / "j.yaml", text), "--devices", "cpu:2"]
+
+
+def plan_job_is_a_folder(d: Path) -> list[str]:
+    (d / "job").mkdir()
+    return ["plan", "--gpus", "2xL4", "--job", "job"]
+
+
+def plan_unknown_gpu(d: Path) -> list[str]:
+    return ["plan", "--gpus", "2xVoodoo-5", "--model", "gpt-tiny", "--batch-size", "8"]
+
+
+def plan_too_many_gpus(d: Path) -> list[str]:
+    return ["plan", "--gpus", "99999999999xL4", "--model", "gpt-tiny", "--batch-size", "8"]
+
+
+def profile_is_a_folder(d: Path) -> list[str]:
+    (d / "profiles" / "L4.json").mkdir(parents=True)
+    return ["plan", "--gpus", "2xL4", "--model", "gpt-tiny", "--batch-size", "8",
+            "--profiles", "profiles"]
+
+
+def profile_is_garbage(d: Path) -> list[str]:
+    (d / "profiles").mkdir()
+    (d / "profiles" / "L4.json").write_text(json.dumps({"product": 7, "points": "many"}))
+    return ["plan", "--gpus", "2xL4", "--model", "gpt-tiny", "--batch-size", "8",
+            "--profiles", "profiles"]
+
+
+def crd_output_is_a_folder(d: Path) -> list[str]:
+    (d / "out").mkdir()
+    return ["crd", "--output", "out"]
+
+
+CASES: list[tuple[Setup, str]] = [  # (setup, a phrase the one line must contain)
+    (folder_as_job, "is a folder"),
+    (deep_yaml, "nested deeper than"),
+    (alias_bomb, "through aliases"),
+    (alias_bomb_plan, "through aliases"),
+    (huge_scalar, "larger than 1 MiB"),
+    (batch_1e9, "globalBatchSize: Input should be less than or equal to 65536"),
+    (batch_1e9_plan, "globalBatchSize: Input should be less than or equal to 65536"),
+    (batch_exponent, "globalBatchSize: Input should be a valid integer"),
+    (batch_true, "globalBatchSize: Input should be a valid integer"),
+    (learning_rate_inf, "learningRate: Input should be a finite number"),
+    (profile_size_zero, "profileMicroBatchSizes.0: Input should be greater than or equal to 1"),
+    (name_escapes_runs, "is not a job name"),
+    (name_absolute, "is not a job name"),
+    (many_errors_one_line, "and 3 more"),
+    (not_utf8, "not UTF-8 text"),
+    (resume_empty_run, "no earlier run of 'tiny'"),
+    (resume_mistyped_run_dir, "no such run folder"),
+    (plan_batch_mismatch, "is for global batch 4 but the job's globalBatchSize is 8"),
+    (plan_bad_unit_ratios, "unit_shard_ratios[0] must hold 2 ratios"),
+    (plan_unit_out_of_range, "is not a unit index 0..3"),
+    (plan_is_a_folder, "is a folder"),
+    (plan_deep_json, "not valid JSON"),
+    (missing_token_file, "missing.bin does not exist"),
+    (token_file_is_a_folder, "tokens is a folder"),
+    (plan_job_is_a_folder, "is a folder"),
+    (plan_unknown_gpu, "unknown GPU 'Voodoo-5'"),
+    (plan_too_many_gpus, "count must be 1 to 100000"),
+    (profile_is_a_folder, "is a folder"),
+    (profile_is_garbage, "is not a GpuProfile: product: Input should be a valid string"),
+    (crd_output_is_a_folder, "--output out: Is a directory"),
+]
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in folder.rglob("*")}
+
+
+@pytest.mark.parametrize(("setup", "phrase"), CASES, ids=[c[0].__name__ for c in CASES])
+def test_bad_input_is_one_clean_line_and_writes_nothing(tmp_path: Path, setup: Setup,
+                                                        phrase: str) -> None:
+    args = setup(tmp_path)
+    before = _snapshot(tmp_path)
+    done = run_cephalo(tmp_path, *args, timeout=120)
+    lines = done.stderr.splitlines()
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert len(lines) == 1, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert lines[0].startswith(f"cephalo {args[0]}: error: "), lines[0]
+    assert phrase in lines[0], lines[0]
+    assert len(lines[0]) < 1500
+    assert done.stdout == "" or "Profiling" not in done.stdout  # no process was started
+    assert _snapshot(tmp_path) == before, "a rejected input wrote files"
+
+
+def test_an_internal_bug_keeps_its_traceback(tmp_path: Path) -> None:
+    """Only CephaloError is the user's: a ValueError from a bug is not hidden as one line."""
+    code = ("import sys; import cephalo.commands.crd as c; "
+            "c.crd_yaml = lambda: (_ for _ in ()).throw(ValueError('bug')); "
+            "from cephalo.cli import main; sys.exit(main(['crd']))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60, env=dict(os.environ))
+    assert done.returncode == 1
+    assert "Traceback" in done.stderr and "ValueError: bug" in done.stderr
