@@ -9,7 +9,9 @@ Modules:
 * `unit_ops`          the per-unit compute (checkpointed forward, recompute + backward,
   fused head), activation offload, `run_unit_for_profile` for the profiler.
 * `engine`            the layered schedule, exact loss weighting, sharded AdamW step.
-* `optim`, `data`, `checkpoint`, `metrics`, `env`, `run`  the rest of a training run;
-  `python -m cephalo.trainer` is `run.main`.
+* `checkpoint`, `checkpoint_write`, `storage`  sharded checkpoints on a shared folder or
+  object storage (fsspec): asynchronous upload, marker written last, per-rank verification.
+* `optim`, `data`, `metrics`, `env`, `run`  the rest of a training run;
+  `python -m cephalo.trainer` is `run.main` (SIGTERM: checkpoint at the agreed step, exit 143).
 * `launch`            N local gloo ranks for tests and benchmarks.
 """
