@@ -48,6 +48,7 @@ from cephalo.operator.status import (
     now_iso,
     pod_state,
 )
+from cephalo.rootcause import RankFailure, root_cause
 
 if TYPE_CHECKING:
     from cephalo.operator.context import JobContext
@@ -139,11 +140,24 @@ async def _lost_a_rank(ctx: JobContext, plan: Plan, present: list[tuple[RankPlan
                              message="the pod is gone while its gang was running",
                              pod_ip=None, finished_at=None))
                 for r in plan.ranks if launched and rank_pod_name(ctx.job, r.rank) not in names]
-    lost = deleted or failed or vanished
+    lost = deleted or ([blame(failed)] if failed else []) or vanished
     if not lost:
         return False
     await _restart(ctx, plan, *lost[0], disrupted=False)
     return True
+
+
+def blame(failed: list[tuple[RankPlan, PodState]]) -> tuple[RankPlan, PodState]:
+    """The failed rank whose own error caused the others' (cephalo.rootcause): the earliest
+    to finish whose termination message is not a collective echo ("Connection closed by
+    peer", a timeout), so the status names the disk-full rank, not its peers."""
+    ordered = sorted(failed, key=lambda f: (f[1].finished_at is None, f[1].finished_at or "",
+                                            f[0].rank))
+    chosen = root_cause([
+        RankFailure(rank=i, exit_code=255 if s.exit_code is None else s.exit_code,
+                    log_tail=s.message or "")
+        for i, (_, s) in enumerate(ordered)])
+    return ordered[chosen.rank]
 
 
 async def _report(ctx: JobContext, plan: Plan, states: list[PodState]) -> None:

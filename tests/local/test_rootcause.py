@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from cephalo.local.rootcause import RankFailure, describe, error_line, root_cause
+from cephalo.rootcause import RankFailure, describe, error_line, root_cause
 
 # Rank 1's log when rank 0 died mid-step (captured from a real 2-rank CPU run).
 PEER_CLOSED = """\

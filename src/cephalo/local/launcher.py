@@ -1,6 +1,6 @@
 """Launch one trainer process per local device and watch them: progress from rank 0's
 metrics file, a crashed rank stops the others (the root cause's error shown: see
-cephalo.local.rootcause), Ctrl-C stops everyone.
+cephalo.rootcause), Ctrl-C stops everyone.
 
 Each rank runs in its own session so a terminal Ctrl-C reaches only this launcher, which
 then terminates the ranks in order; checkpoints are atomic, so the last complete one stays.
@@ -24,7 +24,7 @@ from pathlib import Path
 from cephalo.api.job import CephaloJobSpec, load_job
 from cephalo.api.plan import Plan
 from cephalo.local.devices import LocalDevice
-from cephalo.local.rootcause import RankFailure, describe, root_cause
+from cephalo.rootcause import RankFailure, describe, root_cause
 
 POLL_SECONDS = 0.2
 TERMINATE_GRACE_SECONDS = 5.0
@@ -131,7 +131,7 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 def _blame(procs: list[subprocess.Popen], logs: Path, result: LaunchResult) -> None:
-    """Pick the rank that caused the failure (see cephalo.local.rootcause): give the others
+    """Pick the rank that caused the failure (see cephalo.rootcause): give the others
     a moment to fail on their own, in the order they do, then read every log."""
     order = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
     deadline = time.monotonic() + ROOT_CAUSE_GRACE_SECONDS

@@ -5,6 +5,9 @@ collective with "Connection closed by peer" or a timeout. Whichever exit the lau
 first is an accident of polling, so the blame goes to the earliest-failing rank whose own
 error is not a collective one; only when every failure is a collective echo does the first
 one stand.
+
+Shared by `cephalo run` (ranks' log tails) and the operator (rank pods' termination
+messages, which fall back to the log tail on error), so both blame the same rank.
 """
 
 from __future__ import annotations
