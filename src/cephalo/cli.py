@@ -23,14 +23,6 @@ class UserError(CephaloError):
     """A mistake in the user's input: printed as one line, exit code 2."""
 
 
-# Commands whose modules still raise ValueError/OSError for the user's mistakes (export:
-# owned by the checkpoint work, to move to CephaloError); every other command's ValueError
-# is a bug and keeps its traceback.
-_LEGACY_USER_ERRORS: dict[str, tuple[type[BaseException], ...]] = {
-    "export": (ValueError, FileNotFoundError),
-}
-
-
 def build_parser(load: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cephalo", description="Train transformers on mixed-GPU clusters.")
@@ -47,14 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     wanted = [a for a in argv if a in COMMANDS][:1]
     args = build_parser(load=wanted or None).parse_args(argv)
     module = importlib.import_module(COMMANDS[args.command][0])
-    legacy = _LEGACY_USER_ERRORS.get(args.command, ())
     try:
         return int(module.run(args) or 0)
     except CephaloError as err:  # the user's mistake: one line, no traceback
         print(f"cephalo {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    except legacy as err:
-        print(f"cephalo {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"cephalo {args.command}: interrupted", file=sys.stderr)

@@ -218,6 +218,21 @@ def crd_output_is_a_folder(d: Path) -> list[str]:
     return ["crd", "--output", "out"]
 
 
+def export_into_the_checkpoint(d: Path) -> list[str]:
+    (d / "ckpt" / "step-00000004").mkdir(parents=True)
+    return ["export", "ckpt", "--output", "ckpt/step-00000004/rank-00000.pt"]
+
+
+def export_output_is_a_folder(d: Path) -> list[str]:
+    (d / "ckpt").mkdir()
+    (d / "out").mkdir()
+    return ["export", "ckpt", "--output", "out"]
+
+
+def export_missing_checkpoint(d: Path) -> list[str]:
+    return ["export", "no-such-ckpt", "--output", "model.pt"]
+
+
 CASES: list[tuple[Setup, str]] = [  # (setup, a phrase the one line must contain)
     (folder_as_job, "is a folder"),
     (deep_yaml, "nested deeper than"),
@@ -249,6 +264,9 @@ CASES: list[tuple[Setup, str]] = [  # (setup, a phrase the one line must contain
     (profile_is_a_folder, "is a folder"),
     (profile_is_garbage, "is not a GpuProfile: product: Input should be a valid string"),
     (crd_output_is_a_folder, "--output out: Is a directory"),
+    (export_into_the_checkpoint, "lies inside the checkpoint directory ckpt"),
+    (export_output_is_a_folder, "--output out is a directory"),
+    (export_missing_checkpoint, "no-such-ckpt: no such checkpoint directory"),
 ]
 
 

@@ -14,6 +14,12 @@ import json
 import os
 from pathlib import Path
 
+from cephalo.errors import CephaloError
+
+
+class ExportError(CephaloError):
+    """A checkpoint location or output that `cephalo export` cannot use."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint_dir", metavar="CKPT_DIR",
@@ -34,18 +40,31 @@ def run(args: argparse.Namespace) -> int:
     try:
         store = Store(root)
     except (ImportError, ValueError) as err:  # unknown scheme, backend not installed
-        raise ValueError(f"{root}: unusable checkpoint location: {describe(err)}") from None
-    if store.is_local and not Path(store.root).exists():
-        raise FileNotFoundError(f"{root}: no such checkpoint directory")
+        raise ExportError(f"{root}: unusable checkpoint location: {describe(err)}") from None
+    if store.is_local and not Path(store.root).is_dir():
+        raise ExportError(f"{root}: no such checkpoint directory")
+    output = Path(args.output)
+    if store.is_local and output.resolve().is_relative_to(Path(store.root).resolve()):
+        # writing into the checkpoint root could replace a shard or meta.json of the very
+        # checkpoint being read, or make the root look torn
+        raise ExportError(f"--output {output} lies inside the checkpoint directory {root}; "
+                          "write the export somewhere else")
+    if output.is_dir():
+        raise ExportError(f"--output {output} is a directory; give a file name such as "
+                          f"{output / 'model.pt'}")
     try:
         info = find_latest(store)
     except OSError as err:  # credentials, missing bucket, network
-        raise ValueError(f"{root}: cannot read checkpoints: {describe(err)}") from None
+        raise ExportError(f"{root}: cannot read checkpoints: {describe(err)}") from None
     if info is None:
-        raise ValueError(f"{root}: no complete checkpoint (a checkpoint needs its COMPLETE "
-                         f"marker, meta.json and intact rank-*.pt shards)")
+        raise ExportError(f"{root}: no complete checkpoint (a checkpoint needs its COMPLETE "
+                          f"marker, meta.json and intact rank-*.pt shards)")
+    try:
+        info.config  # noqa: B018 - validates the model recorded in meta.json
+    except (ValueError, TypeError, KeyError) as err:
+        raise ExportError(f"{info.path}/meta.json: the recorded model is not valid "
+                          f"({err}); the checkpoint's metadata is corrupted") from None
     state = full_state_dict(info)
-    output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(output.name + ".tmp")
     torch.save(state, tmp)
