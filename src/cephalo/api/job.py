@@ -23,6 +23,14 @@ from cephalo.api.cel import PARENT_SEGMENT_PATTERN, model_rules, token_file_rule
 from cephalo.api.models import PRESETS, ModelConfig
 from cephalo.api.podtemplate import PodTemplate
 from cephalo.api.safeyaml import YamlError, load_yaml_file
+from cephalo.api.status import (  # noqa: F401 - re-exported: the status half of the resource
+    CephaloJobStatus,
+    Condition,
+    Phase,
+    PlanSummary,
+    Progress,
+)
+from cephalo.api.wire import CamelModel
 from cephalo.errors import CephaloError
 
 API_GROUP = "cephalo.dev"
@@ -36,21 +44,6 @@ PLURAL = "cephalojobs"
 MAX_JOB_NAME_CHARS = 47
 MAX_GLOBAL_BATCH_SIZE = 65_536
 JOB_NAME_PATTERN = r"[a-z]([-a-z0-9]*[a-z0-9])?"
-
-
-class CamelModel(BaseModel):
-    """Base for every wire type: camelCase aliases, snake_case attributes, no unknown keys."""
-
-    # strict: "4" and true are not integers, 1 is not a boolean (the API server's view of
-    # the CRD schema, so that kubectl and pydantic give the same verdict); no inf/NaN, which
-    # JSON and so a custom resource cannot carry either.
-    model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=False,
-        strict=True, allow_inf_nan=False,
-    )
-
-    def to_wire(self) -> dict[str, Any]:
-        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
 
 
 class ModelSpec(CamelModel):
@@ -308,73 +301,6 @@ class CephaloJobSpec(CamelModel):
     def _model_resolves(self) -> CephaloJobSpec:
         self.model.resolve()  # raises a ValueError naming the bad dimension
         return self
-
-
-class StatusModel(CamelModel):
-    """Base of the status types: written by the operator, not the user, so as lax as before
-    (a measured loss may be NaN; an older operator may have written a float step)."""
-
-    model_config = ConfigDict(strict=False, allow_inf_nan=True)
-
-
-Phase = Literal["Pending", "Profiling", "Planning", "Running", "Restarting", "Suspended",
-                "Succeeded", "Failed"]
-
-
-class Condition(StatusModel):
-    """One observed aspect of the job (Kubernetes API conventions), keyed by `type`."""
-
-    type: str
-    status: Literal["True", "False", "Unknown"]
-    reason: str | None = None
-    message: str | None = None
-    last_transition_time: str | None = None
-
-
-class PlanSummary(StatusModel):
-    """The current plan in brief; the full plan JSON is in `configMap`."""
-
-    world_size: int | None = Field(default=None, description="Ranks (GPUs) in the plan.")
-    predicted_samples_per_second: float | None = Field(
-        default=None, description="Throughput the planner predicts.")
-    speedup_over_even_fsdp: float | None = Field(
-        default=None, alias="speedupOverEvenFSDP",
-        description="Predicted throughput over even FSDP on the same GPUs.")
-    config_map: str | None = Field(default=None,
-                                   description="ConfigMap holding the full plan JSON.")
-    pools: dict[str, int] | None = Field(default=None, description="GPUs used per pool.")
-
-
-class Progress(StatusModel):
-    """Training progress as last reported by rank 0."""
-
-    step: int | None = Field(default=None, description="Last completed optimizer step.")
-    total_steps: int | None = None
-    loss: float | None = Field(default=None, description="Mean loss of the last step.")
-    samples_per_second: float | None = Field(default=None,
-                                             description="Measured training throughput.")
-    last_update_time: str | None = None
-
-
-class CephaloJobStatus(StatusModel):
-    model_config = ConfigDict(extra="allow")  # kopf keeps its own bookkeeping in status
-
-    phase: Phase | None = None
-    message: str | None = None
-    conditions: list[Condition] | None = None
-    observed_generation: int | None = None
-    plan: PlanSummary | None = None
-    progress: Progress | None = None
-    restarts: int | None = Field(default=None, description=(
-        "Gang restarts counted toward backoffLimit (a rank failed or was deleted)."))
-    preemptions: int | None = Field(default=None, description=(
-        "Gang restarts after a disruption (preemption, eviction, drain); not counted toward "
-        "backoffLimit."))
-    launched_attempt: str | None = Field(default=None, description=(
-        "<attempt>/<config hash> once every rank pod of that attempt existed: a rank pod "
-        "missing after that vanished, one missing before it is still to be created."))
-    start_time: str | None = None
-    completion_time: str | None = None
 
 
 class ObjectMeta(BaseModel):

@@ -1,0 +1,76 @@
+"""The CephaloJob status: written by the operator, read by kubectl, the chart and tests."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ConfigDict, Field
+
+from cephalo.api.wire import CamelModel
+
+
+class StatusModel(CamelModel):
+    """Base of the status types: written by the operator, not the user, so as lax as before
+    (a measured loss may be NaN; an older operator may have written a float step)."""
+
+    model_config = ConfigDict(strict=False, allow_inf_nan=True)
+
+
+Phase = Literal["Pending", "Profiling", "Planning", "Running", "Restarting", "Suspended",
+                "Succeeded", "Failed"]
+
+
+class Condition(StatusModel):
+    """One observed aspect of the job (Kubernetes API conventions), keyed by `type`."""
+
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str | None = None
+    message: str | None = None
+    last_transition_time: str | None = None
+
+
+class PlanSummary(StatusModel):
+    """The current plan in brief; the full plan JSON is in `configMap`."""
+
+    world_size: int | None = Field(default=None, description="Ranks (GPUs) in the plan.")
+    predicted_samples_per_second: float | None = Field(
+        default=None, description="Throughput the planner predicts.")
+    speedup_over_even_fsdp: float | None = Field(
+        default=None, alias="speedupOverEvenFSDP",
+        description="Predicted throughput over even FSDP on the same GPUs.")
+    config_map: str | None = Field(default=None,
+                                   description="ConfigMap holding the full plan JSON.")
+    pools: dict[str, int] | None = Field(default=None, description="GPUs used per pool.")
+
+
+class Progress(StatusModel):
+    """Training progress as last reported by rank 0."""
+
+    step: int | None = Field(default=None, description="Last completed optimizer step.")
+    total_steps: int | None = None
+    loss: float | None = Field(default=None, description="Mean loss of the last step.")
+    samples_per_second: float | None = Field(default=None,
+                                             description="Measured training throughput.")
+    last_update_time: str | None = None
+
+
+class CephaloJobStatus(StatusModel):
+    model_config = ConfigDict(extra="allow")  # kopf keeps its own bookkeeping in status
+
+    phase: Phase | None = None
+    message: str | None = None
+    conditions: list[Condition] | None = None
+    observed_generation: int | None = None
+    plan: PlanSummary | None = None
+    progress: Progress | None = None
+    restarts: int | None = Field(default=None, description=(
+        "Gang restarts counted toward backoffLimit (a rank failed or was deleted)."))
+    preemptions: int | None = Field(default=None, description=(
+        "Gang restarts after a disruption (preemption, eviction, drain); not counted toward "
+        "backoffLimit."))
+    launched_attempt: str | None = Field(default=None, description=(
+        "<attempt>/<config hash> once every rank pod of that attempt existed: a rank pod "
+        "missing after that vanished, one missing before it is still to be created."))
+    start_time: str | None = None
+    completion_time: str | None = None
