@@ -231,6 +231,23 @@ class PlannerSpec(CamelModel):
         "Let a slow GPU take no batch and only hold training state when that is faster."))
 
 
+class SchedulingPolicy(CamelModel):
+    """How the gang of rank pods is admitted (shaped like Kubeflow's schedulingPolicy).
+
+    Kueue needs none of this: label the CephaloJob with `kueue.x-k8s.io/queue-name`."""
+
+    scheduler_name: str | None = Field(default=None, max_length=253, description=(
+        "Scheduler of the rank and profiler pods, e.g. volcano or scheduler-plugins-scheduler; "
+        "default: the cluster's default scheduler."))
+    queue: str | None = Field(default=None, max_length=253, description=(
+        "Volcano queue of the job's PodGroup."))
+    priority_class_name: str | None = Field(default=None, max_length=253, description=(
+        "PriorityClass of the PodGroup and of every rank pod."))
+    schedule_timeout_seconds: int | None = Field(default=None, ge=1, le=604_800, description=(
+        "Release the whole gang (delete pending and running ranks, re-plan on the GPUs that "
+        "are free) when some rank stays unscheduled this long (at most a week)."))
+
+
 CHECKPOINT_URI_PATTERN = r"^[a-z][a-z0-9+.-]*://[^/].*$"  # scheme://bucket-or-host/...
 
 
@@ -279,6 +296,10 @@ class CephaloJobSpec(CamelModel):
     data: DataSpec = Field(default_factory=lambda: DataSpec(synthetic=SyntheticData()))
     gpu_pools: list[GpuPoolSpec] | None = Field(default=None, max_length=64, description=(
         "GPU pools to use (at most 64); default: every GPU product found."))
+    max_gpus: int | None = Field(default=None, ge=1, le=100_000, description=(
+        "Use at most this many GPUs in all (the planner picks which; at most 100000)."))
+    scheduling_policy: SchedulingPolicy | None = Field(default=None, description=(
+        "Gang scheduling: scheduler, queue, priority and a pending timeout."))
     planner: PlannerSpec = Field(default_factory=PlannerSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     backoff_limit: int = Field(default=3, ge=0, le=10_000, description=(
