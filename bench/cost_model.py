@@ -75,7 +75,7 @@ def worker(preset: str, setting: list[tuple[int, int]], ratios: list[float], rou
     from cephalo.trainer.engine import Engine, Layout
     from cephalo.trainer.profile import profile_device
     from cephalo.trainer.profile_collectives import measure_in_group
-    from cephalo.trainer.run import log_step
+    from cephalo.trainer.step_log import StepLogger
 
     torch.set_num_threads(1)
     device = torch.device("cpu")
@@ -94,6 +94,10 @@ def worker(preset: str, setting: list[tuple[int, int]], ratios: list[float], rou
     data = DataSource(config, spec.data, spec.training.seed)
     start, end = layout.sample_range(rank)
     micro = layout.micro_batch_sizes[rank]
+    logger = StepLogger(rank=rank, global_batch_size=batch,
+                        local_batch_size=layout.batch_sizes[rank],
+                        tokens_per_sample=config.tokens_per_sample,
+                        flops_per_sample=config.training_flops_per_sample(), total_steps=0)
     records = []
     for _ in range(rounds):
         dist.barrier()
@@ -111,8 +115,7 @@ def worker(preset: str, setting: list[tuple[int, int]], ratios: list[float], rou
                 engine.comm.stats.wait_seconds.clear()
             began = time.perf_counter()
             result = engine.step(data.micro_batches(engine.step_count, start, end, micro))
-            log_step(engine, result, config.tokens_per_sample,
-                     config.training_flops_per_sample(), None, None, 0, False, 0)
+            logger.log(result)  # what the trainer does after each step
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if i:

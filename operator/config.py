@@ -47,7 +47,7 @@ class OperatorConfig:
             if name not in env:
                 continue
             raw = env[name]
-            kind = type(f.default)
+            kind: type = type(f.default)  # every field has a default of its own type
             try:
                 values[f.name] = kind(raw)
             except ValueError:

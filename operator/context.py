@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -133,7 +133,8 @@ class JobContext:
             metrics.set_phase(self.namespace, self.name, self.status["phase"])
         events, self._events = self._events, []
         for type_, reason, message in events:
-            kopf.event(self.body, type=type_, reason=reason, message=message)
+            # kopf types the object as its Body wrapper; a plain mapping is what it reads
+            kopf.event(cast(Any, self.body), type=type_, reason=reason, message=message)
         actions, self._after = self._after, []
         for action in actions:
             await action()

@@ -4,21 +4,42 @@ A pool is the set of schedulable, Ready nodes that carry one value of the GPU Fe
 Discovery label `nvidia.com/gpu.product`. GPUs per node come from the node's allocatable
 `nvidia.com/gpu` (what the scheduler can actually hand out, not the label's count);
 memory from `nvidia.com/gpu.memory` (MiB) or, without it, the catalog.
+
+On a shared cluster a pool counts only *free* GPUs (`GpuUsage`, built by
+`cephalo.operator.gpu_usage`): a node's allocatable minus what other pods bound to it request,
+and a pool's total minus what other Cephalo jobs have planned there but not yet bound. A node
+whose NoSchedule/NoExecute taints the job's pods do not tolerate is not used (Kubernetes
+toleration matching, `tolerates`); PreferNoSchedule never excludes a node.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from cephalo.api import ClusterSpec, GpuGroup
 from cephalo.api.job import CephaloJobSpec
-from cephalo.planner.catalog import lookup_gpu
+from cephalo.planner.catalog import gpu_key, lookup_gpu, resolve_gpu, same_gpu
 
 PRODUCT_LABEL = "nvidia.com/gpu.product"
 MEMORY_LABEL = "nvidia.com/gpu.memory"
 GPU_RESOURCE = "nvidia.com/gpu"
 MIB = 1024 * 1024
+# What every rendered GPU pod tolerates (render._gpu_pod): the taint GPU operators put on
+# GPU nodes to keep CPU-only pods off them.
+GPU_TOLERATION: dict[str, Any] = {"key": GPU_RESOURCE, "operator": "Exists",
+                                  "effect": "NoSchedule"}
+EXCLUDING_EFFECTS = ("NoSchedule", "NoExecute")  # PreferNoSchedule is only a preference
+
+
+@dataclass(frozen=True)
+class GpuUsage:
+    """GPUs this job cannot have: requested per node by other pods bound there, and per pool
+    (product label) planned by other Cephalo jobs but not yet bound to a node."""
+
+    used_by_node: dict[str, int] = field(default_factory=dict)
+    reserved_by_pool: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -26,10 +47,15 @@ class Pool:
     """GPUs of one product on usable nodes. `product` is the label value (pool name)."""
 
     product: str
-    catalog_name: str | None  # None: not in the catalog (cannot be planned for)
+    # The planner's and profiles' name: the catalog name, or for a product outside the
+    # catalog its label (catalog.gpu_key), planned from its measured profile.
+    catalog_name: str | None
     num_gpus: int
     memory_bytes: int | None
     nodes: tuple[str, ...]
+    # Free GPUs per node (same order as `nodes`) before `reserved`; empty: all allocatable.
+    node_gpus: tuple[int, ...] = ()
+    reserved: int = 0  # planned here by other Cephalo jobs, not yet on a node
 
 
 @dataclass
@@ -53,8 +79,42 @@ def _int(value: Any) -> int:
         return 0
 
 
-def discover_pools(nodes: list[dict[str, Any]]) -> Discovery:
-    """Group usable GPU nodes by product label. Deterministic: pools sorted by product."""
+def tolerates(toleration: dict[str, Any], taint: dict[str, Any]) -> bool:
+    """Kubernetes' toleration matching (k8s.io/api core/v1 Toleration.ToleratesTaint): an
+    empty effect matches every effect, an empty key every key; `Exists` matches any value,
+    `Equal` (the default) the same value."""
+    effect = toleration.get("effect") or ""
+    if effect and effect != taint.get("effect"):
+        return False
+    key = toleration.get("key") or ""
+    if key and key != taint.get("key"):
+        return False
+    if (toleration.get("operator") or "Equal") == "Exists":
+        return True
+    return (toleration.get("value") or "") == (taint.get("value") or "")
+
+
+def job_tolerations(spec: CephaloJobSpec) -> list[dict[str, Any]]:
+    """What the job's rank and profiler pods tolerate: the GPU taint, spec.podTemplate's."""
+    extra = spec.pod_template.tolerations if spec.pod_template else None
+    return [GPU_TOLERATION, *(t.model_dump(by_alias=True, exclude_none=True, mode="json")
+                              for t in extra or [])]
+
+
+def untolerated_taints(node: dict[str, Any], tolerations: Sequence[dict[str, Any]]) -> list[str]:
+    """The node's NoSchedule/NoExecute taints no toleration matches ("key=value:effect")."""
+    return [f"{t.get('key')}:{t.get('effect')}"
+            for t in (node.get("spec") or {}).get("taints") or []
+            if t.get("effect") in EXCLUDING_EFFECTS
+            and not any(tolerates(tol, t) for tol in tolerations)]
+
+
+def discover_pools(nodes: list[dict[str, Any]], usage: GpuUsage | None = None,
+                   tolerations: Sequence[dict[str, Any]] = (GPU_TOLERATION,)) -> Discovery:
+    """Group usable GPU nodes by product label. Deterministic: pools sorted by product.
+
+    `tolerations`: what the job's pods tolerate (the GPU taint and spec.podTemplate's).
+    `usage`: GPUs other pods and jobs hold; None counts every allocatable GPU as free."""
     found: dict[str, dict[str, Any]] = {}
     result = Discovery(pools=[], num_nodes=len(nodes))
     for node in sorted(nodes, key=lambda n: n["metadata"]["name"]):
@@ -70,30 +130,39 @@ def discover_pools(nodes: list[dict[str, Any]]) -> Discovery:
         if not _node_ready(node):
             result.unusable.append(f"{name}: not Ready")
             continue
-        taints = [f"{t.get('key')}:{t.get('effect')}" for t in (node.get("spec") or {}).get(
-            "taints") or [] if t.get("effect") in ("NoSchedule", "NoExecute")
-            and t.get("key") != GPU_RESOURCE]  # rank pods tolerate only the GPU taint
-        if taints:
-            result.unusable.append(f"{name}: tainted {', '.join(taints)}")
+        if taints := untolerated_taints(node, tolerations):
+            result.unusable.append(f"{name}: tainted {', '.join(taints)} (not tolerated)")
             continue
         if gpus <= 0:
             result.unusable.append(f"{name}: allocatable {GPU_RESOURCE} is 0")
             continue
-        pool = found.setdefault(product, {"gpus": 0, "nodes": [], "memory": []})
-        pool["gpus"] += gpus
+        used = usage.used_by_node.get(name, 0) if usage else 0
+        if used >= gpus:
+            result.unusable.append(f"{name}: all {gpus} {GPU_RESOURCE} requested by other pods")
+            continue
+        pool = found.setdefault(product, {"gpus": [], "nodes": [], "memory": []})
+        pool["gpus"].append(gpus - used)
         pool["nodes"].append(name)
         if _int(labels.get(MEMORY_LABEL)) > 0:
             pool["memory"].append(_int(labels[MEMORY_LABEL]) * MIB)
     for product in sorted(found):
         info = found[product]
-        try:
-            catalog_name: str | None = lookup_gpu(product).name
-        except ValueError:
-            catalog_name = None
+        # A product outside the catalog is planned too: the operator profiles every pool
+        # (speed), memory comes from the label or the profile (NVML); the catalog only
+        # feeds estimates.
+        catalog_name: str | None = gpu_key(product)
+        if not resolve_gpu(product).in_catalog:
             result.unknown_products.append(product)
+        reserved = usage.reserved_by_pool.get(product, 0) if usage else 0
+        free = sum(info["gpus"]) - reserved
+        if free <= 0:
+            result.unusable.append(f"{product}: all {sum(info['gpus'])} free GPU(s) planned by "
+                                   "other Cephalo jobs")
+            continue
         # Nodes of one product can report slightly different memory (MIG, ECC): plan for the least.
         memory = min(info["memory"]) if info["memory"] else None
-        result.pools.append(Pool(product, catalog_name, info["gpus"], memory, tuple(info["nodes"])))
+        result.pools.append(Pool(product, catalog_name, free, memory, tuple(info["nodes"]),
+                                 tuple(info["gpus"]), reserved))
     return result
 
 
@@ -105,10 +174,7 @@ def product_matches(label: str, wanted: str) -> bool:
     """Does a pool's product label answer to `wanted` (the same label or its catalog name)?"""
     if wanted == label:
         return True
-    try:
-        return lookup_gpu(label).name == lookup_gpu(wanted).name
-    except ValueError:
-        return False
+    return same_gpu(label, wanted)  # one catalog SKU, or one product outside it
 
 
 def _matches(pool: Pool, wanted: str) -> bool:
@@ -145,19 +211,46 @@ def select_cluster(spec: CephaloJobSpec, discovery: Discovery,
                     chosen.append((pool, count, memory))
     if not chosen:
         raise NoGpusError(describe_nothing_found(discovery, missing))
+    if spec.max_gpus is not None:
+        chosen = _cap(chosen, spec.max_gpus, spec.precision)
     groups = [GpuGroup(product=p.catalog_name or p.product, count=count, pool=p.product,
                        memory_bytes=memory or p.memory_bytes) for p, count, memory in chosen]
     return ClusterSpec(groups=groups), [p for p, _, _ in chosen]
 
 
+def _cap(chosen: list[tuple[Pool, int, int | None]], max_gpus: int,
+         precision: str) -> list[tuple[Pool, int, int | None]]:
+    """spec.maxGpus: keep the fastest GPUs (catalog peak for the job's precision, then
+    memory), dropping from the slowest pools first; pool order is kept."""
+    def speed(item: tuple[Pool, int, int | None]) -> tuple[float, int, str]:
+        pool, _, memory = item
+        try:
+            gpu = lookup_gpu(pool.catalog_name or pool.product)
+        except ValueError:  # not in the catalog: no estimate of its speed, keep it last
+            return (0.0, -(memory or pool.memory_bytes or 0), pool.product)
+        return (-gpu.peak_flops(precision), -(memory or pool.memory_bytes or gpu.memory_bytes),
+                pool.product)
+
+    left = max_gpus
+    counts: dict[str, int] = {}
+    for pool, count, _memory in sorted(chosen, key=speed):
+        counts[pool.product] = min(count, left)
+        left -= counts[pool.product]
+    return [(p, counts[p.product], m) for p, _, m in chosen if counts[p.product] > 0]
+
+
 def _narrow(pool: Pool, selector: dict[str, str], nodes: list[dict[str, Any]]) -> Pool:
-    """The part of a pool on nodes that carry every label of `selector`."""
+    """The part of a pool on nodes that carry every label of `selector` (its free GPUs, less
+    everything other jobs reserved in the pool: their pods may land on any of its nodes)."""
     by_name = {n["metadata"]["name"]: n for n in nodes}
-    keep = [n for n in pool.nodes if all(
+    free = pool.node_gpus or tuple(
+        _int(by_name[n]["status"]["allocatable"].get(GPU_RESOURCE)) for n in pool.nodes)
+    keep = [(n, g) for n, g in zip(pool.nodes, free, strict=True) if all(
         (by_name.get(n, {}).get("metadata", {}).get("labels") or {}).get(k) == v
         for k, v in selector.items())]
-    gpus = sum(_int(by_name[n]["status"]["allocatable"].get(GPU_RESOURCE)) for n in keep)
-    return Pool(pool.product, pool.catalog_name, gpus, pool.memory_bytes, tuple(keep))
+    gpus = max(0, sum(g for _, g in keep) - pool.reserved)
+    return Pool(pool.product, pool.catalog_name, gpus, pool.memory_bytes,
+                tuple(n for n, _ in keep), tuple(g for _, g in keep), pool.reserved)
 
 
 def describe_nothing_found(discovery: Discovery, missing: list[str]) -> str:
@@ -169,7 +262,8 @@ def describe_nothing_found(discovery: Discovery, missing: list[str]) -> str:
     if missing:
         parts.append("requested but not found: " + ", ".join(missing))
     if discovery.unknown_products:
-        parts.append("products not in the GPU catalog: " + ", ".join(discovery.unknown_products))
+        parts.append("products not in the GPU catalog (planned once profiled): " +
+                     ", ".join(discovery.unknown_products))
     if discovery.unusable:
         parts.append("unusable: " + "; ".join(discovery.unusable[:8]))
     return "; ".join(parts)

@@ -23,6 +23,7 @@ import kopf
 from cephalo.api import API_GROUP, API_VERSION, PLURAL
 from cephalo.operator import metrics
 from cephalo.operator.config import OperatorConfig
+from cephalo.operator.gpu_usage import CLAIMS, PODS
 from cephalo.operator.kube import AsyncKube, Kube, load_api_client
 from cephalo.operator.nodes import NODES
 from cephalo.operator.reconcile import reconcile
@@ -52,6 +53,10 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     # cluster (the handler's `labels=` filter alone is applied after the whole stream arrives).
     settings.watching.label_selectors["v1", "pods"] = LABEL_JOB
     NODES.resync_seconds = config.node_resync_seconds
+    # -A: GPUs in use are read from every namespace's pods; -n: from the watched ones only
+    # (what a namespaced Role allows; see gpu_usage).
+    PODS.clusterwide = settings.peering.clusterwide
+    PODS.max_age_seconds = config.recheck_seconds  # one pod LIST per period, for all jobs
     settings.posting.level = logging.WARNING  # our own Events are explicit; no log spam
     memo.config = config
     memo.kube = AsyncKube(Kube(await asyncio.to_thread(load_api_client)))
@@ -162,6 +167,9 @@ async def job_changed(type: str | None, meta: kopf.Meta, status: kopf.Status,
         _job_pools.pop(key, None)  # its daemon is gone (or going): nothing left to wake
     else:
         _job_pools[key] = pools_in_use(dict(status))
+    # GPUs the job holds for the others' planning (also after an operator restart).
+    CLAIMS.observe(key, meta.get("uid"), dict(status),
+                   deleted=type == "DELETED" or bool(meta.get("deletionTimestamp")))
     # Our own status writes leave generation == observedGeneration: no need to wake for them.
     if meta.get("generation") != status.get("observedGeneration") or meta.get(
             "deletionTimestamp"):

@@ -43,7 +43,8 @@ def slim(node: dict[str, Any]) -> dict[str, Any]:
     if spec.get("unschedulable"):
         out["spec"]["unschedulable"] = True
     if spec.get("taints"):
-        out["spec"]["taints"] = [{"key": t.get("key"), "effect": t.get("effect")}
+        # key, value and effect: what toleration matching reads (discovery.tolerates)
+        out["spec"]["taints"] = [{k: t[k] for k in ("key", "value", "effect") if k in t}
                                  for t in spec["taints"]]
     gpus = (status.get("allocatable") or {}).get(GPU_RESOURCE)
     if gpus is not None:

@@ -1,4 +1,5 @@
-"""Merge a job's `spec.podTemplate` into a rendered rank or profiler pod (pure).
+"""Merge a job's `spec.podTemplate` into a rendered rank or profiler pod, and group a
+plan's ranks into pods (several GPUs of a node per pod); pure.
 
 The operator's fields win where they must: its labels and annotations, the trainer's
 environment contract, its volumes and mounts, the GPU resource, the nodeSelector and the
@@ -10,8 +11,12 @@ job is parsed (cephalo.api.podtemplate); what is left here is additive.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping, Sequence
+from itertools import groupby
 from typing import Any
 
+from cephalo.api import Plan
+from cephalo.api.plan import RankPlan
 from cephalo.api.podtemplate import PodTemplate
 
 
@@ -59,6 +64,90 @@ def apply_pod_template(pod: dict[str, Any], template: PodTemplate | None) -> dic
         for kind in ("requests", "limits"):
             extra = getattr(template.resources, kind)
             if extra:
-                # The GPU count is the plan's (one per rank): the operator's values win.
+                # The GPU count is the plan's (one a rank, k for a pod of k ranks): the
+                # operator's values win.
                 resources[kind] = {**extra, **resources.get(kind, {})}
     return pod
+
+
+# Several GPUs per pod (issue 12): the plan records how its ranks are grouped into pods, as
+# the number of consecutive ranks each pod runs (rank order), under this key. It is part of
+# the plan (hashed with it), so every pass renders the same pods; absent: one rank per pod.
+POD_RANKS_KEY = "pod_ranks"
+
+
+def pack_ranks(plan: Plan, node_free_gpus: Mapping[str, Sequence[int]],
+               ranks_per_pod: int) -> list[int]:
+    """Ranks per pod, in rank order: each run of consecutive ranks of one pool is packed into
+    pods as large as the pool's nodes' free GPUs seen at planning (largest first), at most
+    `ranks_per_pod` each (0: no cap). A pod of k ranks requests k GPUs and lands on a node
+    that has them (the scheduler picks it, within the pool's nodeSelector)."""
+    cap = ranks_per_pod if ranks_per_pod > 0 else max(1, plan.world_size)
+    left = {pool: sorted((g for g in free if g > 0), reverse=True)
+            for pool, free in node_free_gpus.items()}
+    sizes: list[int] = []
+    for pool, run in groupby(plan.ranks, key=lambda r: r.pool or r.gpu):
+        remaining = len(list(run))
+        nodes = left.setdefault(pool, [])
+        while remaining:
+            # The node with the most free GPUs takes the next pod; none left (more ranks
+            # than free GPUs seen, e.g. a plan from before): one rank per pod.
+            take = min(remaining, cap, nodes[0] if nodes else 1)
+            if nodes:
+                nodes[0] -= take
+                nodes.sort(reverse=True)
+                while nodes and nodes[-1] <= 0:
+                    nodes.pop()
+            sizes.append(take)
+            remaining -= take
+    return sizes
+
+
+def with_pod_ranks(plan: Plan, sizes: Sequence[int]) -> Plan:
+    """`plan` recording `sizes` (nothing recorded when every pod runs one rank: the plan and
+    its hash stay what they were)."""
+    data = plan.model_dump(mode="json")
+    data.pop(POD_RANKS_KEY, None)
+    if any(size > 1 for size in sizes):
+        data[POD_RANKS_KEY] = list(sizes)
+    return Plan.model_validate(data)
+
+
+def pod_groups(plan: Plan) -> list[list[RankPlan]]:
+    """The plan's ranks grouped into pods (consecutive ranks of one pool each); one rank per
+    pod when the plan records no grouping, or one that does not fit its ranks."""
+    singles = [[r] for r in plan.ranks]
+    sizes = (plan.model_extra or {}).get(POD_RANKS_KEY)
+    if not isinstance(sizes, list) or not all(isinstance(s, int) and s >= 1 for s in sizes) \
+            or sum(sizes) != len(plan.ranks):
+        return singles
+    groups, start = [], 0
+    for size in sizes:
+        group = plan.ranks[start:start + size]
+        if len({r.pool or r.gpu for r in group}) != 1:
+            return singles  # a pod is on one node, so of one pool
+        groups.append(group)
+        start += size
+    return groups
+
+
+def pods_fit(plan: Plan, node_gpus: Mapping[str, Sequence[int]]) -> list[str]:
+    """Pools whose nodes (`node_gpus`: GPUs per node of each pool) can no longer hold the
+    plan's multi-rank pods, largest first onto the roomiest node; empty when they all fit
+    (or the plan runs one rank a pod: `plan_fits` counts those). A pod of k ranks needs one
+    node with k GPUs, so a pool of as many GPUs on smaller nodes would leave it Pending."""
+    wanted: dict[str, list[int]] = {}
+    for group in pod_groups(plan):
+        if len(group) > 1:
+            wanted.setdefault(group[0].pool or group[0].gpu, []).append(len(group))
+    lost = []
+    for pool, sizes in sorted(wanted.items()):
+        room = sorted(node_gpus.get(pool, ()), reverse=True)
+        for size in sorted(sizes, reverse=True):
+            if not room or room[0] < size:
+                lost.append(f"{pool}: a pod of {size} ranks fits on no node "
+                            f"(GPUs per node {sorted(node_gpus.get(pool, ()), reverse=True)})")
+                break
+            room[0] -= size
+            room.sort(reverse=True)
+    return lost

@@ -55,7 +55,7 @@ async def cached_profiles(ctx: JobContext, pools: list[Pool]) -> tuple[dict[str,
     missing: list[Pool] = []
     for pool in pools:
         assert pool.catalog_name is not None
-        name = profile_config_map_name(pool.catalog_name, ctx.job)
+        name = profile_config_map_name(pool.catalog_name, ctx.job, ctx.config)
         cm = await ctx.kube.get(core_path(ctx.namespace, "configmaps", name))
         try:
             profiles[pool.catalog_name] = GpuProfile.model_validate_json(
@@ -158,7 +158,7 @@ def _started(pod: dict[str, Any], default: float) -> float:
 
 async def _store(ctx: JobContext, pool: Pool, result: GpuProfile) -> None:
     assert pool.catalog_name is not None
-    name = profile_config_map_name(pool.catalog_name, ctx.job)
+    name = profile_config_map_name(pool.catalog_name, ctx.job, ctx.config)
     cm: dict[str, Any] = {
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": {"name": name, "namespace": ctx.namespace,

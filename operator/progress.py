@@ -48,25 +48,30 @@ async def fetch_metrics_text(url: str, *, max_bytes: int = MAX_BODY_BYTES,
     """GET `url` as text, at most `max_bytes` of body within `deadline_seconds` in all."""
     read = 0
     body = bytearray()
+
+    async def fetch() -> None:
+        nonlocal read
+        # auto_decompress off and identity asked for: a small gzip body can inflate to GiB.
+        async with aiohttp.ClientSession(auto_decompress=False) as session, session.get(
+                url, headers={"Accept-Encoding": "identity"}) as resp:
+            if resp.status != 200:
+                raise ScrapeError(f"HTTP {resp.status}")
+            encoding = resp.headers.get("Content-Encoding", "identity").lower()
+            if encoding != "identity":
+                raise ScrapeError(f"Content-Encoding {encoding} (asked for identity)")
+            if resp.content_length is not None and resp.content_length > max_bytes:
+                raise ScrapeError(f"Content-Length {resp.content_length} is over the "
+                                  f"{max_bytes}-byte limit")
+            while chunk := await resp.content.read(CHUNK_BYTES):
+                read += len(chunk)
+                if read > max_bytes:
+                    raise ScrapeError(f"body over the {max_bytes}-byte limit", read)
+                body.extend(chunk)
+
     try:
-        async with asyncio.timeout(deadline_seconds):
-            # auto_decompress off and identity asked for: a small gzip body can inflate to GiB.
-            async with aiohttp.ClientSession(auto_decompress=False) as session, session.get(
-                    url, headers={"Accept-Encoding": "identity"}) as resp:
-                if resp.status != 200:
-                    raise ScrapeError(f"HTTP {resp.status}")
-                encoding = resp.headers.get("Content-Encoding", "identity").lower()
-                if encoding != "identity":
-                    raise ScrapeError(f"Content-Encoding {encoding} (asked for identity)")
-                if resp.content_length is not None and resp.content_length > max_bytes:
-                    raise ScrapeError(f"Content-Length {resp.content_length} is over the "
-                                      f"{max_bytes}-byte limit")
-                while chunk := await resp.content.read(CHUNK_BYTES):
-                    read += len(chunk)
-                    if read > max_bytes:
-                        raise ScrapeError(f"body over the {max_bytes}-byte limit", read)
-                    body += chunk
-    except TimeoutError:
+        # wait_for, not asyncio.timeout: that is Python 3.11+, and 3.10 is supported.
+        await asyncio.wait_for(fetch(), deadline_seconds)
+    except asyncio.TimeoutError:  # TimeoutError itself only from Python 3.11
         raise ScrapeError(f"no complete page within {deadline_seconds:g} s", read) from None
     except aiohttp.ClientConnectionError as err:  # refused, reset: not serving (yet)
         raise ScrapeError(f"{type(err).__name__}: {err}", read, expected=True) from None

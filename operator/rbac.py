@@ -17,6 +17,11 @@ RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("", "services", ("get", "create", "delete")),  # delete: an older job's namesake
     ("", "events", ("create", "patch")),
     ("", "nodes", ("get", "list", "watch")),
+    # Gang scheduling: the PodGroup of Volcano or of scheduler-plugins coscheduling
+    ("scheduling.volcano.sh", "podgroups", ("get", "list", "create", "delete")),
+    ("scheduling.x-k8s.io", "podgroups", ("get", "list", "create", "delete")),
+    # Opt-in per-job NetworkPolicy (only the job's ranks reach its ranks; cephalo.operator.netpol)
+    ("networking.k8s.io", "networkpolicies", ("get", "create", "delete")),
     # kopf discovers custom resources and namespaces (read-only)
     ("apiextensions.k8s.io", "customresourcedefinitions", ("get", "list", "watch")),
     ("", "namespaces", ("get", "list", "watch")),

@@ -29,12 +29,17 @@ from cephalo.operator.context import JobContext, _replacing  # noqa: F401 (tests
 from cephalo.operator.discovery import (
     NoGpusError,
     discover_pools,
+    job_tolerations,
     plan_fits,
     select_cluster,
 )
+from cephalo.operator.gang_sync import delete_pod_groups, ensure_pod_group
+from cephalo.operator.gpu_usage import CLAIMS, free_pools
 from cephalo.operator.kube import AsyncKube, NotOwned, core_path, job_path, not_owned, owned_by
+from cephalo.operator.netpol import ensure_network_policy
 from cephalo.operator.nodes import NODES
 from cephalo.operator.planning import PlanningFailed, plan_job
+from cephalo.operator.podspec import pack_ranks, pods_fit, with_pod_ranks
 from cephalo.operator.profiling import ProfilingFailed, delete_profilers, profile
 from cephalo.operator.render import (
     ANNOTATION_CONFIG_HASH,
@@ -159,7 +164,9 @@ async def _past_deadline(ctx: JobContext) -> bool:
 
 async def _step(ctx: JobContext) -> None:
     nodes = await NODES.nodes(ctx.kube)  # the node watch's shared view, not a LIST a pass
-    discovery = discover_pools(nodes)
+    # Every allocatable GPU the job's pods may use: what the re-plan check (GPUs lost) reads;
+    # planning itself reads only the free ones (gpu_usage.free_pools).
+    discovery = discover_pools(nodes, tolerations=job_tolerations(ctx.job.spec))
     cm_path = core_path(ctx.namespace, "configmaps")
     plan_cm = await ctx.kube.get(f"{cm_path}/{plan_config_map_name(ctx.job)}")
     if plan_cm is not None and not owned_by(plan_cm, ctx.uid):
@@ -176,7 +183,9 @@ async def _step(ctx: JobContext) -> None:
         pools_used: dict[str, int] = {}
         for r in plan.ranks:
             pools_used[r.pool or r.gpu] = pools_used.get(r.pool or r.gpu, 0) + 1
-        if lost := plan_fits(pools_used, discovery):
+        CLAIMS.claim((ctx.namespace, ctx.name), ctx.uid, pools_used)  # held until re-planned
+        if lost := plan_fits(pools_used, discovery) or pods_fit(  # multi-GPU pods' nodes
+                plan, {p.product: p.node_gpus for p in discovery.pools}):
             stale.append("GPUs were lost (" + "; ".join(lost) + ")")
         if stale:
             message = "re-planning: " + " and ".join(stale)
@@ -189,9 +198,11 @@ async def _step(ctx: JobContext) -> None:
                                    {PLANNED: ("False", "Replanning", message)})
             plan = None
     if plan is None:
-        plan = await _plan(ctx, discovery, nodes)
+        plan = await _plan(ctx, nodes)
         if plan is None:
             return
+    await ensure_pod_group(ctx, plan)  # Volcano/coscheduling: the PodGroup before its pods
+    await ensure_network_policy(ctx)  # opt-in: only the job's own ranks reach its ranks
     await train(ctx, plan)
 
 
@@ -208,12 +219,18 @@ def _read_plan(cm: dict[str, Any] | None) -> Plan | None:
         return None  # unreadable plan: plan again and overwrite it
 
 
-async def _plan(ctx: JobContext, discovery: Any, nodes: list[dict[str, Any]]) -> Plan | None:
+async def _plan(ctx: JobContext, nodes: list[dict[str, Any]]) -> Plan | None:
+    key = (ctx.namespace, ctx.name)
+    # Only free GPUs; from here to CLAIMS.claim nothing awaits, so two jobs planning at the
+    # same moment never choose the same GPUs (see gpu_usage).
+    discovery = await free_pools(ctx.kube, key, ctx.uid, nodes, job_tolerations(ctx.job.spec))
     try:
         cluster, pools = select_cluster(ctx.job.spec, discovery, nodes)
     except NoGpusError as err:
+        CLAIMS.release(key)
         await _no_gpus(ctx, str(err))
         return None
+    CLAIMS.claim(key, ctx.uid, {g.pool or g.product: g.count for g in cluster.groups})
     # Issue 13: refuse before profiling or any rank pod (a plan uses every selected GPU).
     storage = checkpoint_target(ctx.job, sum(g.count for g in cluster.groups))
     if storage.refusal:
@@ -243,6 +260,9 @@ async def _plan(ctx: JobContext, discovery: Any, nodes: list[dict[str, Any]]) ->
     finally:
         metrics.PLANNING_SECONDS.observe(time.perf_counter() - started)
     await delete_profilers(ctx)
+    if ctx.job.spec.ranks_per_pod != 1:  # several GPUs of a node per pod (issue 12)
+        plan = with_pod_ranks(plan, pack_ranks(
+            plan, {p.product: p.node_gpus for p in pools}, ctx.job.spec.ranks_per_pod))
     objects = render(ctx.job, plan, ctx.config)
     cm_path = core_path(ctx.namespace, "configmaps")
     _cm, created = await ctx.kube.create(cm_path, objects[0])
@@ -318,11 +338,15 @@ async def _suspend(ctx: JobContext) -> None:
         if not pod["metadata"].get("deletionTimestamp"):
             await ctx.kube.delete(core_path(ctx.namespace, "pods", pod["metadata"]["name"]),
                                   pod["metadata"]["uid"])
+    # Kueue: the pods are gone, and their Workload with them. Volcano: a PodGroup left
+    # Inqueue would keep its minResources reserved in the queue.
+    await delete_pod_groups(ctx)
 
 
 async def _after_finish(ctx: JobContext) -> float | None:
     if ctx.status.get("phase") == JobPhase.FAILED:  # idempotent: also after a crash
         await stop_unfinished(ctx)
+        await delete_pod_groups(ctx)
     ttl = ctx.job.spec.ttl_seconds_after_finished
     finished = parse_time(ctx.status.get("completionTime"))
     if ttl is None or finished is None:

@@ -17,13 +17,16 @@ import yaml
 
 from cephalo.api import API_GROUP, API_VERSION, KIND, CephaloJob, Plan
 from cephalo.api.profile import profile_cache_key
+from cephalo.api.trainer_env import TrainerVars, to_environ
 from cephalo.operator.config import OperatorConfig
 from cephalo.operator.discovery import GPU_RESOURCE, PRODUCT_LABEL, product_matches
-from cephalo.operator.podspec import apply_pod_template
+from cephalo.operator.gang import apply_gang, apply_scheduling, group_name
+from cephalo.operator.podspec import apply_pod_template, pod_groups
 
 LABEL_JOB = f"{API_GROUP}/job"
 LABEL_ROLE = f"{API_GROUP}/role"
-LABEL_RANK = f"{API_GROUP}/rank"
+LABEL_RANK = f"{API_GROUP}/rank"  # a rank pod's (first) rank
+LABEL_RANKS_PER_POD = f"{API_GROUP}/ranks-per-pod"  # only on a pod that runs several
 LABEL_ATTEMPT = f"{API_GROUP}/attempt"
 LABEL_PRODUCT = f"{API_GROUP}/gpu-product"
 LABEL_PROFILE = f"{API_GROUP}/profile"
@@ -72,19 +75,29 @@ def service_name(job: CephaloJob) -> str:
 
 
 def rank_pod_name(job: CephaloJob, rank: int) -> str:
+    """The pod whose first rank is `rank` (a pod of several ranks is named by its first)."""
     return f"{job_name(job)}-rank-{rank}"
+
+
+def rank_pod_names(job: CephaloJob, plan: Plan) -> dict[int, str]:
+    """Every rank → the pod that runs it (cephalo.operator.podspec.pod_groups)."""
+    return {r.rank: rank_pod_name(job, group[0].rank)
+            for group in pod_groups(plan) for r in group}
 
 
 def profiler_pod_name(job: CephaloJob, product: str, attempt: int) -> str:
     return f"{job_name(job)}-profile-{_dns_safe(product, 30)}-{attempt}"
 
 
-def profile_config_map_name(catalog_name: str, job: CephaloJob) -> str:
-    """The cache entry for (GPU product, model architecture incl. sequence, precision, sizes)."""
+def profile_config_map_name(catalog_name: str, job: CephaloJob,
+                            config: OperatorConfig | None = None) -> str:
+    """The cache entry for (GPU product, model architecture incl. sequence, precision,
+    profile format, the profiler's image, sizes): cephalo.api.profile.profile_cache_key."""
     spec = job.spec
-    arch = spec.model.resolve().architecture_key()
-    sizes = ",".join(map(str, spec.planner.profile_micro_batch_sizes))
-    key = profile_cache_key(catalog_name, f"{arch}|mbs={sizes}", spec.precision)
+    image = spec.image or (config or OperatorConfig()).trainer_image
+    key = profile_cache_key(catalog_name, spec.model.resolve(), spec.precision,
+                            runtime=f"image={image}",
+                            micro_batch_sizes=spec.planner.profile_micro_batch_sizes)
     return f"cephalo-profile-{key}"
 
 
@@ -96,13 +109,20 @@ def job_yaml(job: CephaloJob) -> str:
     return yaml.safe_dump(doc, sort_keys=True)
 
 
-def config_hash(job: CephaloJob, plan: Plan) -> str:
-    """Identity of what the ranks run: a changed plan or spec makes running ranks stale."""
-    spec = job.spec.to_wire()
+def config_identity(job: CephaloJob, plan: Plan) -> dict[str, Any]:
+    """What the ranks run, as hashed: the spec and plan values that differ from their
+    defaults. Defaults are left out so that an operator upgrade that adds a field (at its
+    default) does not change the hash of every running job, re-plan it and restart it."""
+    spec = job.spec.model_dump(by_alias=True, exclude_defaults=True, mode="json")
     for volatile in ("suspend", "backoffLimit", "ttlSecondsAfterFinished",
                      "activeDeadlineSeconds"):
         spec.pop(volatile, None)
-    text = json.dumps(spec, sort_keys=True) + plan.to_json()
+    return {"spec": spec, "plan": plan.model_dump(exclude_defaults=True, mode="json")}
+
+
+def config_hash(job: CephaloJob, plan: Plan) -> str:
+    """Identity of what the ranks run: a changed plan or spec makes running ranks stale."""
+    text = json.dumps(config_identity(job, plan), sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -136,7 +156,7 @@ def _gpu_pod(job: CephaloJob, config: OperatorConfig, *, name: str, labels: dict
              annotations: dict[str, str] | None, product: str, command: list[str],
              env: list[dict[str, Any]], config_map: str, ports: list[dict[str, Any]],
              extra_volumes: list[dict[str, Any]], extra_mounts: list[dict[str, Any]],
-             node_selector: dict[str, str] | None = None) -> dict[str, Any]:
+             node_selector: dict[str, str] | None = None, gpus: int = 1) -> dict[str, Any]:
     pod_security, container_security = _security(config)
     # torch and NCCL write to $HOME, /tmp and /dev/shm: give them writable emptyDirs so the
     # root filesystem can stay read-only.
@@ -151,7 +171,7 @@ def _gpu_pod(job: CephaloJob, config: OperatorConfig, *, name: str, labels: dict
         "imagePullPolicy": "IfNotPresent", "command": command,
         "env": [*env, {"name": "HOME", "value": "/tmp"}],
         "ports": ports,
-        "resources": {"limits": {GPU_RESOURCE: 1}, "requests": {GPU_RESOURCE: 1}},
+        "resources": {"limits": {GPU_RESOURCE: gpus}, "requests": {GPU_RESOURCE: gpus}},
         "securityContext": container_security, "volumeMounts": mounts,
         "terminationMessagePath": "/dev/termination-log",
         # A crash without a message still leaves the log tail for status and Events.
@@ -230,9 +250,11 @@ def checkpoint_target(job: CephaloJob, world_size: int) -> CheckpointTarget:
 
 def _mount_conflict(job: CephaloJob) -> str | None:
     """A token-file mountPath that overlaps another mount of the rank pods, or None."""
-    token = job.spec.data.token_file
+    # data.tokenFile or data.text: both mount their claimName the same way
+    token = job.spec.data.token_file or job.spec.data.text
     if token is None or token.claim_name is None:
         return None
+    field = "tokenFile" if job.spec.data.token_file is not None else "text"
     mount = posixpath.normpath(token.mount_path)
     template = job.spec.pod_template
     taken = [CONFIG_DIR, "/tmp", "/dev/shm", CHECKPOINT_ROOT,
@@ -242,7 +264,7 @@ def _mount_conflict(job: CephaloJob) -> str | None:
         # rstrip: a mountPath of "/" overlaps everything
         if mount == other or mount.startswith(other.rstrip("/") + "/") or \
                 other.startswith(mount.rstrip("/") + "/"):
-            return (f"spec.data.tokenFile.mountPath {token.mount_path!r} overlaps {other}, "
+            return (f"spec.data.{field}.mountPath {token.mount_path!r} overlaps {other}, "
                     "which rank pods mount already; choose another mountPath (and a path under "
                     "it)")
     return None
@@ -251,7 +273,7 @@ def _mount_conflict(job: CephaloJob) -> str | None:
 def _data_volume(job: CephaloJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The token file's PVC, read-only at its mountPath (rank pods; profilers use synthetic
     data and do not mount it)."""
-    token = job.spec.data.token_file
+    token = job.spec.data.token_file or job.spec.data.text  # the same mount for both
     if token is None or token.claim_name is None:
         return [], []
     return ([{"name": DATA_VOLUME, "persistentVolumeClaim": {"claimName": token.claim_name,
@@ -266,6 +288,11 @@ def render_spec_config_map(job: CephaloJob) -> dict[str, Any]:
             "data": {"job.yaml": job_yaml(job)}}
 
 
+def _pod_env(values: TrainerVars) -> list[dict[str, Any]]:
+    """The trainer environment contract's one writer, as a container's `env` list."""
+    return [{"name": name, "value": value} for name, value in to_environ(values).items()]
+
+
 def render_profiler_pod(job: CephaloJob, product: str, attempt: int,
                         config: OperatorConfig | None = None) -> dict[str, Any]:
     """One pod measuring `product` (a pool's label value) for this job's model."""
@@ -277,10 +304,10 @@ def render_profiler_pod(job: CephaloJob, product: str, attempt: int,
         annotations=None, product=product,
         command=["python", "-m", "cephalo.trainer.profile", "--job", f"{CONFIG_DIR}/job.yaml",
                  "--output", "/dev/termination-log"],
-        env=[{"name": "CEPHALO_JOB", "value": f"{CONFIG_DIR}/job.yaml"}],
+        env=_pod_env(TrainerVars(job=f"{CONFIG_DIR}/job.yaml")),
         config_map=spec_config_map_name(job), ports=[], extra_volumes=[], extra_mounts=[],
         node_selector=_pool_selector(job, product))
-    return apply_pod_template(pod, job.spec.pod_template)
+    return apply_scheduling(apply_pod_template(pod, job.spec.pod_template), job)
 
 
 def _pool_selector(job: CephaloJob, product: str) -> dict[str, str] | None:
@@ -293,7 +320,9 @@ def _pool_selector(job: CephaloJob, product: str) -> dict[str, str] | None:
 
 def render(job: CephaloJob, plan: Plan, config: OperatorConfig | None = None,
            attempt: int = 0) -> list[dict[str, Any]]:
-    """Plan ConfigMap, headless Service and one pod per rank, in that order."""
+    """Plan ConfigMap, headless Service and the rank pods, in that order: one pod per rank,
+    or per group of ranks the plan records (podspec.pod_groups), a pod of k ranks requesting
+    k GPUs and running k processes (trainer/__main__.py)."""
     config = config or OperatorConfig()
     name, namespace = job_name(job), job.metadata.namespace
     digest = config_hash(job, plan)
@@ -320,38 +349,46 @@ def render(job: CephaloJob, plan: Plan, config: OperatorConfig | None = None,
         volumes.insert(0, target.volume)
         mounts.insert(0, {"name": "checkpoints", "mountPath": CHECKPOINT_ROOT})
     objects: list[dict[str, Any]] = [cm, service]
-    for r in plan.ranks:
+    groups = pod_groups(plan)
+    for group in groups:
+        r, count = group[0], len(group)
         pool = r.pool or r.gpu
-        env = [
-            {"name": "RANK", "value": str(r.rank)},
-            {"name": "WORLD_SIZE", "value": str(plan.world_size)},
-            {"name": "LOCAL_RANK", "value": "0"},
-            {"name": "MASTER_ADDR", "value": master},
-            {"name": "MASTER_PORT", "value": str(config.master_port)},
-            {"name": "CEPHALO_JOB", "value": f"{CONFIG_DIR}/job.yaml"},
-            {"name": "CEPHALO_PLAN", "value": f"{CONFIG_DIR}/plan.json"},
-            {"name": "CEPHALO_BATCH_SIZE", "value": str(r.batch_size)},
-            {"name": "CEPHALO_MICRO_BATCH_SIZE", "value": str(r.micro_batch_size)},
-            {"name": "CEPHALO_NUM_MICRO_BATCHES", "value": str(r.num_micro_batches)},
-            {"name": "CEPHALO_SHARD_RATIO", "value": repr(r.shard_ratio)},
-            {"name": "CEPHALO_CHECKPOINT_DIR", "value": target.directory},
-            {"name": "CEPHALO_METRICS_PORT", "value": str(config.trainer_metrics_port)},
-            {"name": "CEPHALO_RESTART_ATTEMPT", "value": str(attempt)},
-        ]
+        # A pod of several ranks: RANK is its first, each process gets its own from the pod
+        # launcher; the per-rank batch values would be the first rank's only, so they are
+        # left to the plan file (the processes check nothing against them).
+        single = count == 1
+        env = _pod_env(TrainerVars(
+            rank=r.rank, world_size=plan.world_size, local_rank=0, master_addr=master,
+            master_port=config.master_port, job=f"{CONFIG_DIR}/job.yaml",
+            plan=f"{CONFIG_DIR}/plan.json", batch_size=r.batch_size if single else None,
+            micro_batch_size=r.micro_batch_size if single else None,
+            num_micro_batches=r.num_micro_batches if single else None,
+            shard_ratio=r.shard_ratio if single else None, checkpoint_dir=target.directory,
+            metrics_port=config.trainer_metrics_port, restart_attempt=attempt,
+            ranks_per_pod=None if single else count))
+        labels = {LABEL_ROLE: "trainer", LABEL_RANK: str(r.rank), LABEL_ATTEMPT: str(attempt),
+                  LABEL_PRODUCT: _dns_safe(pool, 63)}
+        if not single:
+            labels[LABEL_RANKS_PER_POD] = str(count)
         pod = _gpu_pod(
-            job, config, name=rank_pod_name(job, r.rank),
-            labels={LABEL_ROLE: "trainer", LABEL_RANK: str(r.rank), LABEL_ATTEMPT: str(attempt),
-                    LABEL_PRODUCT: _dns_safe(pool, 63)},
+            job, config, name=rank_pod_name(job, r.rank), labels=labels,
             annotations={ANNOTATION_CONFIG_HASH: digest, "prometheus.io/scrape": "true",
                          "prometheus.io/port": str(config.trainer_metrics_port),
                          "prometheus.io/path": "/metrics"},
             product=pool, command=["python", "-m", "cephalo.trainer"], env=env,
             config_map=plan_config_map_name(job),
             ports=[{"name": "rendezvous", "containerPort": config.master_port},
-                   {"name": "metrics", "containerPort": config.trainer_metrics_port}],
+                   {"name": "metrics", "containerPort": config.trainer_metrics_port},
+                   # process i of a pod serves /metrics on the port + LOCAL_RANK i
+                   *({"name": f"metrics-{i}", "containerPort": config.trainer_metrics_port + i}
+                     for i in range(1, count))],
             extra_volumes=volumes, extra_mounts=mounts,
-            node_selector=_pool_selector(job, pool))
+            node_selector=_pool_selector(job, pool), gpus=count)
         pod["spec"]["hostname"] = rank_pod_name(job, r.rank)
         pod["spec"]["subdomain"] = service_name(job)
-        objects.append(apply_pod_template(pod, job.spec.pod_template))
+        # Gang membership last: Kueue's, Volcano's and coscheduling's keys win over the
+        # pod template's labels and annotations (cephalo.operator.gang).
+        objects.append(apply_gang(apply_pod_template(pod, job.spec.pod_template), job,
+                                  group=group_name(name, attempt, digest),
+                                  group_size=len(groups), task=_dns_safe(pool, 63)))
     return objects

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import Enum
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 MESSAGE_TAIL_CHARS = 400
+
+class StrEnum(str, Enum):
+    """enum.StrEnum for Python 3.10 (added in 3.11): a member is its value, in str() too."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
 
 class JobPhase(StrEnum):
     """status.phase of a CephaloJob: the one set every module uses (`cephalo.api.job.Phase`
@@ -55,7 +62,7 @@ FAILED = "Failed"
 
 
 def now_iso(clock_seconds: float) -> str:
-    return datetime.datetime.fromtimestamp(clock_seconds, datetime.UTC).strftime(
+    return datetime.datetime.fromtimestamp(clock_seconds, datetime.timezone.utc).strftime(
         "%Y-%m-%dT%H:%M:%SZ")
 
 
@@ -73,9 +80,9 @@ def merge_conditions(current: list[dict[str, Any]] | None,
     for ctype, (status, reason, message) in updates.items():
         old = by_type.get(ctype)
         changed = old is None or old.get("status") != status
+        since = now if old is None or changed else old.get("lastTransitionTime", now)
         by_type[ctype] = {"type": ctype, "status": status, "reason": reason, "message": message,
-                          "lastTransitionTime": now if changed else old.get("lastTransitionTime",
-                                                                               now)}
+                          "lastTransitionTime": since}
     return [by_type[t] for t in sorted(by_type)]
 
 
@@ -140,6 +147,7 @@ def failure_summary(rank: int, pool: str, state: PodState) -> str:
 TRAINER_METRICS = {
     "cephalo_step": "step",
     "cephalo_loss": "loss",
+    "cephalo_validation_loss": "validationLoss",
     "cephalo_samples_per_second": "samplesPerSecond",
 }
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from cephalo.api import Plan
 from cephalo.api.plan import RankPlan
-from cephalo.operator import metrics
+from cephalo.operator import gang_timeout, metrics
 from cephalo.operator.kube import core_path, not_owned, owned_by
 from cephalo.operator.progress import job_progress as _progress
 from cephalo.operator.render import (
@@ -32,7 +32,7 @@ from cephalo.operator.render import (
     LABEL_JOB,
     LABEL_ROLE,
     config_hash,
-    rank_pod_name,
+    rank_pod_names,
     render,
 )
 from cephalo.operator.status import (
@@ -90,8 +90,9 @@ async def train(ctx: JobContext, plan: Plan) -> None:
         ctx.wake_in(ctx.config.recheck_seconds)
         return
     by_name = {p["metadata"]["name"]: p for p in pods}
+    pod_of = rank_pod_names(job, plan)  # a pod of several ranks stands for each of them
     present = [(r, pod_state(by_name[n])) for r in plan.ranks
-               if (n := rank_pod_name(job, r.rank)) in by_name]
+               if (n := pod_of[r.rank]) in by_name]
     if await _lost_a_rank(ctx, plan, present, launched):
         return
     if not launched and any(s.deleting for _, s in present):
@@ -114,7 +115,9 @@ async def train(ctx: JobContext, plan: Plan) -> None:
     if not launched:  # every rank pod of this attempt exists now: from here, missing = lost
         await ctx.write_status(ctx.phase or JobPhase.PENDING, "rank pods created",
                                launchedAttempt=launch)
-    states = [pod_state(by_name[rank_pod_name(job, r.rank)]) for r in plan.ranks]
+    if await gang_timeout.check(ctx, plan, by_name, created_now=not launched):
+        return  # released: the ranks go, the job re-plans (scheduleTimeoutSeconds)
+    states = [pod_state(by_name[pod_of[r.rank]]) for r in plan.ranks]
     await _report(ctx, plan, states)
 
 
@@ -123,6 +126,7 @@ async def _lost_a_rank(ctx: JobContext, plan: Plan, present: list[tuple[RankPlan
     """Restart (or fail) the gang when a rank was disrupted or failed, or — once every rank
     pod of the attempt existed — was deleted or vanished."""
     names = {s.name for _, s in present}
+    pod_of = rank_pod_names(ctx.job, plan)
     disrupted = [(r, s) for r, s in present if s.disruption]
     if disrupted:
         await _restart(ctx, plan, *disrupted[0], disrupted=True)
@@ -134,12 +138,15 @@ async def _lost_a_rank(ctx: JobContext, plan: Plan, present: list[tuple[RankPlan
                             "was running (not by the operator, not a disruption)",
                             pod_ip=None, finished_at=None))
                for r, s in present if s.deleting and launched]
-    failed = [(r, s) for r, s in present if s.phase == PodPhase.FAILED]
-    vanished = [(r, PodState(name=rank_pod_name(ctx.job, r.rank), phase="Failed", deleting=False,
+    # Before the gang launched, a terminating pod is one being let go (suspend, a pending-
+    # timeout release): its exit code (143 on SIGTERM) is not a failure of the rank.
+    failed = [(r, s) for r, s in present if s.phase == PodPhase.FAILED
+              and (launched or not s.deleting)]
+    vanished = [(r, PodState(name=pod_of[r.rank], phase="Failed", deleting=False,
                              exit_code=None, reason="PodDisappeared",
                              message="the pod is gone while its gang was running",
                              pod_ip=None, finished_at=None))
-                for r in plan.ranks if launched and rank_pod_name(ctx.job, r.rank) not in names]
+                for r in plan.ranks if launched and pod_of[r.rank] not in names]
     lost = deleted or ([blame(failed)] if failed else []) or vanished
     if not lost:
         return False
@@ -204,9 +211,9 @@ async def _restart(ctx: JobContext, plan: Plan, rank: RankPlan, state: PodState,
     pool = rank.pool or rank.gpu
 
     async def stop_ranks() -> None:
-        for r in plan.ranks:  # the next pass sees survivors as stale anyway; this is sooner
-            await ctx.kube.delete(core_path(ctx.namespace, "pods",
-                                            rank_pod_name(ctx.job, r.rank)))
+        # the next pass sees survivors as stale anyway; this is sooner
+        for pod in dict.fromkeys(rank_pod_names(ctx.job, plan).values()):
+            await ctx.kube.delete(core_path(ctx.namespace, "pods", pod))
 
     if disrupted:
         count = int(status.get("preemptions") or 0) + 1

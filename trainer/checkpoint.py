@@ -58,13 +58,16 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from cephalo.api.models import ModelConfig
 from cephalo.trainer.storage import CheckpointError, Store, describe, gather
+
+if TYPE_CHECKING:
+    from cephalo.trainer.engine import Engine
 
 FORMAT_VERSION = 1
 MARKER = "COMPLETE"
@@ -178,7 +181,7 @@ def find_latest(root: str | Path | Store, check_hashes: bool = True,
     return None
 
 
-def storage_timeout_seconds(engine: Any, configured_seconds: float) -> float:
+def storage_timeout_seconds(engine: Engine, configured_seconds: float) -> float:
     """Timeout for checkpoint agreements: time to move the whole training state at the
     slowest storage we support, never less than the configured collective timeout."""
     total = sum(u.numel for u in engine.units) * STATE_BYTES_PER_ELEMENT
@@ -244,8 +247,12 @@ class ShardReader:
         return self._file(rank)["rng"]
 
 
-def restore(engine: Any, info: CheckpointInfo, reader: ShardReader | None = None) -> None:
-    """Load `info` into `engine` (whose plan and world size may differ from the writer's)."""
+def restore(engine: Engine, info: CheckpointInfo, reader: ShardReader | None = None) -> None:
+    """Load `info` into `engine` (whose plan and world size may differ from the writer's):
+    this rank's global element ranges are read into the tensors of the engine's
+    `state_dict()` in place (one unit at a time, no second copy of the state), which is then
+    handed back through `load_state_dict`, as torch.distributed.checkpoint loads a
+    `Stateful`."""
     saved = info.config
     if saved != engine.config:
         raise ValueError(f"checkpoint {info.path} holds a different model ({saved.family}, "
@@ -255,24 +262,26 @@ def restore(engine: Any, info: CheckpointInfo, reader: ShardReader | None = None
         raise ValueError(f"checkpoint {info.path} unit sizes {info.meta['unit_numels']} "
                          f"differ from the model's {numels}")
     reader = reader or ShardReader(info)
-    opt = engine.optimizer
+    state = engine.state_dict()
+    opt = state["optimizer"]
     try:
         with torch.no_grad():
             for i, u in enumerate(engine.units):
-                for key, target in (("param", opt.params), ("exp_avg", opt.exp_avg),
-                                    ("exp_avg_sq", opt.exp_avg_sq)):
-                    target[i].copy_(reader.read(i, u.start, u.end, key).to(target[i].device))
+                for key, target in (("param", opt["param"][i]), ("exp_avg", opt["exp_avg"][i]),
+                                    ("exp_avg_sq", opt["exp_avg_sq"][i])):
+                    target.copy_(reader.read(i, u.start, u.end, key).to(target.device))
         same_rank_exists = engine.rank < int(info.meta["world_size"])
         torch.set_rng_state(reader.rng_state(engine.rank if same_rank_exists else 0))
     finally:
         reader.close()
-    opt.num_steps = int(info.meta["optimizer_steps"])
-    engine.step_count = info.step
+    opt["num_steps"] = int(info.meta["optimizer_steps"])
+    state["step_count"] = info.step
+    engine.load_state_dict(state)
 
 
 def full_state_dict(info: CheckpointInfo) -> dict[str, torch.Tensor]:
     """The whole model as a plain state_dict for `build_model(info.config)`."""
-    from cephalo.trainer.flat import param_specs
+    from cephalo.trainer.flat import param_specs, unflatten
     from cephalo.trainer.models import build_model
 
     with torch.device("meta"):
@@ -282,20 +291,18 @@ def full_state_dict(info: CheckpointInfo) -> dict[str, torch.Tensor]:
     try:
         for i, unit in enumerate(units):
             flat = reader.read(i, 0, info.meta["unit_numels"][i])
-            for spec in param_specs(unit):
-                state[f"units.{i}.{spec.name}"] = (
-                    flat[spec.offset:spec.offset + spec.numel].view(spec.shape).clone())
+            state.update(unflatten(param_specs(unit), flat, f"units.{i}."))
     finally:
         reader.close()
     return state
 
 
-def resume_point(store: Store, engine: Any, group: dist.ProcessGroup | None,
+def resume_point(store: Store, engine: Engine, group: dist.ProcessGroup | None,
                  cache_dir: Path) -> tuple[CheckpointInfo, ShardReader] | None:
     """Collective: the newest checkpoint whose files every rank verified (each rank hashes
     only the files it will read), with a reader over this rank's verified local copies."""
     rank, world = engine.rank, engine.comm.world_size
-    found = None
+    found: list[tuple[str, dict[str, Any]]] | str | None = None  # str: rank 0's error
     if rank == 0:
         try:
             found = [(info.name, info.meta) for info in candidates(store)]

@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from cephalo.trainer.checkpoint import FORMAT_VERSION, MARKER, META, rank_file_name, step_dir_name
 from cephalo.trainer.storage import CheckpointError, Store, describe, gather, raise_if_failed
+
+if TYPE_CHECKING:
+    from cephalo.trainer.engine import Engine
 
 Report = tuple[str, dict[str, Any] | None, str | None]  # file name, facts, error
 
@@ -44,10 +47,11 @@ def _prepare(store: Store, name: str, step: int, rank: int, world: int,
     raise_if_failed(gather(group, world, error), f"checkpoint at step {step}")
 
 
-def _snapshot(engine: Any, copy: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-    """This rank's shard (copied when it must outlive the next optimizer step) and the
-    rank-independent part of meta.json, both as of now."""
-    opt = engine.optimizer
+def _snapshot(engine: Engine, copy: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This rank's shard (from the engine's `state_dict()`, copied when it must outlive the
+    next optimizer step) and the rank-independent part of meta.json, both as of now."""
+    state = engine.state_dict()
+    opt = state["optimizer"]
 
     def cpu(t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
@@ -56,11 +60,11 @@ def _snapshot(engine: Any, copy: bool) -> tuple[dict[str, Any], dict[str, Any]]:
         return t.clone() if copy else t  # the optimizer updates its tensors in place
 
     shard = {"rank": engine.rank, "rng": torch.get_rng_state(), "units": [
-        {"start": u.start, "end": u.end, "param": cpu(opt.params[i]),
-         "exp_avg": cpu(opt.exp_avg[i]), "exp_avg_sq": cpu(opt.exp_avg_sq[i])}
+        {"start": u.start, "end": u.end, "param": cpu(opt["param"][i]),
+         "exp_avg": cpu(opt["exp_avg"][i]), "exp_avg_sq": cpu(opt["exp_avg_sq"][i])}
         for i, u in enumerate(engine.units)]}
-    meta = {"format_version": FORMAT_VERSION, "step": engine.step_count,
-            "optimizer_steps": opt.num_steps, "world_size": engine.comm.world_size,
+    meta = {"format_version": FORMAT_VERSION, "step": state["step_count"],
+            "optimizer_steps": opt["num_steps"], "world_size": engine.comm.world_size,
             "model": engine.config.model_dump(mode="json"),
             "unit_numels": [u.numel for u in engine.units],
             "bounds": [u.bounds for u in engine.units],
@@ -124,7 +128,7 @@ def prune(store: Store, keep: int) -> None:
 class CheckpointWriter:
     """Saves checkpoints of one engine, optionally uploading in the background."""
 
-    def __init__(self, store: Store, engine: Any, keep: int,
+    def __init__(self, store: Store, engine: Engine, keep: int,
                  group: dist.ProcessGroup | None, asynchronous: bool) -> None:
         self.store, self.engine, self.keep, self.group = store, engine, keep, group
         self.asynchronous = asynchronous

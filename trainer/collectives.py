@@ -21,7 +21,7 @@ use to prove layered accumulation gathers each unit once per pass.
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -57,7 +57,8 @@ class CollectiveStats:
     calls: Counter = field(default_factory=Counter)  # logical collectives by kind
     native_calls: Counter = field(default_factory=Counter)  # backend calls by kind
     elements: Counter = field(default_factory=Counter)
-    wait_seconds: Counter = field(default_factory=Counter)
+    # seconds blocked in wait() by kind: floats, so a defaultdict (a Counter is for counts)
+    wait_seconds: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     log: list[tuple[str, int]] = field(default_factory=list)  # (kind, unit) in issue order
 
     def reset(self) -> None:
@@ -168,7 +169,8 @@ class UnevenCollectives:
         return Pending([work], out, "reduce_scatter", self.stats, finish=copy_out)
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
-        """Blocking SUM all-reduce of a small tensor (grad-norm and loss, once per step)."""
+        """Blocking SUM all-reduce of a small tensor (once per step: grad-norm, loss, and what
+        rides along — every rank's timings, the trainer's stop and checkpoint votes)."""
         self._count("all_reduce", -1, values.numel())
         if self.world_size > 1:
             self.stats.native_calls["all_reduce"] += 1

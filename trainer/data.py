@@ -10,6 +10,8 @@ uninterrupted run would have read (the data position *is* the step).
   images whose mean brightness encodes the label.
 * token file (gpt, llama): a nanoGPT-style flat binary of uint16/uint32 token ids,
   memory-mapped; each sample is a window at a seeded random offset.
+* text (gpt, llama): documents tokenized once into such a file (`text_data`, cached by
+  content, identical on every rank), then sampled exactly like a token file.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import torch
 
 from cephalo.api.job import DataSpec
 from cephalo.api.models import ModelConfig
+from cephalo.tokenfile import sidecar_mismatch
+from cephalo.trainer import text_data
 
 _MASK64 = (1 << 64) - 1
 
@@ -36,21 +40,41 @@ def sample_seed(seed: int, step: int, index: int) -> int:
     return x & ((1 << 63) - 1)
 
 
+def _check_sidecar(path: str | os.PathLike[str], dtype: np.dtype, config: ModelConfig,
+                   shown: str) -> None:
+    problem = sidecar_mismatch(os.fspath(path), dtype.name, config.vocab_size, shown)
+    if problem is not None:
+        raise ValueError(problem)
+
+
 class DataSource:
     """Produces any slice of any step's global batch."""
 
-    def __init__(self, config: ModelConfig, data: DataSpec, seed: int) -> None:
+    def __init__(self, config: ModelConfig, data: DataSpec, seed: int,
+                 verbose: bool = True) -> None:
         self.config = config
         self.seed = seed
         self.tokens: np.ndarray | None = None
-        if data.token_file is not None:
+        if data.token_file is not None or data.text is not None:
+            kind = "tokenFile" if data.token_file is not None else "text"
             if config.family not in ("gpt", "llama"):
-                raise ValueError(f"tokenFile data needs a language model (gpt or llama), the "
+                raise ValueError(f"{kind} data needs a language model (gpt or llama), the "
                                  f"job's model is {config.family}; use `synthetic: {{}}`")
-            path = data.token_file.path
+            if data.text is not None:
+                # Tokenized once per machine (cached by content); then the very same
+                # windows as a token file.
+                path, dtype = text_data.token_stream(data.text, verbose=verbose)
+                shown = str(path)
+            else:
+                assert data.token_file is not None
+                path, dtype = data.token_file.path, np.dtype(data.token_file.dtype)
+                shown = path
+                if "://" in path:  # object storage: a local copy to memory-map
+                    path = text_data.local_token_file(path)
             if not os.path.exists(path):
                 raise ValueError(f"token file {path} does not exist (data.tokenFile.path)")
-            self.tokens = np.memmap(path, dtype=np.dtype(data.token_file.dtype), mode="r")
+            _check_sidecar(path, dtype, config, shown)
+            self.tokens = np.memmap(path, dtype=dtype, mode="r")
             needed = self._seq_len + 1
             if len(self.tokens) < needed:
                 raise ValueError(f"token file {path} has {len(self.tokens)} tokens, a sample "

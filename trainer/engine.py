@@ -11,8 +11,10 @@ head):
 3. **Backward**, units in reverse: gather, recompute + backward every microbatch (the
    parameter gradient accumulates in the flat buffer), reduce-scatter the unit's gradient
    asynchronously (overlapping the next unit's backward), free.
-4. **Optimizer**: one all-reduce of [Σ grad², Σ loss]; global-norm clipping; AdamW on the
-   fp32 master shards.
+4. **Optimizer**: one all-reduce of [Σ grad², Σ loss, every rank's compute and wait
+   seconds so far, the caller's votes]; global-norm clipping; AdamW on the fp32 master
+   shards. The trainer's logs and its stop vote ride on this all-reduce, so the loop around
+   `step` needs no collective of its own.
 
 So each unit is gathered once per pass (the head once per step) and reduce-scattered once
 per step, whatever ℓ_i. A rank with no batch runs the same collectives on empty work.
@@ -24,18 +26,20 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import torch
 import torch.distributed as dist
 
+from cephalo.api import memory
 from cephalo.api.job import TrainingSpec
 from cephalo.api.models import ModelConfig
 from cephalo.trainer.collectives import Pending, UnevenCollectives
 from cephalo.trainer.flat import FlatUnit
 from cephalo.trainer.models import build_unit
-from cephalo.trainer.optim import ShardedAdamW, learning_rate
+from cephalo.trainer.optim import OptimizerState, ShardedAdamW, learning_rate
 from cephalo.trainer.unit_ops import (
     ActivationStore,
     BlockTiming,
@@ -90,6 +94,18 @@ class StepResult:
     learning_rate: float
     step_seconds: float
     collective_wait_seconds: float  # time compute waited on collectives (this rank)
+    # Every rank's seconds of compute / of waiting on collectives in this step up to the
+    # end-of-step all-reduce that carried them (so without the optimizer update), by rank.
+    rank_compute_seconds: list[float] = field(default_factory=list)
+    rank_wait_seconds: list[float] = field(default_factory=list)
+    votes: list[float] = field(default_factory=list)  # the callers' votes, summed over ranks
+
+
+class EngineState(TypedDict):
+    """`Engine.state_dict()`: what a checkpoint saves of one rank."""
+
+    step_count: int  # optimizer steps done (the checkpoint's step)
+    optimizer: OptimizerState
 
 
 class Engine:
@@ -138,6 +154,16 @@ class Engine:
                                                 for u in self.units], training)
         self.step_count = 0
 
+    # ---- checkpoint state (torch.distributed.checkpoint's Stateful protocol) --------
+    def state_dict(self) -> EngineState:
+        """This rank's training state: its shard of every unit's master weights and Adam
+        moments, and the step counter (live tensors: see ShardedAdamW.state_dict)."""
+        return {"step_count": self.step_count, "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: EngineState) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step_count = int(state["step_count"])
+
     # ---- parameters ----------------------------------------------------------------
     @property
     def master_shards(self) -> list[torch.Tensor]:
@@ -152,9 +178,44 @@ class Engine:
         return [self._gather(i).wait().detach().to("cpu", copy=True)
                 for i in range(len(self.units))]
 
+    # ---- evaluation -----------------------------------------------------------------
+    def evaluate(self, micro_batches: list[MicroBatch]) -> tuple[float, int]:
+        """(Σ per-sample loss, number of samples) over every rank's `micro_batches`: a
+        forward without autograd, unit by unit (each gathered once, the next prefetched),
+        then one all-reduce. A collective: every rank calls it, with or without samples.
+        Only two unit boundaries are alive at a time, so a rank's share of a global batch
+        needs less memory than its training step."""
+        xs = [x.to(self.device, non_blocking=True) for x, _ in micro_batches]
+        targets = [t.to(self.device, non_blocking=True) for _, t in micro_batches]
+        last = len(self.units) - 1
+        pending = self._gather(0)
+        for u in range(last):
+            full = pending.wait()
+            pending = self._gather(u + 1)
+            with self._dilated():
+                xs = forward_unit(self.units[u], full, xs, self.device, self.precision)
+            del full
+        head = self.units[last]
+        full = pending.wait()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        head.bind(full)
+        with torch.no_grad(), autocast(self.device, self.precision), self._dilated():
+            for x, t in zip(xs, targets, strict=True):
+                loss_sum += head.module(x, t).double().sum()
+        head.unbind()
+        count = torch.tensor(float(sum(int(t.shape[0]) for t in targets)),
+                             dtype=torch.float64, device=self.device)
+        totals = self.comm.all_reduce_sum(torch.stack([loss_sum, count])).cpu().tolist()
+        return float(totals[0]), round(totals[1])
+
     # ---- one step ------------------------------------------------------------------
-    def step(self, micro_batches: list[MicroBatch]) -> StepResult:
-        """One optimizer step on this rank's microbatches of the global batch."""
+    def step(self, micro_batches: list[MicroBatch],
+             votes: Callable[[], Sequence[float]] | None = None) -> StepResult:
+        """One optimizer step on this rank's microbatches of the global batch.
+
+        `votes` (same length on every rank) is called just before the end-of-step
+        all-reduce; its values, summed over ranks, come back in `StepResult.votes`: a
+        step-boundary agreement (stop on SIGTERM, checkpoint uploads done) for free."""
         started = time.perf_counter()
         wait_before = sum(self.comm.stats.wait_seconds.values())
         expected = self.layout.batch_sizes[self.rank]
@@ -167,7 +228,7 @@ class Engine:
             loss_sum, grads = self._forward_backward_recompute(inputs, targets)
         else:
             loss_sum, grads = self._forward_backward_keep(inputs, targets)
-        result = self._optimizer_step(loss_sum, grads)
+        result = self._optimizer_step(loss_sum, grads, started, wait_before, votes)
         result.step_seconds = time.perf_counter() - started
         result.collective_wait_seconds = sum(self.comm.stats.wait_seconds.values()) - wait_before
         return result
@@ -209,17 +270,16 @@ class Engine:
         time.sleep((self.time_dilation - 1.0) * (clock() - began))
 
     def memory_estimate_bytes(self) -> int:
-        """Device bytes this rank needs at least: fp32 state of its shards (parameter,
-        gradient, two Adam moments), two gathered units with gradients (current and
-        prefetched), and the boundary activations kept for backward when not offloaded.
-        The working set inside one unit's compute comes on top."""
-        fp32 = 4
-        state = 4 * fp32 * sum(u.shard_numel for u in self.units)
-        gathered = 2 * 2 * fp32 * max(u.numel for u in self.units)
+        """Device bytes this rank needs at least (cephalo.api.memory, the planner's model
+        too): the training state of its shards, the gathered unit buffers at the peak, and
+        the boundary activations kept for backward when not offloaded. The working set
+        inside one unit's compute comes on top."""
         samples = self.layout.batch_sizes[self.rank]
-        per_boundary = samples * self.config.tokens_per_sample * self.config.hidden_size * fp32
-        kept = 0 if self.store.offload else (self.config.num_layers + 2) * per_boundary
-        return state + gathered + kept
+        return int(memory.state_bytes(sum(u.shard_numel for u in self.units), self.precision)
+                   + memory.unit_buffer_bytes(max(u.numel for u in self.units))
+                   + memory.kept_boundary_bytes(self.config.num_layers, samples,
+                                                self.config.tokens_per_sample,
+                                                self.config.hidden_size, self.store.offload))
 
     def _grad_of(self, full: torch.Tensor) -> torch.Tensor:
         # A rank with no batch contributes zeros (it still takes part in the collective).
@@ -267,6 +327,10 @@ class Engine:
                 if grad_x is not None:
                     store.put(("grad", u, mb), grad_x)
                     store.evict(("grad", u, mb))
+            # At most one reduce-scatter in flight, each holding a full unit gradient (one of
+            # the memory model's unit buffers, cephalo.api.memory): the previous unit's has
+            # had this unit's backward to finish, as the cost model assumes.
+            scatters[-1].wait()
             scatters.append(self.comm.reduce_scatter(self._grad_of(full), units[u].bounds, u))
             del full
         store.clear()
@@ -316,17 +380,38 @@ class Engine:
         store.clear()
         return loss_sum, scatters[::-1]
 
-    def _optimizer_step(self, loss_sum: torch.Tensor, scatters: list[Pending]) -> StepResult:
+    def _optimizer_step(self, loss_sum: torch.Tensor, scatters: list[Pending],
+                        started: float | None = None, wait_before: float = 0.0,
+                        votes: Callable[[], Sequence[float]] | None = None) -> StepResult:
         grads = [p.wait() for p in scatters]
         opt = self.optimizer
-        totals = torch.stack([opt.squared_norm(grads).to(self.device), loss_sum.float()])
-        totals = self.comm.all_reduce_sum(totals.double()).cpu()
-        grad_norm = float(totals[0].sqrt())
+        world = self.comm.world_size
+        # [Σ grad², Σ loss, compute seconds by rank, wait seconds by rank, votes]: each rank
+        # fills its own timing slots, so the SUM hands every rank everyone's timings.
+        if self.device.type == "cuda" and started is not None:
+            # Kernels run ahead of the host: time the work, not its queueing. Free here, as
+            # the all-reduce below needs every gradient finished anyway.
+            torch.cuda.synchronize(self.device)
+        waited = sum(self.comm.stats.wait_seconds.values()) - wait_before
+        elapsed = 0.0 if started is None else time.perf_counter() - started
+        extra = torch.zeros(2 * world, dtype=torch.float64)
+        extra[self.rank] = elapsed - waited
+        extra[world + self.rank] = waited
+        mine = [float(v) for v in votes()] if votes is not None else []
+        totals = torch.cat([torch.stack([opt.squared_norm(grads).to(self.device),
+                                         loss_sum.float()]).double(),
+                            torch.cat([extra, torch.tensor(mine, dtype=torch.float64)]
+                                      ).to(self.device)])
+        values = self.comm.all_reduce_sum(totals).cpu().tolist()
+        grad_norm = float(values[0]) ** 0.5
         lr = learning_rate(self.training, self.step_count)
         scale = opt.clip_factor(grad_norm, self.training.gradient_clip_norm)
         opt.step(grads, lr, grad_scale=scale)
         self.step_count += 1
         return StepResult(step=self.step_count,
-                          loss=float(totals[1]) / self.layout.global_batch_size,
+                          loss=values[1] / self.layout.global_batch_size,
                           grad_norm=grad_norm, learning_rate=lr, step_seconds=0.0,
-                          collective_wait_seconds=0.0)
+                          collective_wait_seconds=0.0,
+                          rank_compute_seconds=values[2:2 + world],
+                          rank_wait_seconds=values[2 + world:2 + 2 * world],
+                          votes=values[2 + 2 * world:])

@@ -11,17 +11,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from cephalo.api import trainer_env as names
 from cephalo.api.job import CephaloJobSpec, JobFileError, load_job
 from cephalo.api.plan import Plan, PlanError, load_plan
+from cephalo.api.trainer_env import DEFAULT_COLLECTIVE_TIMEOUT_SECONDS, REQUIRED, EnvError
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Layout
 
-REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CEPHALO_PLAN", "CEPHALO_JOB")
-DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = 600.0
-
-
-class EnvError(ValueError):
-    """A trainer environment that cannot work; the message says what to set."""
+__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_SECONDS", "REQUIRED", "EnvError", "TrainerEnv",
+           "layout_from_plan", "read_env"]
 
 
 @dataclass(frozen=True)
@@ -69,60 +67,49 @@ def layout_from_plan(plan: Plan) -> Layout:
                   unit_shard_ratios=unit_ratios)
 
 
-def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        if default is None:
-            raise EnvError(f"{name} is not set")
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise EnvError(f"{name}={raw!r} is not an integer") from None
-
-
 def read_env(env: Mapping[str, str] | None = None) -> TrainerEnv:
-    """Parse and cross-check the environment, plan and job; raises EnvError."""
+    """Parse (cephalo.api.trainer_env, the contract's one reader) and cross-check the
+    environment, plan and job; raises EnvError."""
     env = os.environ if env is None else env
-    missing = [n for n in REQUIRED if not env.get(n)]
+    raw = names.read_env(env)
+    missing = names.missing(raw, REQUIRED)
     if missing:
         raise EnvError(f"missing environment variable(s) {', '.join(missing)}; run under "
-                       f"torchrun (RANK, WORLD_SIZE, MASTER_*) with CEPHALO_PLAN and "
-                       f"CEPHALO_JOB set (CEPHALO_CHECKPOINT_DIR: where checkpoints go)")
-    rank, world_size = _int(env, "RANK"), _int(env, "WORLD_SIZE")
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise EnvError(f"RANK={rank} must be in [0, WORLD_SIZE={world_size})")
-    _int(env, "MASTER_PORT")
+                       f"torchrun ({names.RANK}, {names.WORLD_SIZE}, MASTER_*) with "
+                       f"{names.PLAN} and {names.JOB} set ({names.CHECKPOINT_DIR}: where "
+                       f"checkpoints go)")
+    if (raw.ranks_per_pod or 1) > 1:  # the pod launcher gives each process its own rank
+        raise EnvError(f"{names.RANKS_PER_POD}={raw.ranks_per_pod}: a pod of several ranks is "
+                       "started with `python -m cephalo.trainer`, which starts one process "
+                       "per rank; one rank's process must not see it")
+    assert raw.rank is not None and raw.world_size is not None  # REQUIRED
+    assert raw.plan is not None and raw.job is not None
+    rank, world_size = raw.rank, raw.world_size
     try:
-        plan = load_plan(env["CEPHALO_PLAN"])
+        plan = load_plan(raw.plan)
     except PlanError as err:
-        raise EnvError(f"CEPHALO_PLAN {err}") from None
+        raise EnvError(f"{names.PLAN} {err}") from None
     try:
-        job = load_job(env["CEPHALO_JOB"]).spec
+        job = load_job(raw.job).spec
     except JobFileError as err:
-        raise EnvError(f"CEPHALO_JOB {err}") from None
+        raise EnvError(f"{names.JOB} {err}") from None
     if plan.world_size != world_size:
         raise EnvError(f"the plan is for {plan.world_size} ranks (one batch size and shard "
-                       f"ratio each) but WORLD_SIZE={world_size}; re-plan or launch "
+                       f"ratio each) but {names.WORLD_SIZE}={world_size}; re-plan or launch "
                        f"{plan.world_size} ranks")
     if plan.global_batch_size != job.global_batch_size:
         raise EnvError(f"the plan's global_batch_size {plan.global_batch_size} differs from "
                        f"the job's globalBatchSize {job.global_batch_size}")
     mine = plan.ranks[rank]
-    for name, planned in (("CEPHALO_BATCH_SIZE", mine.batch_size),
-                          ("CEPHALO_MICRO_BATCH_SIZE", mine.micro_batch_size),
-                          ("CEPHALO_NUM_MICRO_BATCHES", mine.num_micro_batches)):
-        if env.get(name) and _int(env, name) != planned:
-            raise EnvError(f"{name}={env[name]} but the plan gives rank {rank} {planned}")
-    if env.get("CEPHALO_SHARD_RATIO"):
-        try:
-            ratio = float(env["CEPHALO_SHARD_RATIO"])
-        except ValueError:
-            raise EnvError(f"CEPHALO_SHARD_RATIO={env['CEPHALO_SHARD_RATIO']!r} is not a "
-                           f"number") from None
-        if abs(ratio - mine.shard_ratio) > 1e-6:
-            raise EnvError(f"CEPHALO_SHARD_RATIO={ratio} but the plan gives rank {rank} "
-                           f"{mine.shard_ratio}")
+    for name, given, planned in (
+            (names.BATCH_SIZE, raw.batch_size, mine.batch_size),
+            (names.MICRO_BATCH_SIZE, raw.micro_batch_size, mine.micro_batch_size),
+            (names.NUM_MICRO_BATCHES, raw.num_micro_batches, mine.num_micro_batches)):
+        if given is not None and given != planned:
+            raise EnvError(f"{name}={given} but the plan gives rank {rank} {planned}")
+    if raw.shard_ratio is not None and abs(raw.shard_ratio - mine.shard_ratio) > 1e-6:
+        raise EnvError(f"{names.SHARD_RATIO}={raw.shard_ratio} but the plan gives rank {rank} "
+                       f"{mine.shard_ratio}")
     for r in plan.ranks:
         if r.batch_size > 0 and r.micro_batch_size == 0:
             raise EnvError(f"plan rank {r.rank} has batch_size {r.batch_size} but "
@@ -131,40 +118,18 @@ def read_env(env: Mapping[str, str] | None = None) -> TrainerEnv:
     try:  # a missing or unusable token file fails here, on every rank, before any collective
         DataSource(job.model.resolve(), job.data, job.training.seed)
     except ValueError as err:
-        raise EnvError(f"CEPHALO_JOB {env['CEPHALO_JOB']}: {err}") from None
-    port = _int(env, "CEPHALO_METRICS_PORT", 0)
-    if not 0 <= port < 65536:
-        raise EnvError(f"CEPHALO_METRICS_PORT={port} is not a port (0 disables metrics)")
-    checkpoint_dir = (env.get("CEPHALO_CHECKPOINT_DIR") or "").strip() or None
+        raise EnvError(f"{names.JOB} {raw.job}: {err}") from None
+    checkpoint_dir = raw.checkpoint_dir or None  # set and empty: no checkpoints
     if checkpoint_dir is not None:
         _check_storage_backend(checkpoint_dir)
-    metrics_file = _metrics_file(env.get("CEPHALO_METRICS_FILE"), checkpoint_dir)
-    timeout_raw = env.get("CEPHALO_COLLECTIVE_TIMEOUT_SECONDS") or ""
-    try:
-        timeout = float(timeout_raw) if timeout_raw else DEFAULT_COLLECTIVE_TIMEOUT_SECONDS
-    except ValueError:
-        raise EnvError(f"CEPHALO_COLLECTIVE_TIMEOUT_SECONDS={timeout_raw!r} is not a "
-                       f"number") from None
-    if not 0 < timeout < 10**7:  # also refuses nan and inf, which timedelta cannot hold
-        raise EnvError(f"CEPHALO_COLLECTIVE_TIMEOUT_SECONDS={timeout} must be a number of "
-                       f"seconds > 0 (default {DEFAULT_COLLECTIVE_TIMEOUT_SECONDS:.0f})")
-    stop = env.get("CEPHALO_STOP_AFTER_STEP")
-    dilation_raw = env.get("CEPHALO_TIME_DILATION") or "1"
-    try:
-        dilation = float(dilation_raw)
-    except ValueError:
-        raise EnvError(f"CEPHALO_TIME_DILATION={dilation_raw!r} is not a number") from None
-    if dilation < 1.0:
-        raise EnvError(f"CEPHALO_TIME_DILATION={dilation} must be >= 1 (1 = real speed)")
-    threads = _int(env, "CEPHALO_NUM_THREADS", 0) or None
-    limit = _int(env, "CEPHALO_MEMORY_LIMIT_BYTES", 0) or None
     return TrainerEnv(
-        num_threads=threads, time_dilation=dilation, memory_limit_bytes=limit, rank=rank,
-        world_size=world_size, local_rank=_int(env, "LOCAL_RANK", rank),
-        plan=plan, job=job, checkpoint_dir=checkpoint_dir, metrics_port=port,
-        metrics_file=metrics_file,
-        timeout_seconds=timeout,
-        stop_after_step=_int(env, "CEPHALO_STOP_AFTER_STEP") if stop else None)
+        num_threads=raw.num_threads or None, time_dilation=raw.time_dilation or 1.0,
+        memory_limit_bytes=raw.memory_limit_bytes or None, rank=rank,
+        world_size=world_size, local_rank=rank if raw.local_rank is None else raw.local_rank,
+        plan=plan, job=job, checkpoint_dir=checkpoint_dir, metrics_port=raw.metrics_port or 0,
+        metrics_file=_metrics_file(raw.metrics_file, checkpoint_dir),
+        timeout_seconds=raw.collective_timeout_seconds or DEFAULT_COLLECTIVE_TIMEOUT_SECONDS,
+        stop_after_step=raw.stop_after_step)
 
 
 def _metrics_file(explicit: str | None, checkpoint_dir: str | None) -> Path | None:
@@ -190,9 +155,9 @@ def _check_storage_backend(location: str) -> None:
     try:
         fsspec.get_filesystem_class(protocol)
     except ValueError:
-        raise EnvError(f"CEPHALO_CHECKPOINT_DIR={location}: unknown storage scheme "
+        raise EnvError(f"{names.CHECKPOINT_DIR}={location}: unknown storage scheme "
                        f"{protocol}://; use a shared folder or s3://, gs://, az://") from None
     except ImportError as err:
-        raise EnvError(f"CEPHALO_CHECKPOINT_DIR={location}: {' '.join(str(err).split())} "
+        raise EnvError(f"{names.CHECKPOINT_DIR}={location}: {' '.join(str(err).split())} "
                        f"(the trainer image lacks the fsspec package for {protocol}://)"
                        ) from None

@@ -42,6 +42,13 @@ def param_specs(unit: nn.Module) -> list[ParamSpec]:
     return specs
 
 
+def unflatten(specs: list[ParamSpec], flat: torch.Tensor, prefix: str
+              ) -> dict[str, torch.Tensor]:
+    """A unit's state_dict entries (`prefix` + parameter name) from its full flat buffer."""
+    return {f"{prefix}{s.name}": flat[s.offset:s.offset + s.numel].view(s.shape).clone()
+            for s in specs}
+
+
 def _owner(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:
     *path, leaf = dotted.split(".")
     module = root
@@ -74,10 +81,6 @@ class FlatUnit:
     def shard_numel(self) -> int:
         return self.end - self.start
 
-    @property
-    def sizes(self) -> list[int]:
-        return [e - s for s, e in self.bounds]
-
     def flatten(self) -> torch.Tensor:
         """The module's current parameter values as one flat fp32 buffer."""
         params = dict(self.module.named_parameters())
@@ -102,8 +105,3 @@ class FlatUnit:
         """Drop the views so the full buffer can be freed (resharding)."""
         for owner, leaf in self._owners:
             owner.__dict__[leaf] = None
-
-    def unflatten(self, flat: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
-        """state_dict entries of this unit from a full flat buffer."""
-        return {f"{prefix}{s.name}": flat[s.offset:s.offset + s.numel].view(s.shape).clone()
-                for s in self.specs}

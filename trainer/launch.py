@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from cephalo.api.trainer_env import TrainerVars, to_environ
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -29,8 +31,8 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
     import torch.distributed as dist
 
     torch.set_num_threads(num_threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(to_environ(TrainerVars(rank=rank, world_size=world_size, local_rank=rank,
+                                             master_addr="127.0.0.1", master_port=port)))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_seconds))

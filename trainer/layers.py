@@ -86,7 +86,8 @@ class GroupedQueryAttention(nn.Module):
         q = self.q(x).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, self.rope), apply_rope(k, self.rope)
+        rope: torch.Tensor = self.rope  # type: ignore[assignment]  # a buffer, not a Module
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
         group = self.num_heads // self.num_kv_heads
         if group > 1:
             k = k.repeat_interleave(group, dim=1)

@@ -1,8 +1,9 @@
 """Trainer metrics: Prometheus on every rank, a JSON-lines progress file from rank 0.
 
 The JSONL file (one object per logged step: step, loss, samples_per_second,
-tokens_per_second, step_seconds, learning_rate, grad_norm, tflops, and per-rank
-compute / collective-wait seconds) is what `cephalo run` reads to show progress.
+tokens_per_second, step_seconds, learning_rate, grad_norm, tflops, per-rank
+compute / collective-wait seconds, and validation_loss on the steps that evaluated) is what
+`cephalo run` reads to show progress.
 
 Rank r serves Prometheus on CEPHALO_METRICS_PORT + LOCAL_RANK: one rank per pod (LOCAL_RANK
 0) keeps the configured port, several local ranks on one machine do not collide.
@@ -10,6 +11,7 @@ Rank r serves Prometheus on CEPHALO_METRICS_PORT + LOCAL_RANK: one rank per pod 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -21,15 +23,30 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 STEP_BUCKETS_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 
 
-def gpu_memory_bytes(local_rank: int) -> tuple[int, int] | None:
-    """(used, capacity) of this rank's GPU via NVML, or None without a GPU/driver."""
+@functools.cache
+def _nvml_handle(local_rank: int) -> Any:
+    """NVML's handle of this rank's GPU, or None without a GPU/driver; initialised once per
+    process (nvmlInit on every logged step costs more than the rest of the logging)."""
     try:
         import pynvml
     except ImportError:
         return None
     try:
         pynvml.nvmlInit()
-        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(local_rank))
+        return pynvml.nvmlDeviceGetHandleByIndex(local_rank)
+    except pynvml.NVMLError:
+        return None
+
+
+def gpu_memory_bytes(local_rank: int) -> tuple[int, int] | None:
+    """(used, capacity) of this rank's GPU via NVML, or None without a GPU/driver."""
+    handle = _nvml_handle(local_rank)
+    if handle is None:
+        return None
+    import pynvml
+
+    try:
+        info = pynvml.nvmlDeviceGetMemoryInfo(handle)
         return int(info.used), int(info.total)
     except pynvml.NVMLError:
         return None
@@ -49,6 +66,9 @@ class TrainerMetrics:
                                       ["rank"], buckets=STEP_BUCKETS_SECONDS, registry=r)
         self.step = gauge("cephalo_step", "Optimizer steps done")
         self.loss = gauge("cephalo_loss", "Mean loss over the global batch")
+        # Absent until the first evaluation (training.evalIntervalSteps), then the latest.
+        self.validation_loss = gauge("cephalo_validation_loss",
+                                     "Mean loss over the held-out validation set")
         self.samples_per_second = gauge("cephalo_samples_per_second", "Global samples/s")
         self.tokens_per_second = gauge("cephalo_tokens_per_second", "Global tokens/s")
         self.tflops = gauge("cephalo_achieved_tflops", "This rank's useful TFLOP/s")
@@ -72,8 +92,10 @@ class TrainerMetrics:
 
     def observe(self, *, step: int, loss: float, step_seconds: float, samples_per_second: float,
                 tokens_per_second: float, tflops: float, wait_seconds_by_op: dict[str, float],
-                local_rank: int) -> None:
+                local_rank: int, validation_loss: float | None = None) -> None:
         lb = self.labels
+        if validation_loss is not None:
+            self.validation_loss.labels(**lb).set(validation_loss)
         self.step_seconds.labels(**lb).observe(step_seconds)
         self.step.labels(**lb).set(step)
         self.loss.labels(**lb).set(loss)
@@ -90,7 +112,10 @@ class TrainerMetrics:
 
 
 class ProgressFile:
-    """Appends one JSON object per logged step (rank 0 only); flushed every line."""
+    """Appends one JSON object per logged step (rank 0 only). Each line is flushed to the
+    OS, so `cephalo run` reading the file sees it at once and a crashed trainer loses
+    nothing; it is fsynced only on close (an fsync per step would pay for surviving a
+    machine crash, which loses the run anyway)."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -100,7 +125,10 @@ class ProgressFile:
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
-        os.fsync(self._file.fileno())
 
     def close(self) -> None:
+        if self._file.closed:
+            return
+        self._file.flush()
+        os.fsync(self._file.fileno())
         self._file.close()

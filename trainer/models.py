@@ -15,6 +15,8 @@ every sample weighs the same whatever microbatch or rank it runs on.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -188,7 +190,8 @@ class UnitModel(nn.Module):
         return x
 
     def logits(self, inputs: torch.Tensor) -> torch.Tensor:
-        return self.units[-1].logits(self.hidden(inputs))
+        head: Any = self.units[-1]  # a head unit (ModuleList erases the type)
+        return head.logits(self.hidden(inputs))
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.units[-1](self.hidden(inputs), targets)

@@ -10,6 +10,7 @@ shards (one all-reduce of the squared sums).
 from __future__ import annotations
 
 import math
+from typing import TypedDict
 
 import torch
 
@@ -30,6 +31,15 @@ def learning_rate(spec: TrainingSpec, step: int) -> float:
     if spec.schedule == "linear":
         return peak - (peak - floor) * progress
     return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+class OptimizerState(TypedDict):
+    """`ShardedAdamW.state_dict()`: one fp32 tensor per unit (this rank's shard) per key."""
+
+    param: list[torch.Tensor]  # master weights
+    exp_avg: list[torch.Tensor]
+    exp_avg_sq: list[torch.Tensor]
+    num_steps: int  # optimizer steps taken (Adam's bias correction)
 
 
 class ShardedAdamW:
@@ -82,6 +92,28 @@ class ShardedAdamW:
             denom = (v.sqrt() / bias_correction2_sqrt).add_(s.adam_epsilon)
             p.addcdiv_(m, denom, value=-step_size)
 
-    def state(self) -> dict[str, list[torch.Tensor] | int]:
-        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq,
+    def state_dict(self) -> OptimizerState:
+        """This rank's optimizer state, per unit (torch's `Stateful` protocol). The tensors
+        are the live ones, not copies: a loader may fill them in place (as
+        torch.distributed.checkpoint does) and a writer that must outlive the next step
+        copies them."""
+        return {"param": self.params, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq,
                 "num_steps": self.num_steps}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: OptimizerState) -> None:
+        """Adopt `state` (same shard sizes; values already in place are not copied again)."""
+        for key, mine, given in (("param", self.params, state["param"]),
+                                 ("exp_avg", self.exp_avg, state["exp_avg"]),
+                                 ("exp_avg_sq", self.exp_avg_sq, state["exp_avg_sq"])):
+            if len(given) != len(mine):
+                raise ValueError(f"optimizer state has {len(given)} {key} shards, this rank "
+                                 f"{len(mine)}")
+            for target, value in zip(mine, given, strict=True):
+                if value.shape != target.shape:
+                    raise ValueError(f"optimizer state {key} shard of shape "
+                                     f"{tuple(value.shape)}, this rank's is "
+                                     f"{tuple(target.shape)}")
+                if value is not target:
+                    target.copy_(value)
+        self.num_steps = int(state["num_steps"])

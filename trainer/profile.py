@@ -13,8 +13,9 @@ model (paper: "The profiler…", "Compute Latency Model", "Memory Utilization Mo
   training state), on CPU the bytes a step really holds — tensors saved by autograd during the
   recompute, plus the boundary tensors and the gathered unit buffers — counted exactly;
 * the AdamW step (per parameter and fixed), and one real single-rank training step with one
-  sample: what it takes beyond the cost model's prediction from the above is the engine's own
-  per-step work (inputs, buffers, logging), kept as the profile's step overhead;
+  sample, kept as measured (`single_rank_step`): what it takes beyond the cost model's
+  prediction from the above is the engine's own per-step work (inputs, buffers, logging),
+  which the planner derives when it plans (a cached profile bakes in no planner version);
 * device facts from NVML (nvidia-ml-py) where a GPU exists; the product normalised to the
   planner's catalog name;
 * with `--collectives` under torchrun: AllGather and ReduceScatter seconds at a unit's size
@@ -37,16 +38,18 @@ from pathlib import Path
 
 import torch
 
+from cephalo.api import trainer_env
 from cephalo.api.job import CephaloJobSpec, TrainingSpec, load_job
+from cephalo.api.memory import state_bytes
 from cephalo.api.models import ModelConfig
 from cephalo.api.profile import (
     TERMINATION_MESSAGE_LIMIT_BYTES,
     CollectiveProfile,
     GpuProfile,
+    SingleRankStep,
     model_key,
     profile_cache_key,
 )
-from cephalo.planner.costmodel import STATE_BYTES_PER_PARAMETER, single_rank_step_seconds
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.device_info import DeviceFacts, device_facts
 from cephalo.trainer.optim import ShardedAdamW
@@ -56,9 +59,6 @@ from cephalo.trainer.profile_units import UnitProfiler
 # probing ranks): measured only where that is at most this share of the device's memory.
 PROBE_MEMORY_FRACTION = 0.25
 TERMINATION_LOG = "/dev/termination-log"
-# Part of the cache key: bump it whenever what a profile measures changes, so that profiles
-# cached by an older profiler are measured again instead of silently lacking fields.
-PROFILE_FORMAT = 4
 
 
 def _median(fn: Callable[[], float], repeats: int, warmup: int) -> float:
@@ -107,16 +107,19 @@ def engine_step(config: ModelConfig, training: TrainingSpec, precision: str,
     makes gradient buffers and logs; at small sizes that is a noticeable share."""
     from cephalo.api.job import DataSpec, SyntheticData
     from cephalo.trainer.engine import Engine, Layout
-    from cephalo.trainer.run import log_step
+    from cephalo.trainer.step_log import StepLogger
 
     layout = Layout(batch_sizes=[1], micro_batch_sizes=[1], shard_ratios=[1.0])
     engine = Engine(config, training, layout, device=device, precision=precision,
                     standalone=True)
     data = DataSource(config, DataSpec(synthetic=SyntheticData()), seed=0)
+    logger = StepLogger(rank=0, global_batch_size=1, local_batch_size=1,
+                        tokens_per_sample=config.tokens_per_sample, flops_per_sample=0.0,
+                        total_steps=0)
 
     def step() -> None:
         result = engine.step(data.micro_batches(engine.step_count, 0, 1, 1))
-        log_step(engine, result, config.tokens_per_sample, 0.0, None, None, 0, False, 0)
+        logger.log(result)
 
     for _ in range(3):  # first steps allocate the optimizer's moments and buffers
         step()
@@ -130,13 +133,18 @@ def profile_device(config: ModelConfig, precision: str, micro_batch_sizes: Seque
     # The real step runs in the same rounds as the unit timings it is compared with. It
     # holds the whole training state, so only where that takes a small part of the device
     # (a large model's per-step overhead is negligible beside its step anyway).
-    fits = STATE_BYTES_PER_PARAMETER * config.total_parameters() <= \
+    fits = state_bytes(config.total_parameters(), precision) <= \
         PROBE_MEMORY_FRACTION * facts.memory_bytes
     extra = {"step": engine_step(config, training, precision, device)} if fits else {}
     measured = UnitProfiler(config, precision, device).measure(micro_batch_sizes, repeats,
                                                                warmup, extra)
     per_parameter, fixed = optimizer_timing(config, training, device, repeats, warmup)
-    profile = GpuProfile(product=facts.product, device_name=facts.device_name,
+    step = None
+    if "step" in measured.extra_seconds:
+        step = SingleRankStep(seconds=measured.extra_seconds["step"], micro_batch_size=1,
+                              num_blocks=config.num_layers,
+                              parameters=config.total_parameters())
+    return GpuProfile(product=facts.product, device_name=facts.device_name,
                       memory_capacity_bytes=facts.memory_bytes, source="measured",
                       model_key=model_key(config.architecture_key(), precision),
                       precision=precision,  # type: ignore[arg-type]
@@ -146,18 +154,14 @@ def profile_device(config: ModelConfig, precision: str, micro_batch_sizes: Seque
                       block_forward_fixed_seconds=measured.block_forward_fixed_seconds,
                       other_forward_fixed_seconds=measured.other_forward_fixed_seconds,
                       optimizer_seconds_per_parameter=per_parameter,
-                      optimizer_seconds_fixed=fixed)
-    # What the real step took beyond the cost model's own prediction of it.
-    if "step" not in measured.extra_seconds:
-        return profile
-    overhead = max(0.0, measured.extra_seconds["step"] - single_rank_step_seconds(profile,
-                                                                                  config))
-    return profile.model_copy(update={"step_overhead_seconds": overhead})
+                      optimizer_seconds_fixed=fixed, single_rank_step=step)
 
 
 def cache_path(cache_dir: Path, product: str, config: ModelConfig, precision: str) -> Path:
-    arch = f"{config.architecture_key()}|torch={torch.__version__}|format={PROFILE_FORMAT}"
-    return cache_dir / f"{profile_cache_key(product, arch, precision)}.json"
+    """This environment's cache file (cephalo.api.profile.profile_cache_key: the operator's
+    key too)."""
+    key = profile_cache_key(product, config, precision, runtime=f"torch={torch.__version__}")
+    return cache_dir / f"{key}.json"
 
 
 def default_cache_dir() -> Path:
@@ -187,6 +191,15 @@ def write_profile(profile: GpuProfile, output: str | None) -> str:
     return text
 
 
+def _read_cached(path: Path) -> GpuProfile | None:
+    """The cached profile at `path`; None when there is none or it cannot be read (an older
+    format the key did not tell apart, a torn file): then the GPU is measured again."""
+    try:
+        return GpuProfile.model_validate_json(path.read_text())
+    except (OSError, ValueError):  # pydantic's ValidationError is a ValueError
+        return None
+
+
 def profile_job(spec: CephaloJobSpec, *, device: torch.device | None = None,
                 micro_batch_sizes: Sequence[int] | None = None, repeats: int = 5,
                 warmup: int = 2, cache_dir: Path | None = None,
@@ -199,10 +212,9 @@ def profile_job(spec: CephaloJobSpec, *, device: torch.device | None = None,
     config = spec.model.resolve()
     sizes = list(micro_batch_sizes or spec.planner.profile_micro_batch_sizes)
     path = cache_path(cache_dir, facts.product, config, spec.precision) if cache_dir else None
-    if path is not None and path.exists():
-        cached = GpuProfile.model_validate_json(path.read_text())
-        if {p.micro_batch_size for p in cached.points} >= set(sizes):
-            return cached.model_copy(update={"collectives": collectives})
+    cached = _read_cached(path) if path is not None else None
+    if cached is not None and {p.micro_batch_size for p in cached.points} >= set(sizes):
+        return cached.model_copy(update={"collectives": collectives})
     profile = profile_device(config, spec.precision, sizes, device, facts, repeats, warmup,
                              spec.training)
     if path is not None:
@@ -219,8 +231,13 @@ def profile_job(spec: CephaloJobSpec, *, device: torch.device | None = None,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cephalo.trainer.profile",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--job", default=os.environ.get("CEPHALO_JOB"),
-                        help="CephaloJob YAML (default: $CEPHALO_JOB)")
+    try:
+        env = trainer_env.read_env()
+    except trainer_env.EnvError as err:
+        print(f"profile: error: {err}", file=sys.stderr)
+        return 2
+    parser.add_argument("--job", default=env.job,
+                        help=f"CephaloJob YAML (default: ${trainer_env.JOB})")
     parser.add_argument("--output", "-o", default="-",
                         help="file for the GpuProfile JSON ('-' = stdout, the default)")
     parser.add_argument("--micro-batch-sizes", default=None,
@@ -234,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="under torchrun: also measure AllGather/ReduceScatter")
     args = parser.parse_args(argv)
     if not args.job:
-        parser.error("--job is required (or set CEPHALO_JOB)")
+        parser.error(f"--job is required (or set {trainer_env.JOB})")
     try:
         spec = load_job(args.job).spec
         sizes = ([int(s) for s in args.micro_batch_sizes.split(",")]
@@ -244,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"profile: error: {err}", file=sys.stderr)
         return 2
-    torch.set_num_threads(int(os.environ.get("CEPHALO_NUM_THREADS", torch.get_num_threads())))
+    torch.set_num_threads(env.num_threads or torch.get_num_threads())
     device = torch.device(args.device) if args.device else None
     collectives = None
     if args.collectives:

@@ -12,7 +12,6 @@ and None elsewhere."""
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from datetime import timedelta
@@ -20,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from cephalo.api import trainer_env
 from cephalo.api.models import ModelConfig
 from cephalo.api.profile import CollectiveProfile
 from cephalo.api.sharding import shard_bounds
@@ -132,7 +132,7 @@ def _probe_fits(config: ModelConfig, device: torch.device, world_size: int) -> b
 def _engine_probe(config: ModelConfig, device: torch.device, group: dist.ProcessGroup | None,
                   precision: str, steps: int, warmup: int = 2) -> float:
     """Seconds of one real training step (the engine's step and the trainer's per-step
-    logging collective) with one sample per rank and even shards: the slowest rank's
+    logging) with one sample per rank and even shards: the slowest rank's
     median. The paper's profiler runs such iterations on the target cluster; the planner
     compares this step with its own prediction of it to learn what the model of the
     collectives misses (ranks arriving at different times, the transport's share of the
@@ -140,19 +140,22 @@ def _engine_probe(config: ModelConfig, device: torch.device, group: dist.Process
     from cephalo.api.job import DataSpec, SyntheticData, TrainingSpec
     from cephalo.trainer.data import DataSource
     from cephalo.trainer.engine import Engine, Layout
-    from cephalo.trainer.run import log_step
+    from cephalo.trainer.step_log import StepLogger
 
     n = dist.get_world_size(group)
     layout = Layout(batch_sizes=[1] * n, micro_batch_sizes=[1] * n, shard_ratios=[1.0 / n] * n)
     engine = Engine(config, TrainingSpec(), layout, group=group, device=device,
                     precision=precision)
     data = DataSource(config, DataSpec(synthetic=SyntheticData()), seed=0)
+    logger = StepLogger(rank=engine.rank, global_batch_size=n, local_batch_size=1,
+                        tokens_per_sample=config.tokens_per_sample, flops_per_sample=0.0,
+                        total_steps=0)
     start, end = layout.sample_range(engine.rank)
     times = []
     for step in range(warmup + steps):
         began = time.perf_counter()
         result = engine.step(data.micro_batches(step, start, end, 1))
-        log_step(engine, result, config.tokens_per_sample, 0.0, None, None, 0, False, 0)
+        logger.log(result)
         if step >= warmup:
             times.append(time.perf_counter() - began)
     slowest = torch.tensor(times, dtype=torch.float64)
@@ -163,11 +166,12 @@ def _engine_probe(config: ModelConfig, device: torch.device, group: dist.Process
 def measure_collectives(config: ModelConfig, repeats: int = 5,
                         precision: str = "fp32") -> CollectiveProfile | None:
     """Join torchrun's ranks, measure, leave; the fit on rank 0, None elsewhere."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise ValueError("--collectives runs under torchrun (RANK and WORLD_SIZE unset)")
+    env = trainer_env.read_env()
+    if env.rank is None or env.world_size is None:
+        raise ValueError(f"--collectives runs under torchrun ({trainer_env.RANK} and "
+                         f"{trainer_env.WORLD_SIZE} unset)")
     use_cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda \
-        else torch.device("cpu")
+    device = torch.device("cuda", env.local_rank or 0) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=120))

@@ -3,6 +3,7 @@ unit functions: the measuring core of the profiler (`cephalo.trainer.profile`)."
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cephalo.api import memory
 from cephalo.api.models import ModelConfig
 from cephalo.api.profile import ProfilePoint
 from cephalo.trainer.data import DataSource
@@ -20,8 +22,6 @@ from cephalo.trainer.unit_ops import (
     forward_unit,
     head_forward_backward,
 )
-
-FP32_BYTES = 4
 
 
 def _once_per_pass(med: dict[tuple[str, int], float], series: str, sizes) -> float:
@@ -85,7 +85,7 @@ class UnitProfiler:
         from cephalo.api.job import DataSpec, SyntheticData
 
         self.data = DataSource(config, DataSpec(synthetic=SyntheticData()), seed)
-        self.max_unit_bytes = max(u.numel for u in self.units) * FP32_BYTES
+        self.max_unit_parameters = max(u.numel for u in self.units)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -150,7 +150,7 @@ class UnitProfiler:
         for i in range(warmup + repeats):
             for m in cases:
                 for name, run in runs:
-                    seconds = self._timed(lambda run=run, m=m: run(m))
+                    seconds = self._timed(functools.partial(run, m))
                     if i >= warmup:
                         samples.setdefault((name, m), []).append(seconds)
             for name, fn in (extra or {}).items():
@@ -172,10 +172,9 @@ class UnitProfiler:
                              hidden: torch.Tensor) -> int:
         """Peak bytes of a step beyond the training state, for microbatch size m.
 
-        The engine holds at most the gathered current unit, the prefetched next one and the
-        current unit's full gradient (3 unit buffers), plus the larger of a block's and the
-        head's working set for one microbatch (they never overlap)."""
-        fixed = 3 * self.max_unit_bytes
+        The gathered unit buffers at the engine's peak (cephalo.api.memory), plus the larger
+        of a block's and the head's working set for one microbatch (they never overlap)."""
+        fixed = memory.unit_buffer_bytes(self.max_unit_parameters)
         if self.device.type == "cuda":
             return fixed + max(self._cuda_peak(lambda: self._block_step(hidden)),
                                self._cuda_peak(lambda: self._head_step(hidden, targets, m)))

@@ -8,7 +8,6 @@ import signal
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,13 +15,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from cephalo.api import trainer_env
 from cephalo.api.job import CephaloJobSpec
 from cephalo.trainer import checkpoint
 from cephalo.trainer.checkpoint_write import CheckpointWriter
 from cephalo.trainer.data import DataSource
-from cephalo.trainer.engine import Engine, Layout, StepResult
+from cephalo.trainer.engine import Engine, Layout
 from cephalo.trainer.env import EnvError, read_env
+from cephalo.trainer.eval import evaluator
+from cephalo.trainer.hf_weights import init_from_pretrained
 from cephalo.trainer.metrics import ProgressFile, TrainerMetrics
+from cephalo.trainer.step_log import StepLogger
 from cephalo.trainer.storage import CheckpointError, Store, check_shared
 
 
@@ -36,8 +39,8 @@ class TrainOutcome:
 
 
 def _storage_group(engine: Engine, timeout_seconds: float) -> dist.ProcessGroup | None:
-    """A gloo group over the engine's ranks for checkpoint agreements and the stop vote:
-    CPU objects on any backend, and a timeout sized for storage rather than for compute."""
+    """A gloo group over the engine's ranks for checkpoint agreements: CPU objects on any
+    backend, and a timeout sized for storage rather than for compute."""
     world = engine.comm.world_size
     if world == 1:
         return None
@@ -47,20 +50,15 @@ def _storage_group(engine: Engine, timeout_seconds: float) -> dist.ProcessGroup 
                           timeout=datetime.timedelta(seconds=timeout_seconds))
 
 
-def _vote(stop_requested: Callable[[], bool] | None, writer: CheckpointWriter | None,
-          world: int, group: dist.ProcessGroup | None) -> tuple[bool, bool]:
-    """Collective at a step boundary: (does any rank want to stop, has every rank finished
-    its background checkpoint upload). One 2-element gloo all-reduce per step, only when
-    there is something to agree on (a SIGTERM handler, or asynchronous checkpoints): the
-    engine's own step all-reduce lives in engine.py and has no spare element for it."""
-    pending = writer is not None and writer.has_pending
-    if stop_requested is None and not pending:
-        return False, False
-    vote = torch.tensor([1.0 if stop_requested is not None and stop_requested() else 0.0,
-                         1.0 if writer is not None and writer.busy else 0.0])
-    if world > 1:
-        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=group)
-    return bool(vote[0] > 0), pending and not bool(vote[1] > 0)
+def _votes(stop_requested: Callable[[], bool] | None, writer: CheckpointWriter | None
+           ) -> Callable[[], list[float]]:
+    """This rank's step-boundary votes, summed over ranks by the engine's end-of-step
+    all-reduce: [wants to stop, still uploading a checkpoint]. Read at that all-reduce, so
+    every rank sees the same sums after the same step: no collective of the loop's own."""
+    def votes() -> list[float]:
+        return [1.0 if stop_requested is not None and stop_requested() else 0.0,
+                1.0 if writer is not None and writer.busy else 0.0]
+    return votes
 
 
 def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None, *,
@@ -75,7 +73,9 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
     `checkpoint_dir` (a shared folder or an fsspec URL; None or "" = no checkpoints at all);
     checkpoints every `intervalSteps` and always at the end (or at `stop_after_step`, which
     simulates a preemption). With `stop_requested` (e.g. set by SIGTERM), the ranks vote at
-    every step boundary; when any rank asks, all write a checkpoint and return together.
+    every step boundary (on the engine's end-of-step all-reduce); when any rank asks, all
+    write a checkpoint of the same step and return together. Steps are logged every
+    `training.logIntervalSteps` and at the last, without a collective (step_log).
     `async_checkpoints`: interval checkpoints upload in the background while training goes
     on (see checkpoint_write); the final one and a requested stop's are synchronous."""
     config = job.model.resolve()
@@ -85,6 +85,8 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
     if memory_limit_bytes is not None:
         _check_memory(engine, memory_limit_bytes)
     data = DataSource(config, job.data, spec.seed)
+    # None when training.evalIntervalSteps is off; else holds out the validation data now.
+    validation = evaluator(engine, data, spec, job.data, verbose)
     world = engine.comm.world_size
     storage_group = _storage_group(
         engine, checkpoint.storage_timeout_seconds(engine, collective_timeout_seconds))
@@ -95,8 +97,8 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
     try:
         if store is None:
             if verbose and engine.rank == 0:
-                print("cephalo trainer: no checkpoint target (CEPHALO_CHECKPOINT_DIR is "
-                      "empty): training without saving or resuming checkpoints", flush=True)
+                print(f"cephalo trainer: no checkpoint target ({trainer_env.CHECKPOINT_DIR} "
+                      "is empty): training without saving or resuming checkpoints", flush=True)
         else:
             check_shared(store, engine.rank, world, storage_group)
             found = checkpoint.resume_point(store, engine, storage_group, cache_dir)
@@ -109,24 +111,37 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
             shutil.rmtree(cache_dir, ignore_errors=True)  # verified copies are loaded now
             writer = CheckpointWriter(store, engine, job.checkpoint.keep, storage_group,
                                       asynchronous=async_checkpoints)
+        # model.pretrained starts step 0 only: a resumed checkpoint above takes precedence.
+        init_from_pretrained(engine, job.model, store, verbose)
         outcome = TrainOutcome(first_step=engine.step_count, last_step=engine.step_count)
         progress = ProgressFile(progress_file) if progress_file and engine.rank == 0 else None
         start, end = layout.sample_range(engine.rank)
         micro = layout.micro_batch_sizes[engine.rank]
         last = spec.steps if stop_after_step is None else min(spec.steps, stop_after_step)
+        logger = StepLogger(rank=engine.rank, global_batch_size=layout.global_batch_size,
+                            local_batch_size=layout.batch_sizes[engine.rank],
+                            tokens_per_sample=config.tokens_per_sample,
+                            flops_per_sample=config.training_flops_per_sample(),
+                            total_steps=spec.steps, interval_steps=spec.log_interval_steps,
+                            progress=progress, metrics=metrics,
+                            wait_seconds=engine.comm.stats.wait_seconds,
+                            local_rank=local_rank, verbose=verbose)
+        votes = _votes(stop_requested, writer)
         while engine.step_count < last:
             step = engine.step_count
-            result = engine.step(data.micro_batches(step, start, end, micro))
+            result = engine.step(data.micro_batches(step, start, end, micro), votes)
             outcome.losses.append(result.loss)
-            if result.step % spec.log_interval_steps == 0 or result.step == last:
-                log_step(engine, result, config.tokens_per_sample,
-                         config.training_flops_per_sample(), progress, metrics, local_rank,
-                         verbose, spec.steps)
-            stop, uploaded = _vote(stop_requested, writer, world, storage_group)
+            stop, uploading = result.votes[0] > 0, result.votes[1] > 0
+            final = stop or result.step == last
+            # Every rank evaluates together (a collective) on the same steps; not on a stop
+            # request, whose grace period is for the checkpoint.
+            val_loss = validation.loss() if validation is not None and \
+                validation.due(result.step, final=result.step == last) else None
+            if val_loss is not None or logger.due(result.step, final=final):
+                logger.log(result, val_loss)
             if writer is not None:
-                if uploaded:
+                if writer.has_pending and not uploading:  # every rank's upload is done
                     outcome.checkpoints.append(writer.finish())
-                final = stop or result.step == last
                 if final or result.step % job.checkpoint.interval_steps == 0:
                     outcome.checkpoints += writer.start(wait=final)
             if stop:
@@ -165,44 +180,6 @@ def _check_memory(engine: Engine, limit_bytes: int) -> None:
                                f"with less batch or state on this rank")
     if float(over[0]) > 0:
         raise MemoryLimitError("another rank exceeds its memory limit (see its log)")
-
-
-def log_step(engine: Engine, result: StepResult, tokens_per_sample: int, flops_per_sample: float,
-         progress: ProgressFile | None, metrics: TrainerMetrics | None, local_rank: int,
-         verbose: bool, total_steps: int) -> None:
-    """Collective (every rank, same steps): gathers per-rank compute / wait seconds."""
-    world = engine.comm.world_size
-    timings = torch.zeros(world, 2, dtype=torch.float64)
-    timings[engine.rank, 0] = result.step_seconds - result.collective_wait_seconds
-    timings[engine.rank, 1] = result.collective_wait_seconds
-    timings = engine.comm.all_reduce_sum(timings.to(engine.device)).cpu()
-    step_seconds = result.step_seconds
-    samples_per_second = engine.layout.global_batch_size / step_seconds
-    local_samples = engine.layout.batch_sizes[engine.rank]
-    tflops = flops_per_sample * local_samples / step_seconds / 1e12
-    if metrics is not None:
-        metrics.observe(step=result.step, loss=result.loss, step_seconds=step_seconds,
-                        samples_per_second=samples_per_second,
-                        tokens_per_second=samples_per_second * tokens_per_sample, tflops=tflops,
-                        wait_seconds_by_op=dict(engine.comm.stats.wait_seconds),
-                        local_rank=local_rank)
-        engine.comm.stats.wait_seconds.clear()
-    if engine.rank != 0:
-        return
-    record = {"step": result.step, "loss": result.loss, "samples_per_second": samples_per_second,
-              "tokens_per_second": samples_per_second * tokens_per_sample,
-              "step_seconds": step_seconds, "learning_rate": result.learning_rate,
-              "grad_norm": result.grad_norm, "time": time.time(),
-              "ranks": [{"rank": r, "compute_seconds": float(timings[r, 0]),
-                         "collective_wait_seconds": float(timings[r, 1])}
-                        for r in range(world)]}
-    if progress is not None:
-        progress.write(record)
-    if verbose:
-        print(f"step {result.step}/{total_steps} loss {result.loss:.4f} "
-              f"lr {result.learning_rate:.2e} grad-norm {result.grad_norm:.3f} | "
-              f"{samples_per_second:.1f} samples/s | step {step_seconds:.3f} s "
-              f"(waited {result.collective_wait_seconds:.3f} s on collectives)", flush=True)
 
 
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, what Kubernetes and shells expect

@@ -15,7 +15,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("cephalo.commands.run", "run a CephaloJob on this machine (profile, plan, train)"),
     "plan": ("cephalo.commands.plan", "solve a plan for a model on a set of GPUs"),
     "crd": ("cephalo.commands.crd", "print the CephaloJob CustomResourceDefinition"),
-    "export": ("cephalo.commands.export", "write a checkpoint as a plain PyTorch state_dict"),
+    "export": ("cephalo.commands.export", "write a checkpoint as a plain PyTorch state_dict "
+                                           "or a Hugging Face checkpoint (--format hf)"),
+    "tokenize": ("cephalo.commands.tokenize",
+                 "turn text (txt, jsonl, parquet, arrow) into a token file for data.tokenFile"),
 }
 
 

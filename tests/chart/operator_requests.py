@@ -18,6 +18,7 @@ from pathlib import Path
 from chart_helpers import Permission
 
 from cephalo.api import API_GROUP, PLURAL
+from cephalo.operator.gang import POD_GROUP_APIS
 
 # Client method → RBAC verbs. `create` is create-if-absent: it GETs the object on a 409.
 CLIENT_VERBS: dict[str, tuple[str, ...]] = {
@@ -55,6 +56,10 @@ def _resource(call: ast.Call) -> tuple[str, str] | None:
     if name == "job_path":
         sub = args[2] or kw.get("subresource")
         return API_GROUP, PLURAL + (f"/{_const(sub)}" if _const(sub) else "")
+    if name == "pod_groups_path":  # cephalo.operator.gang: either PodGroup API, by the job
+        return "|".join(sorted(a.group for a in POD_GROUP_APIS.values())), "podgroups"
+    if name == "network_policies_path":  # cephalo.operator.netpol
+        return "networking.k8s.io", "networkpolicies"
     return None
 
 
@@ -94,7 +99,8 @@ class _FunctionScan(ast.NodeVisitor):
                     "build its path with core_path/job_path (or teach "
                     "tests/chart/operator_requests.py)")
             for verb in CLIENT_VERBS[func.attr]:
-                self.sites.append(Site(Permission(res[0], res[1], verb), where))
+                for group in res[0].split("|"):
+                    self.sites.append(Site(Permission(group, res[1], verb), where))
         elif ast.unparse(func) == "kopf.event":
             self.sites.append(Site(Permission("", "events", "create"), where))
         self.generic_visit(node)

@@ -19,7 +19,8 @@ spec:
   model: {{preset: gpt-tiny}}
   globalBatchSize: {batch}
   training: {{steps: {steps}, learningRate: 1.0e-2, seed: 3}}
-  planner: {{profileMicroBatchSizes: [1, 2, 4]}}
+  # gpt-tiny is fastest on one device; these tests need every rank (chooseGpus: false)
+  planner: {{profileMicroBatchSizes: [1, 2, 4], chooseGpus: false}}
   checkpoint: {{intervalSteps: 2}}
 """
 

@@ -90,11 +90,18 @@ def test_plan_for_other_gpus_is_refused(tmp_path, tiny_job) -> None:
 
 def test_given_plan_runs_without_profiling(tmp_path, tiny_job) -> None:
     plan = _plan_file(tmp_path, [("cpu", 4), ("cpu", 2)])
-    done = run_cephalo(tmp_path, "run", str(tiny_job(steps=2)), "--plan", str(plan),
-                       "--devices", "cpu:2")
+    job = tiny_job(steps=3)  # + a validation loss every 2 steps and at the last (issue 14)
+    job.write_text(job.read_text().replace("seed: 3}", "seed: 3, evalIntervalSteps: 2}"))
+    done = run_cephalo(tmp_path, "run", str(job), "--plan", str(plan), "--devices", "cpu:2")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Profiling" not in done.stdout
-    assert not (_run_dir(tmp_path, "tiny") / "profiles").exists()
+    run_dir = _run_dir(tmp_path, "tiny")
+    assert not (run_dir / "profiles").exists()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    measured = [(r["step"], r["validation_loss"]) for r in records if "validation_loss" in r]
+    assert [step for step, _ in measured] == [2, 3]
+    assert f"validation  loss {measured[0][1]:.4f} (step 2) -> {measured[1][1]:.4f} (step 3)" \
+        in done.stdout
 
 
 def _wait_for(predicate, timeout: float = 120.0) -> None:

@@ -31,7 +31,7 @@ import re
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +70,11 @@ class ApiEmulator(FaultVerbs, WriteVerbs, kmock.KubernetesEmulator):
     kubelet_stop_seconds: float = attrs.field(default=0.2, init=False)  # SIGTERM → exit 143
     clock_skew_seconds: float = attrs.field(default=0.0, init=False)  # server clock vs ours
     kubeconfig: Any = attrs.field(default=None, init=False)  # set by the test fixture
+    # Mutating admission of pods at create (e.g. Kueue's webhook: kueue_emulator.py) and
+    # callbacks after every stored change (controllers emulated in the test's event loop).
+    pod_webhooks: list[Callable[[dict[str, Any]], None]] = attrs.field(factory=list, init=False)
+    on_change: list[Callable[[ObjKey, str, dict[str, Any]], None]] = attrs.field(
+        factory=list, init=False)
     _store: dict[ObjKey, dict[str, Any]] = attrs.field(factory=dict, init=False)
     _log: list[tuple[int, str, str, str, dict[str, Any]]] = attrs.field(factory=list, init=False)
     _watchers: list[tuple[str, str, asyncio.Queue[Any]]] = attrs.field(factory=list, init=False)
@@ -91,6 +96,12 @@ class ApiEmulator(FaultVerbs, WriteVerbs, kmock.KubernetesEmulator):
             kind=kind, namespaced=namespaced, singular=kind.lower(), shortnames=set(shortnames),
             verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
             subresources={"status"} if status else set())
+
+    def replace_object(self, key: ObjKey, obj: dict[str, Any]) -> None:
+        """Store a new version of an existing object (a controller's write), watchers told."""
+        self._bump(obj)
+        self._store[key] = obj
+        self._publish(key, "MODIFIED", obj)
 
     def list_objects(self, plural: str, namespace: str | None = None,
                      group: str = "") -> list[dict[str, Any]]:
@@ -234,6 +245,8 @@ class ApiEmulator(FaultVerbs, WriteVerbs, kmock.KubernetesEmulator):
         for group, plural, queue in self._watchers:
             if (group, plural) == key[:2]:
                 queue.put_nowait(entry)
+        for callback in self.on_change:
+            callback(key, kind, obj)
 
     def _bump(self, obj: dict[str, Any]) -> None:
         self._rv += 1
@@ -307,7 +320,14 @@ class ApiEmulator(FaultVerbs, WriteVerbs, kmock.KubernetesEmulator):
         group = request.resource.group
         obj.setdefault("apiVersion", f"{group}/{request.resource.version}" if group else "v1")
         if key[:2] == ("", "pods"):
+            for webhook in self.pod_webhooks:
+                webhook(obj)
             obj["status"] = {"phase": "Pending"}
+            if (obj.get("spec") or {}).get("schedulingGates"):
+                # What the scheduler reports for a gated pod: it is not even tried.
+                obj["status"]["conditions"] = [{
+                    "type": "PodScheduled", "status": "False", "reason": "SchedulingGated",
+                    "message": "Scheduling is blocked due to non-empty scheduling gates"}]
         elif group and "status" in info.subresources:
             obj.pop("status", None)
         self._ensure_namespace(key[2])

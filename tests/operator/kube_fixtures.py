@@ -49,7 +49,9 @@ def job_body(name: str = "gpt", namespace: str = "default", uid: str | None = No
                  "model": {"preset": "gpt-small"}, "globalBatchSize": 64,
                  "training": {"steps": 100},
                  # a multi-rank job needs a shared checkpoint target (else it is refused)
-                 "checkpoint": {"claimName": "ckpt"}, **spec},
+                 "checkpoint": {"claimName": "ckpt"},
+                 # gpt-small at B=64 is fastest on one GPU: the gang tests need every rank
+                 "planner": {"chooseGpus": False}, **spec},
     }
     if uid is not None:
         body["metadata"]["uid"] = uid

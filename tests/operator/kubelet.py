@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -75,6 +77,11 @@ def pod_status(phase: str, *, exit_code: int | None = None, message: str | None 
 
 
 async def set_pod(api: ApiEmulator, ns: str, name: str, phase: str, **kw: Any) -> None:
+    pod = api._store.get(("", "pods", ns, name))  # one lookup: no copy of every pod
+    if phase != "Pending" and pod is not None and (pod.get("spec") or {}).get("schedulingGates"):
+        # A kubelet never runs a gated pod: the scheduler does not even try to place it.
+        raise AssertionError(f"pod {ns}/{name} still has scheduling gates "
+                             f"{pod['spec']['schedulingGates']}: it cannot be {phase}")
     await call(api, "PATCH", f"/api/v1/namespaces/{ns}/pods/{name}/status",
                {"status": pod_status(phase, **kw)})
 
@@ -164,3 +171,133 @@ class OperatorProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+# ---- the scheduler -------------------------------------------------------------------------
+GPU = "nvidia.com/gpu"
+
+
+def _gpus_of(pod: dict[str, Any]) -> int:
+    """The pod's GPU request as kube-scheduler's NodeResourcesFit counts it (written here
+    from the Kubernetes docs, independently of the operator's gpu_usage): app containers
+    summed, init containers at their peak (sidecars aside: the tests use none), a limit
+    alone standing for the request of an extended resource."""
+    def one(c: dict[str, Any]) -> int:
+        res = c.get("resources") or {}
+        value = (res.get("requests") or {}).get(GPU, (res.get("limits") or {}).get(GPU, 0))
+        return int(str(value))
+    spec = pod.get("spec") or {}
+    return max(sum(one(c) for c in spec.get("containers") or []),
+               max((one(c) for c in spec.get("initContainers") or []), default=0))
+
+
+def _tolerated(taint: dict[str, Any], tolerations: list[dict[str, Any]]) -> bool:
+    for t in tolerations:
+        if t.get("effect") and t["effect"] != taint.get("effect"):
+            continue
+        if t.get("key") and t["key"] != taint.get("key"):
+            continue
+        if t.get("operator") == "Exists" or t.get("value", "") == taint.get("value", ""):
+            return True
+    return False
+
+
+class Scheduler:
+    """kube-scheduler for the emulator, as strict as the real one where the tests look:
+    a Pending, ungated pod of the default scheduler is bound (`spec.nodeName`, PodScheduled
+    True) to the first node by name that is Ready, not cordoned, carries every nodeSelector
+    label, has no NoSchedule/NoExecute taint the pod does not tolerate, and has room for its
+    GPUs next to every non-terminal pod already bound there. Otherwise it stays Pending with
+    PodScheduled=False, reason Unschedulable. With `run`, a bound pod also starts (Running),
+    as its kubelet would. Runs in the test's event loop after every change (no polling)."""
+
+    def __init__(self, api: ApiEmulator, *, run: bool = True, paused: bool = False) -> None:
+        self.api, self.run, self.paused = api, run, paused
+        self._due = False
+        api.on_change.append(self._changed)
+
+    def resume(self) -> None:
+        self.paused = False
+        self._kick()
+
+    def _changed(self, key: tuple[Any, ...], kind: str, obj: dict[str, Any]) -> None:
+        if key[:2] in (("", "pods"), ("", "nodes")):
+            self._kick()
+
+    def _kick(self) -> None:
+        if not self._due and not self.paused:
+            self._due = True
+            asyncio.get_running_loop().call_soon(self._pass)
+
+    def _pass(self) -> None:
+        self._due = False
+        if self.paused:
+            return
+        store = self.api._store
+        nodes = [o for (g, p, _, _), o in store.items() if (g, p) == ("", "nodes")]
+        used: dict[str, int] = {}
+        for (g, p, _, _), pod in store.items():
+            node = (pod.get("spec") or {}).get("nodeName")
+            if (g, p) == ("", "pods") and node and (pod.get("status") or {}).get(
+                    "phase") not in ("Succeeded", "Failed"):
+                used[node] = used.get(node, 0) + _gpus_of(pod)
+        for key, pod in list(store.items()):
+            spec = pod.get("spec") or {}
+            if (key[:2] != ("", "pods") or spec.get("nodeName") or spec.get("schedulingGates")
+                    or spec.get("schedulerName") not in (None, "default-scheduler")
+                    or pod["metadata"].get("deletionTimestamp")
+                    or (pod.get("status") or {}).get("phase") != "Pending"):
+                continue
+            gpus, why = _gpus_of(pod), Counter[str]()
+            chosen = None
+            for node in sorted(nodes, key=lambda n: n["metadata"]["name"]):
+                reason = self._misfit(node, spec, gpus, used)
+                if reason is None:
+                    chosen = node["metadata"]["name"]
+                    break
+                why[reason] += 1
+            if chosen is not None:
+                used[chosen] = used.get(chosen, 0) + gpus
+                self._bind(key, pod, chosen)
+            else:
+                self._unschedulable(key, pod, len(nodes), why)
+
+    @staticmethod
+    def _misfit(node: dict[str, Any], spec: dict[str, Any], gpus: int,
+                used: dict[str, int]) -> str | None:
+        labels = node["metadata"].get("labels") or {}
+        if (node.get("spec") or {}).get("unschedulable"):
+            return "node(s) were unschedulable"
+        if not any(c.get("type") == "Ready" and c.get("status") == "True"
+                   for c in (node.get("status") or {}).get("conditions") or []):
+            return "node(s) were not ready"
+        if any(labels.get(k) != v for k, v in (spec.get("nodeSelector") or {}).items()):
+            return "node(s) didn't match Pod's node affinity/selector"
+        for taint in (node.get("spec") or {}).get("taints") or []:
+            if taint.get("effect") in ("NoSchedule", "NoExecute") and not _tolerated(
+                    taint, spec.get("tolerations") or []):
+                return "node(s) had untolerated taint"
+        free = int(str((node.get("status") or {}).get("allocatable", {}).get(GPU, 0)))
+        if gpus > free - used.get(node["metadata"]["name"], 0):
+            return f"Insufficient {GPU}"
+        return None
+
+    def _bind(self, key: tuple[Any, ...], pod: dict[str, Any], node: str) -> None:
+        pod = copy.deepcopy(pod)
+        pod["spec"]["nodeName"] = node
+        status = pod_status("Running") if self.run else dict(pod.get("status") or {})
+        status["conditions"] = [{"type": "PodScheduled", "status": "True"}]
+        pod["status"] = status
+        self.api.replace_object(key, pod)
+
+    def _unschedulable(self, key: tuple[Any, ...], pod: dict[str, Any], num_nodes: int,
+                       why: Counter[str]) -> None:
+        message = f"0/{num_nodes} nodes are available: " + ", ".join(
+            f"{n} {reason}" for reason, n in sorted(why.items())) + "."
+        condition = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                     "message": message}
+        if condition in ((pod.get("status") or {}).get("conditions") or []):
+            return  # nothing new to say: no write, no event (the pass would never settle)
+        pod = copy.deepcopy(pod)
+        pod.setdefault("status", {})["conditions"] = [condition]
+        self.api.replace_object(key, pod)

@@ -23,6 +23,7 @@ from cephalo.operator.render import (
     check_job_name,
     checkpoint_target,
     config_hash,
+    config_identity,
     profile_config_map_name,
     render,
     render_profiler_pod,
@@ -123,10 +124,19 @@ def test_pool_selection_by_catalog_name_max_gpus_and_memory_override() -> None:
     assert [(g.pool, g.count) for g in cluster.groups] == [("Tesla-P40", 2)]
 
 
-def test_unknown_products_are_reported_not_planned() -> None:
+def test_unknown_products_are_planned_once_profiled() -> None:
+    # Issue 12 item 4: a product outside the catalog is a pool like any other (the operator
+    # profiles it; tests/operator/test_operator_unknown_gpu.py runs the whole path).
     nodes = [gpu_node("x", "NVIDIA-Imaginary-9000", 4)]
-    with pytest.raises(NoGpusError, match="not in the GPU catalog: NVIDIA-Imaginary-9000"):
-        select_cluster(_job().spec, discover_pools(nodes), nodes)
+    d = discover_pools(nodes)
+    assert d.unknown_products == ["NVIDIA-Imaginary-9000"]
+    cluster, _ = select_cluster(_job().spec, d, nodes)
+    assert [(g.product, g.pool, g.count) for g in cluster.groups] == [
+        ("NVIDIA-Imaginary-9000", "NVIDIA-Imaginary-9000", 4)]
+    missing = _job(gpuPools=[{"product": "H100"}])
+    with pytest.raises(NoGpusError, match=r"not in the GPU catalog \(planned once profiled\): "
+                                          "NVIDIA-Imaginary-9000"):
+        select_cluster(missing.spec, d, nodes)
 
 
 def test_plan_fits_reports_lost_gpus() -> None:
@@ -188,6 +198,28 @@ def test_config_hash_ignores_suspend_but_not_the_model() -> None:
     plan = _plan()
     assert config_hash(_job(), plan) == config_hash(_job(suspend=True, backoffLimit=7), plan)
     assert config_hash(_job(), plan) != config_hash(_job(globalBatchSize=32), plan)
+
+
+def test_config_hash_survives_an_operator_upgrade_that_adds_defaulted_fields() -> None:
+    """A newer operator knows fields the running job's spec never named (their defaults): the
+    hash must not move, or an upgrade re-plans and restarts every running job."""
+    plan = _plan()
+    job = _job(planner={})  # every planner field at its default
+    spelled_out = parse_job({**job.model_dump(by_alias=True, mode="json", exclude_none=True),
+                             "status": None})
+    assert spelled_out.spec.planner.choose_gpus is True
+    assert "chooseGpus" in spelled_out.spec.to_wire()["planner"]
+    assert config_hash(spelled_out, plan) == config_hash(job, plan)
+    # the operator that wrote the running job's hash did not know today's new fields: the
+    # hash sees no field at its default, so it is the same to both operators
+    identity = config_identity(job, plan)
+    assert "planner" not in identity["spec"] and "podTemplate" not in identity["spec"]
+    assert "idle_gpus" not in identity["plan"] and "optimality_gap_seconds" not in identity["plan"]
+    # ... the same for the plan: a field a newer planner adds, left at its default
+    newer_plan = Plan.model_validate({**plan.model_dump(mode="json"), "idle_gpus": []})
+    assert config_hash(job, newer_plan) == config_hash(job, plan)
+    # a value that differs from the default still counts
+    assert config_hash(_job(planner={"chooseGpus": False}), plan) != config_hash(job, plan)
 
 
 def test_profiler_pod_golden_and_cache_key() -> None:

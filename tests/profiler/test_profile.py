@@ -3,6 +3,7 @@ the planner, small enough for a termination message; collectives under torchrun.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,8 +14,13 @@ import pytest
 import torch
 
 from cephalo.api import ClusterSpec, GpuGroup, GpuProfile, parse_job, preset
-from cephalo.api.profile import TERMINATION_MESSAGE_LIMIT_BYTES, CollectiveProfile
+from cephalo.api.profile import (
+    TERMINATION_MESSAGE_LIMIT_BYTES,
+    CollectiveProfile,
+    SingleRankStep,
+)
 from cephalo.planner import estimate_profile, solve
+from cephalo.planner.costmodel import step_overhead_seconds
 from cephalo.trainer import profile as profiler
 from cephalo.trainer.device_info import catalog_name, device_facts
 
@@ -105,7 +111,8 @@ def test_largest_preset_profile_fits_a_termination_message(tmp_path: Path) -> No
         "torch_version": "2.13.0+cu130",
         "block_forward_fixed_seconds": 1.23456789e-05,
         "other_forward_fixed_seconds": 1.23456789e-05,
-        "step_overhead_seconds": 1.23456789e-05,
+        "single_rank_step": SingleRankStep(seconds=12.3456789012345, num_blocks=123,
+                                           parameters=123_456_789_012),
         "collectives": CollectiveProfile(
             bandwidth_bytes_per_second=1.2345678901234e11, latency_seconds=1.23456789e-05,
             reduce_scatter_bandwidth_bytes_per_second=1.2345678901234e11,
@@ -193,15 +200,35 @@ def test_collectives_mode_under_torchrun(tmp_path: Path) -> None:
     assert c.probe_step_seconds > one.block_forward_seconds + one.block_backward_seconds
 
 
-def test_real_step_gives_the_step_overhead_unless_the_state_would_crowd_the_device() -> None:
+def test_real_step_is_kept_raw_unless_the_state_would_crowd_the_device() -> None:
     import dataclasses
 
     config = preset("gpt-tiny")
     cpu = torch.device("cpu")
     facts = device_facts(cpu)
     measured = profiler.profile_device(config, "fp32", [1, 2], cpu, facts, repeats=2, warmup=1)
-    assert measured.step_overhead_seconds is not None and measured.step_overhead_seconds >= 0
+    step = measured.single_rank_step
+    assert step is not None and step.micro_batch_size == 1
+    assert step.num_blocks == config.num_layers
+    assert step.parameters == config.total_parameters()
+    # A real step runs every unit forward and backward once: never less than that compute.
+    one = measured.points[0]
+    assert step.seconds > config.num_layers * (one.block_forward_seconds +
+                                               one.block_backward_seconds)
+    assert step_overhead_seconds(measured) >= 0
     # A device whose memory the whole training state would crowd: no probe step, no field.
     small = dataclasses.replace(facts, memory_bytes=16 * config.total_parameters())
     skipped = profiler.profile_device(config, "fp32", [1, 2], cpu, small, repeats=2, warmup=1)
-    assert skipped.step_overhead_seconds is None
+    assert skipped.single_rank_step is None and step_overhead_seconds(skipped) == 0.0
+
+
+def test_an_unreadable_or_older_cached_profile_is_measured_again(tmp_path: Path) -> None:
+    config = preset("gpt-tiny")
+    path = profiler.cache_path(tmp_path, "cpu", config, "fp32")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = estimate_profile("T4", config, "fp32").model_dump(mode="json", exclude_none=True)
+    path.write_text(json.dumps(old | {"product": "cpu", "step_overhead_seconds": 0.001}))
+    fresh = profiler.profile_job(_spec(), device=torch.device("cpu"), micro_batch_sizes=[1],
+                                 repeats=1, warmup=0, cache_dir=tmp_path)
+    assert fresh.source == "measured"
+    assert GpuProfile.model_validate_json(path.read_text()) == fresh  # replaced in the cache

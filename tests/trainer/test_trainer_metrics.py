@@ -32,3 +32,13 @@ def test_progress_file_appends_json_lines(tmp_path: Path) -> None:
     progress.write({"step": 2, "loss": 2.0})
     progress.close()
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
+
+
+def test_progress_lines_are_visible_to_a_reader_before_close(tmp_path: Path) -> None:
+    # `cephalo run` follows the file while the trainer writes it (no per-line fsync needed).
+    path = tmp_path / "metrics.jsonl"
+    progress = ProgressFile(path)
+    progress.write({"step": 1, "loss": 3.0})
+    assert json.loads(path.read_text())["step"] == 1
+    progress.close()
+    progress.close()  # idempotent: the trainer's finally may close after an error path

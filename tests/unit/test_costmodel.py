@@ -3,13 +3,22 @@ forward pass paid once per pass, and the calibration against a measured probe st
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from cephalo.api import ClusterSpec, GpuGroup, parse_job, preset
-from cephalo.api.profile import CollectiveProfile, GpuProfile, ProfilePoint
+from cephalo.api.profile import CollectiveProfile, GpuProfile, ProfilePoint, SingleRankStep
 from cephalo.planner.catalog import lookup_gpu
-from cephalo.planner.costmodel import CommModel, GpuCostModel, UnitComm
+from cephalo.planner.costmodel import (
+    CommModel,
+    GpuCostModel,
+    UnitComm,
+    modelled_single_rank_step_seconds,
+    step_overhead_seconds,
+)
 from cephalo.planner.problem import build_problem
 
 CONFIG = preset("gpt-tiny")
@@ -91,18 +100,38 @@ def test_planner_calibrates_with_a_measured_probe() -> None:
     assert problem.comm_model.step_overhead_seconds == pytest.approx(predicted * 0.5)
 
 
-def test_step_overhead_is_charged_to_every_step_but_not_to_its_own_baseline() -> None:
-    from cephalo.planner.costmodel import single_rank_step_seconds
+def _probe(seconds: float) -> SingleRankStep:
+    return SingleRankStep(seconds=seconds, num_blocks=CONFIG.num_layers,
+                          parameters=CONFIG.total_parameters())
 
-    bare = _profile(forward=0.01, backward=0.02)
-    with_overhead = bare.model_copy(update={"step_overhead_seconds": 0.004})
+
+def test_planner_derives_the_step_overhead_from_the_measured_step() -> None:
+    bare = _profile(forward=0.01, backward=0.02).model_copy(update={
+        "optimizer_seconds_fixed": 0.003, "optimizer_seconds_per_parameter": 1e-9})
     alone = UnitComm.build(CONFIG, CommModel(1e9, 0.0), world_size=1, uneven=False)
+    modelled = _step(_cost(bare), 1, 1, alone)  # no measured step: no overhead charged
+    assert modelled_single_rank_step_seconds(bare) is None
+    assert step_overhead_seconds(bare) == 0.0
+    measured = bare.model_copy(update={"single_rank_step": _probe(modelled + 0.004)})
+    # The profile holds the raw step; the planner's own prediction of it is the same step
+    # the cost model scores, and what the real step took beyond it is charged to every step.
+    assert modelled_single_rank_step_seconds(measured) == pytest.approx(modelled)
+    assert step_overhead_seconds(measured) == pytest.approx(0.004)
     for ell in (1, 3):
-        assert _step(_cost(with_overhead), ell, 1, alone) == pytest.approx(
+        assert _step(_cost(measured), ell, 1, alone) == pytest.approx(
             _step(_cost(bare), ell, 1, alone) + 0.004)
-    # The profiler measures a real step and subtracts this: it must not count itself.
-    assert single_rank_step_seconds(with_overhead, CONFIG) == \
-        single_rank_step_seconds(bare, CONFIG) == pytest.approx(_step(_cost(bare), 1, 1, alone))
+    # A real step faster than the model (noise) never makes the model faster.
+    quick = bare.model_copy(update={"single_rank_step": _probe(modelled * 0.5)})
+    assert step_overhead_seconds(quick) == 0.0
+
+
+def test_old_format_profiles_are_refused_so_caches_measure_again() -> None:
+    old = _profile().model_dump(exclude_none=True) | {"step_overhead_seconds": 0.001}
+    with pytest.raises(ValidationError, match="older format"):
+        GpuProfile.model_validate(old)
+    # The cache key carries the format, so an older profile is not even looked up; were it
+    # found under the same name, the operator's cache read treats a ValidationError as a
+    # miss (operator/profiling.py cached_profiles), as the profiler's does (tests/profiler).
 
 
 def test_contention_and_emulation_scale_every_measured_time() -> None:
@@ -110,19 +139,60 @@ def test_contention_and_emulation_scale_every_measured_time() -> None:
     from cephalo.local.runner import slowed
 
     profile = _profile(fixed=0.4).model_copy(update={
-        "other_forward_fixed_seconds": 0.1, "step_overhead_seconds": 0.01,
-        "optimizer_seconds_fixed": 0.02, "optimizer_seconds_per_parameter": 1e-9})
+        "other_forward_fixed_seconds": 0.1, "optimizer_seconds_fixed": 0.02,
+        "optimizer_seconds_per_parameter": 1e-9})
+    modelled = modelled_single_rank_step_seconds(profile.model_copy(
+        update={"single_rank_step": _probe(1.0)}))
+    assert modelled is not None
+    profile = profile.model_copy(update={"single_rank_step": _probe(modelled + 0.01)})
     twice = slowed(profile, 2.0)
     for key in ("block_forward_fixed_seconds", "other_forward_fixed_seconds",
-                "step_overhead_seconds", "optimizer_seconds_fixed",
-                "optimizer_seconds_per_parameter"):
+                "optimizer_seconds_fixed", "optimizer_seconds_per_parameter"):
         assert getattr(twice, key) == pytest.approx(2 * getattr(profile, key)), key
     assert twice.points[0].block_forward_seconds == 2.0
+    assert twice.single_rank_step is not None
+    assert twice.single_rank_step.seconds == pytest.approx(2 * (modelled + 0.01))
+    assert step_overhead_seconds(twice) == pytest.approx(0.02)
     emu = Emulation(dilation={"P100": 4.0}, capacity_bytes={"P100": 2**28}, memory_scale=1.0)
     slow = emulated_profile(profile, "P100", emu, contention=1.5)
     # Unit work (including a forward pass's fixed part) runs 1.5 + 4 - 1 = 4.5x as long;
     # the step's own work and the optimizer only feel the contention.
     assert slow.points[0].block_forward_seconds == pytest.approx(4.5)
     assert slow.block_forward_fixed_seconds == pytest.approx(0.4 * 4.5)
-    assert slow.step_overhead_seconds == pytest.approx(0.015)
+    assert step_overhead_seconds(slow) == pytest.approx(0.015)
     assert slow.optimizer_seconds_fixed == pytest.approx(0.03)
+    # The emulated real step is its dilated units, its contended optimizer and overhead.
+    units = modelled - 0.02 - 1e-9 * CONFIG.total_parameters()
+    assert slow.single_rank_step is not None
+    assert slow.single_rank_step.seconds == pytest.approx(
+        4.5 * units + 1.5 * (0.02 + 1e-9 * CONFIG.total_parameters() + 0.01))
+
+
+def test_the_operator_measures_again_over_an_old_format_cache_entry() -> None:
+    """A ConfigMap holding an older profile under the current name (it cannot have that
+    name, the key carries the format; this is the fallback) counts as a cache miss."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from cephalo.api import CephaloJob
+    from cephalo.operator.discovery import Pool
+    from cephalo.operator.profiling import cached_profiles
+    from cephalo.operator.render import PROFILE_KEY
+
+    job = CephaloJob.model_validate({
+        "apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
+        "metadata": {"name": "p", "namespace": "ns", "uid": "u"},
+        "spec": {"model": {"preset": "gpt-tiny"}, "globalBatchSize": 8}})
+    current = _profile().to_compact_json()
+    old = _profile().model_dump(exclude_none=True) | {"step_overhead_seconds": 0.001}
+    stored = {"cpu": current, "T4": json.dumps(old)}
+
+    async def get(path: str) -> dict:
+        product = "cpu" if "cephalo-profile-cpu-" in path else "T4"
+        return {"data": {PROFILE_KEY: stored[product]}}
+
+    ctx = SimpleNamespace(job=job, config=None, namespace="ns", kube=SimpleNamespace(get=get))
+    pools = [Pool(product=p, catalog_name=p, num_gpus=1, memory_bytes=None, nodes=("n",))
+             for p in ("cpu", "T4")]
+    found, missing = asyncio.run(cached_profiles(ctx, pools))  # type: ignore[arg-type]
+    assert list(found) == ["cpu"] and [p.product for p in missing] == ["T4"]

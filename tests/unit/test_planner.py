@@ -36,8 +36,8 @@ def _check_plan(plan: Plan) -> None:
 @example(seed=407)  # a compute-proportional baseline once used state-only ranks the job forbade
 def test_every_plan_meets_the_invariants_or_is_infeasible(seed: int) -> None:
     spec, cluster, profiles = random_instance(seed, max_gpus=6, max_batch=40)
-    try:
-        plan = solve(spec, cluster, profiles)
+    try:  # half the cases also choose which GPUs to use
+        plan = solve(spec, cluster, profiles, choose_gpus=seed % 2 == 0)
     except InfeasibleError as err:
         assert "iB" in str(err) or "state-only" in str(err)
         return
@@ -48,8 +48,11 @@ def test_every_plan_meets_the_invariants_or_is_infeasible(seed: int) -> None:
             assert base.predicted_samples_per_second <= plan.predicted_samples_per_second * (
                 1 + 1e-12), name
     # evaluate() of the plan's own assignment gives the plan's numbers.
-    ev = evaluate(spec, cluster, profiles,
-                  [(r.micro_batch_size, r.num_micro_batches) for r in plan.ranks])
+    assignment: list[tuple[int, int] | None] = [None] * cluster.num_gpus
+    for r in plan.ranks:
+        assignment[r.gpu_index] = (r.micro_batch_size, r.num_micro_batches)
+    assert sum(a is None for a in assignment) == sum(i.count for i in plan.idle_gpus)
+    ev = evaluate(spec, cluster, profiles, assignment)
     assert ev.feasible and ev.step_seconds == pytest.approx(plan.predicted_step_seconds)
 
 
@@ -61,9 +64,14 @@ def test_cluster_a_paper_models(preset: str, batch: int) -> None:
     assert [r.gpu for r in plan.ranks] == ["L4", "L4", "RTX-A6000", "P40", "P40", "P40",
                                            "P100", "P100"]
     a6000 = plan.ranks[2]
-    # The A6000 is the fastest card with the most memory: most samples, largest shard.
+    # The A6000 is the fastest card with the most memory: most samples, and (the paper's
+    # Fig. 9, ViT-G and Llama-3B) the largest shard. For GPT-2.7B/1.3B the calibrated fp32
+    # estimate is nearly flat in the microbatch size (as the authors measured), so the
+    # A6000 may spend its memory on one large microbatch instead of state: a P40 may then
+    # hold a slightly larger shard at the same predicted step time.
     assert a6000.batch_size == max(r.batch_size for r in plan.ranks)
-    assert a6000.shard_ratio == max(r.shard_ratio for r in plan.ranks)
+    if preset in ("vit-g", "llama-3b"):
+        assert a6000.shard_ratio == max(r.shard_ratio for r in plan.ranks)
     assert plan.search["exact"] is True
     assert set(plan.baselines) == {"even_fsdp", "fsdp_grad_accum", "compute_proportional",
                                    "compute_balance_only", "memory_balance_only"}
@@ -94,11 +102,20 @@ def test_gpu_too_small_for_a_single_sample_is_named() -> None:
 
 def test_batch_smaller_than_gpus_without_state_only_ranks() -> None:
     cluster = ClusterSpec(groups=[GpuGroup(product="A10G", count=4)])
+    spec = job_spec(2, allow_state_only=False)
+    # On all four GPUs (chooseGpus: false) the job cannot run, and says why ...
     with pytest.raises(InfeasibleError, match="raise globalBatchSize to at least 4"):
-        solve(job_spec(2, allow_state_only=False), cluster)
-    plan = solve(job_spec(2), cluster)  # allowed by default: two ranks only hold state
-    assert sorted(r.batch_size for r in plan.ranks) == [0, 0, 1, 1]
-    assert any("gets no samples" in note for note in plan.notes)
+        solve(spec, cluster, choose_gpus=False)
+    # ... and the job's default (planner.chooseGpus: true) leaves two idle
+    assert solve(spec, cluster).world_size <= 2
+    # ... choosing the GPUs, the plan uses at most two and says which it left idle and why.
+    plan = solve(spec, cluster, choose_gpus=True)
+    assert plan.world_size <= 2 and all(r.batch_size >= 1 for r in plan.ranks)
+    assert [(i.gpu, i.count) for i in plan.idle_gpus] == [("A10G", 4 - plan.world_size)]
+    assert "does not fit on all 4 GPUs" in plan.idle_gpus[0].reason
+    # State-only ranks allowed: more choices, never a slower plan.
+    relaxed = solve(job_spec(2), cluster, choose_gpus=True)
+    assert relaxed.predicted_step_seconds <= plan.predicted_step_seconds
 
 
 def test_slow_gpu_becomes_state_only_when_that_is_faster() -> None:

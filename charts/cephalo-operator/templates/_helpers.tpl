@@ -55,6 +55,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if and (eq .Values.rbac.scope "namespaced") (empty .Values.watchNamespaces) -}}
 {{- fail "rbac.scope=namespaced needs watchNamespaces: list the namespaces whose CephaloJobs the operator handles (e.g. --set 'watchNamespaces={team-a}'), or use rbac.scope=cluster" -}}
 {{- end -}}
+{{- if and .Values.networkPolicy.enabled (empty .Values.watchNamespaces) -}}
+{{- fail "networkPolicy.enabled needs watchNamespaces: the trainer pods' NetworkPolicies go into each namespace whose CephaloJobs the operator handles (e.g. --set 'watchNamespaces={team-a}')" -}}
+{{- end -}}
 {{- if eq (int .Values.metrics.port) (int .Values.health.port) -}}
 {{- fail (printf "metrics.port and health.port are both %v: the operator's /metrics and kopf's /healthz need different ports" .Values.metrics.port) -}}
 {{- end -}}

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic.alias_generators import to_camel
+from pydantic.config import JsonValue
 
 from cephalo.api.models import PRESETS, TEXT_FAMILIES
 
@@ -57,7 +58,7 @@ def _custom_default(field: str) -> str:
     return f"({_has(field)} || !has(self.preset))"
 
 
-def model_rules() -> list[dict[str, str]]:
+def model_rules() -> list[JsonValue]:
     """`ModelConfig._check` on the effective values, one rule per check (same messages)."""
     hidden, heads = _value("hidden_size"), _value("num_heads")
     both = f"{_has('hidden_size')} && {_has('num_heads')}"
@@ -88,7 +89,7 @@ def model_rules() -> list[dict[str, str]]:
 PARENT_SEGMENT_PATTERN = r"(^|/)\.\.(/|$)"
 
 
-def token_file_rules() -> list[dict[str, str]]:
+def token_file_rules() -> list[JsonValue]:
     """`TokenFileData._path_on_volume`: with a claim, the file lies under the mount."""
     return [{
         "rule": ("!has(self.claimName) || (self.mountPath.startsWith('/') && "

@@ -18,8 +18,10 @@ from pydantic import (
     model_validator,
 )
 from pydantic.alias_generators import to_camel
+from pydantic.config import JsonValue
 
 from cephalo.api.cel import PARENT_SEGMENT_PATTERN, model_rules, token_file_rules
+from cephalo.api.hf_config import resolve_pretrained
 from cephalo.api.models import PRESETS, ModelConfig
 from cephalo.api.podtemplate import PodTemplate
 from cephalo.api.safeyaml import YamlError, load_yaml_file
@@ -52,14 +54,16 @@ class ModelSpec(CamelModel):
     # The cross-field checks of ModelConfig as CEL, so that the API server refuses them too.
     model_config = ConfigDict(json_schema_extra={
         "anyOf": [{"required": ["preset"]},
-                  {"required": ["family", "numLayers", "hiddenSize", "numHeads"]}],
+                  {"required": ["family", "numLayers", "hiddenSize", "numHeads"]},
+                  {"required": ["pretrained"]}],
         "x-kubernetes-validations": model_rules(),
     })
 
     # The maxima below are far beyond any published model (the largest have ~130 blocks,
     # width ~25k, vocabularies ~256k): they only stop a typo or a hostile spec from making
     # the planner, profiler or trainer allocate without bound.
-    preset: str | None = Field(default=None, json_schema_extra={"enum": sorted(PRESETS)},
+    preset: str | None = Field(default=None, json_schema_extra={"enum": list[JsonValue](
+                                   sorted(PRESETS))},
                                description=(
         "Preset name: " + ", ".join(sorted(PRESETS)) + ". Or give `family` and dimensions."))
     family: Literal["gpt", "llama", "vit", "bert"] | None = Field(
@@ -84,11 +88,21 @@ class ModelSpec(CamelModel):
         "Patch side in pixels (vit; at most 16384)."))
     num_classes: int | None = Field(default=None, ge=2, le=4_194_304, description=(
         "Classes (vit, bert classification heads; at most 4194304)."))
+    pretrained: str | None = Field(default=None, min_length=1, max_length=1024, description=(
+        "A Hugging Face checkpoint (config.json + *.safetensors, sharded or not) to start "
+        "from: a folder in the trainer image or on a volume mounted through podTemplate, or "
+        "an fsspec URL (s3://...). The architecture comes from its config.json (llama, "
+        "mistral, gpt2); sequenceLength may be set, other fields must agree with it. A "
+        "checkpoint to resume from takes precedence (pretrained weights only start step 0)."))
 
     @model_validator(mode="after")
     def _preset_or_family(self) -> ModelSpec:
-        if self.preset is None and self.family is None:
-            raise ValueError("model needs a `preset` or a `family` with dimensions")
+        if self.pretrained is not None and self.preset is not None:
+            raise ValueError("model: give either `preset` or `pretrained` (whose config.json "
+                             "is the architecture), not both")
+        if self.preset is None and self.family is None and self.pretrained is None:
+            raise ValueError("model needs a `preset` or a `family` with dimensions (or "
+                             "`pretrained`)")
         if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(
                 f"unknown model preset {self.preset!r}; known presets: {', '.join(sorted(PRESETS))}"
@@ -97,8 +111,11 @@ class ModelSpec(CamelModel):
 
     def resolve(self) -> ModelConfig:
         """The full architecture: the preset's values overridden by any field given here."""
+        if self.pretrained is not None:
+            return resolve_pretrained(self.pretrained, self.model_dump(
+                exclude_none=True, exclude={"preset", "pretrained"}))
         values: dict[str, Any] = dict(PRESETS[self.preset]) if self.preset else {}
-        overrides = self.model_dump(exclude_none=True, exclude={"preset"})
+        overrides = self.model_dump(exclude_none=True, exclude={"preset", "pretrained"})
         values.update(overrides)
         if self.preset is None:
             missing = [k for k in ("num_layers", "hidden_size", "num_heads") if k not in values]
@@ -141,6 +158,12 @@ class TrainingSpec(CamelModel):
         "Seeds weights, synthetic data and dropout (at most 2^32-1, numpy's seed range)."))
     log_interval_steps: int = Field(default=1, ge=1, le=100_000_000, description=(
         "Log loss and throughput every N steps (at most 1e8)."))
+    eval_interval_steps: int | None = Field(default=None, ge=1, le=100_000_000, description=(
+        "Measure the mean loss on held-out validation data every N steps and at the last "
+        "step (see data.validationFraction); null: no evaluation."))
+    eval_samples: int | None = Field(default=None, ge=1, le=1_000_000, description=(
+        "Validation samples per evaluation (a fixed set: the same samples every time); "
+        "default: globalBatchSize."))
 
 
 class SyntheticData(CamelModel):
@@ -153,7 +176,8 @@ class TokenFileData(CamelModel):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": token_file_rules()})
 
     path: str = Field(min_length=1, max_length=4096, description=(
-        "nanoGPT-style flat binary of token ids (memory-mapped)."))
+        "nanoGPT-style flat binary of token ids (memory-mapped): a path, or an fsspec URL "
+        "(s3://bucket/train.bin) that every rank downloads once into its local cache."))
     dtype: Literal["uint16", "uint32"] = Field(
         default="uint16", description="Integer type of the token ids in the file.")
     claim_name: str | None = Field(default=None, description=(
@@ -179,20 +203,101 @@ class TokenFileData(CamelModel):
         return self
 
 
+DATA_URI_PATTERN = r"^[a-z][a-z0-9+.-]*://[^/].*$"  # scheme://bucket-or-host/...
+_ESCAPED_PARENT = PARENT_SEGMENT_PATTERN.replace("\\", "\\\\")  # inside a CEL string
+
+
+def _text_rules() -> list[JsonValue]:
+    """`TextData._one_source` and `_path_on_volume` as CEL (same verdicts)."""
+    mount = "(self.mountPath.endsWith('/') ? self.mountPath : self.mountPath + '/')"
+    return [
+        {"rule": "has(self.path) != has(self.uri)",
+         "message": "text data needs exactly one of path (a file, folder or glob) and uri"},
+        {"rule": ("!has(self.claimName) || (has(self.path) && self.mountPath.startsWith('/') "
+                  f"&& !self.mountPath.matches('{_ESCAPED_PARENT}') && "
+                  f"!self.path.matches('{_ESCAPED_PARENT}') && self.path.startsWith({mount}) "
+                  f"&& size(self.path) > size({mount}))"),
+         "message": ("with claimName, path must lie inside mountPath (an absolute path), with "
+                     "no '..' segments")},
+    ]
+
+
+class TextData(CamelModel):
+    """Text documents that every rank tokenizes once before training (cached locally, keyed
+    by the content of the inputs and the tokenizer), then samples exactly like a tokenFile."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _text_rules()})
+
+    path: str | None = Field(default=None, min_length=1, max_length=4096, description=(
+        "A local file, folder or glob of text (.txt, .jsonl, .parquet, .arrow); with "
+        "claimName, inside mountPath."))
+    uri: str | None = Field(default=None, max_length=4096, json_schema_extra={
+        "pattern": DATA_URI_PATTERN}, description=(
+        "fsspec URL of a file, folder or glob (s3://bucket/corpus/*.parquet; gs://, az:// "
+        "with their fsspec packages). Credentials from the pod template's env/envFrom."))
+    format: Literal["txt", "jsonl", "parquet", "arrow"] | None = Field(
+        default=None, description="Input format; default: from the file extensions.")
+    field: str = Field(default="text", min_length=1, max_length=256, description=(
+        "JSON field / column holding each document's text."))
+    tokenizer: str | None = Field(default=None, max_length=4096, description=(
+        "tokenizer.json, or a Hugging Face tokenizer folder holding one (local path or URL); "
+        "default: byte-level (UTF-8 bytes, ids 0-255, a newline byte between documents)."))
+    eos_id: int | None = Field(default=None, ge=0, le=4_194_303, description=(
+        "End-of-sequence id put after every document; default: the tokenizer's EOS token."))
+    claim_name: str | None = Field(default=None, max_length=253, description=(
+        "PersistentVolumeClaim holding the text, mounted read-only at mountPath in every "
+        "trainer pod."))
+    mount_path: str = Field(default="/data", max_length=4096,
+                            description="Where claimName is mounted.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TextData:
+        if (self.path is None) == (self.uri is None):
+            raise ValueError("data.text needs exactly one of path (a local file, folder or "
+                             "glob) and uri (s3://bucket/corpus/...)")
+        if self.uri is not None and not re.fullmatch(DATA_URI_PATTERN, self.uri):
+            raise ValueError(f"data.text.uri {self.uri!r} is not a URL such as "
+                             "s3://bucket/corpus/; for a local file use data.text.path")
+        return self
+
+    @model_validator(mode="after")
+    def _path_on_volume(self) -> TextData:
+        if self.claim_name is None:
+            return self
+        parent = re.compile(PARENT_SEGMENT_PATTERN)
+        mount = self.mount_path if self.mount_path.endswith("/") else self.mount_path + "/"
+        path = self.path
+        if path is None or not mount.startswith("/") or parent.search(self.mount_path) or \
+                parent.search(path) or not path.startswith(mount) or len(path) <= len(mount):
+            raise ValueError(
+                f"data.text.path {path!r} is not inside mountPath {self.mount_path!r}, where "
+                f"volume {self.claim_name!r} is mounted; use an absolute mountPath and a path "
+                "under it (a uri needs no claimName)")
+        return self
+
+
 class DataSpec(CamelModel):
-    """Training data: exactly one of `synthetic` or `tokenFile`."""
+    """Training data: exactly one of `synthetic`, `tokenFile` or `text`."""
 
     model_config = ConfigDict(json_schema_extra={
-        "oneOf": [{"required": ["synthetic"]}, {"required": ["tokenFile"]}],
+        "oneOf": [{"required": ["synthetic"]}, {"required": ["tokenFile"]},
+                  {"required": ["text"]}],
     })
 
     synthetic: SyntheticData | None = None
     token_file: TokenFileData | None = None
+    text: TextData | None = None
+    validation_fraction: float | None = Field(default=None, gt=0, le=0.5, description=(
+        "With training.evalIntervalSteps on tokenFile/text data: the fraction of the token "
+        "stream held out at its end for validation, never sampled for training (default "
+        "0.01). Synthetic data validates on a separately seeded set."))
 
     @model_validator(mode="after")
     def _exactly_one(self) -> DataSpec:
-        if (self.synthetic is None) == (self.token_file is None):
-            raise ValueError("data needs exactly one of `synthetic: {}` or `tokenFile: {path: …}`")
+        given = [x for x in (self.synthetic, self.token_file, self.text) if x is not None]
+        if len(given) != 1:
+            raise ValueError("data needs exactly one of `synthetic: {}`, `tokenFile: {path: …}` "
+                             "or `text: {path: …}`")
         return self
 
 
@@ -206,7 +311,7 @@ class GpuPoolSpec(CamelModel):
         default=None, max_length=64,
         description="Extra node labels a node of this pool must carry (at most 64).")
     max_gpus: int | None = Field(default=None, ge=1, le=100_000, description=(
-        "Use at most this many GPUs (at most 100000)."))
+        "Use at most this many of the pool's free GPUs (at most 100000)."))
     memory_mi_b: int | None = Field(
         default=None, ge=1, le=16_777_216, alias="memoryMiB",
         description="Override the GPU memory (MiB) the planner assumes (at most 16 TiB).")
@@ -229,23 +334,38 @@ class PlannerSpec(CamelModel):
         "Per-hop latency of collectives when no collective profile exists (at most 10 s)."))
     allow_state_only_ranks: bool = Field(default=True, description=(
         "Let a slow GPU take no batch and only hold training state when that is faster."))
+    choose_gpus: bool = Field(default=True, description=(
+        "Let the planner leave GPUs idle (no rank, no pod) when fewer are faster, e.g. a "
+        "small model whose collectives cost more than the extra GPUs save; the plan names "
+        "them in idle_gpus with the reason. false: every selected GPU gets a rank."))
 
 
 class SchedulingPolicy(CamelModel):
     """How the gang of rank pods is admitted (shaped like Kubeflow's schedulingPolicy).
 
-    Kueue needs none of this: label the CephaloJob with `kueue.x-k8s.io/queue-name`."""
+    Kueue needs none of this: label the CephaloJob with `kueue.x-k8s.io/queue-name`.
+    The gang scheduler (cephalo.operator.gang.gang_scheduler) is `gangScheduler`, else
+    inferred from `schedulerName` (volcano; scheduler-plugins-scheduler)."""
 
     scheduler_name: str | None = Field(default=None, max_length=253, description=(
         "Scheduler of the rank and profiler pods, e.g. volcano or scheduler-plugins-scheduler; "
-        "default: the cluster's default scheduler."))
+        "default: the gang scheduler's usual name, else the cluster's default scheduler."))
+    gang_scheduler: Literal["volcano", "scheduler-plugins"] | None = Field(
+        default=None, description=(
+            "Which PodGroup API the operator creates for the rank pods (like Kubeflow's "
+            "--gang-scheduler-name): volcano (scheduling.volcano.sh/v1beta1) or "
+            "scheduler-plugins (coscheduling, scheduling.x-k8s.io/v1alpha1). Default: "
+            "volcano when schedulerName is volcano, scheduler-plugins when it is "
+            "scheduler-plugins-scheduler, else none."))
     queue: str | None = Field(default=None, max_length=253, description=(
         "Volcano queue of the job's PodGroup."))
     priority_class_name: str | None = Field(default=None, max_length=253, description=(
         "PriorityClass of the PodGroup and of every rank pod."))
     schedule_timeout_seconds: int | None = Field(default=None, ge=1, le=604_800, description=(
-        "Release the whole gang (delete pending and running ranks, re-plan on the GPUs that "
-        "are free) when some rank stays unscheduled this long (at most a week)."))
+        "With scheduler-plugins: the PodGroup's scheduleTimeoutSeconds. With no gang "
+        "scheduler: release the whole gang (delete pending and running ranks, re-plan on the "
+        "GPUs that are free; not counted toward backoffLimit) when some rank stays "
+        "unscheduled this long (at most a week). Unset: no timeout, ranks wait."))
 
 
 CHECKPOINT_URI_PATTERN = r"^[a-z][a-z0-9+.-]*://[^/].*$"  # scheme://bucket-or-host/...
@@ -297,9 +417,15 @@ class CephaloJobSpec(CamelModel):
     gpu_pools: list[GpuPoolSpec] | None = Field(default=None, max_length=64, description=(
         "GPU pools to use (at most 64); default: every GPU product found."))
     max_gpus: int | None = Field(default=None, ge=1, le=100_000, description=(
-        "Use at most this many GPUs in all (the planner picks which; at most 100000)."))
+        "Use at most this many GPUs in all, keeping the fastest by the GPU catalog (peak for "
+        "the job's precision, then memory); at most 100000."))
     scheduling_policy: SchedulingPolicy | None = Field(default=None, description=(
         "Gang scheduling: scheduler, queue, priority and a pending timeout."))
+    ranks_per_pod: int = Field(default=1, ge=0, le=64, description=(
+        "Ranks (GPUs) per rank pod: 1 (default) one pod per GPU; 0 (auto) one pod per node "
+        "of a pool, as many ranks as the node had free GPUs at planning, so ranks on one "
+        "node use NVLink/P2P; k > 1 the same with at most k ranks a pod. A pod of k ranks "
+        "requests k GPUs and runs k processes (consecutive ranks, LOCAL_RANK = GPU)."))
     planner: PlannerSpec = Field(default_factory=PlannerSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     backoff_limit: int = Field(default=3, ge=0, le=10_000, description=(

@@ -183,8 +183,14 @@ PRESETS: dict[str, dict] = {
     "bert-large": dict(family="bert", num_layers=24, hidden_size=1024, num_heads=16,
                        ffn_hidden_size=4096, vocab_size=30522, sequence_length=512,
                        num_classes=2),
-    "vit-g": dict(family="vit", num_layers=40, hidden_size=1408, num_heads=16,
-                  ffn_hidden_size=6144, image_size=224, patch_size=14, num_classes=1000),
+    # ViT-G as the paper trains it (48 layers, width 1664, 1.84B) at 384 px. The authors'
+    # parameter counts (1,843,609,345 with a 1-output head) pin their patch size to 16:
+    # 24 x 24 patches + the class token = 577 tokens per image.
+    "vit-g": dict(family="vit", num_layers=48, hidden_size=1664, num_heads=16,
+                  ffn_hidden_size=8192, image_size=384, patch_size=16, num_classes=1000),
+    # ViT-g/14 (lower-case "giant", 1.0B; what "vit-g" named before it followed the paper).
+    "vit-giant-1b": dict(family="vit", num_layers=40, hidden_size=1408, num_heads=16,
+                         ffn_hidden_size=6144, image_size=224, patch_size=14, num_classes=1000),
     "vit-e": dict(family="vit", num_layers=56, hidden_size=1792, num_heads=16,
                   ffn_hidden_size=15360, image_size=224, patch_size=14, num_classes=1000),
     "gpt-1.3b": _gpt(24, 2048, 16),

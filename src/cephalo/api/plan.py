@@ -9,7 +9,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from cephalo.api.job import format_validation_error
 from cephalo.api.safeyaml import YamlError, read_text_file
@@ -20,6 +28,13 @@ SHARD_RATIO_TOLERANCE = 1e-9
 
 class PlanError(CephaloError, ValueError):
     """A plan that breaks an invariant; the message says which and by how much."""
+
+
+def _omit_empty(data: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """Drop fields added after the first plans when they say nothing (None or empty), so a
+    plan without idle GPUs serialises as it did before they existed (same bytes, same
+    config hash of running jobs)."""
+    return {k: v for k, v in data.items() if k not in keys or v not in (None, [], {})}
 
 
 class RankPlan(BaseModel):
@@ -36,6 +51,25 @@ class RankPlan(BaseModel):
     predicted_step_seconds: float | None = None
     predicted_memory_bytes: int | None = None
     memory_capacity_bytes: int | None = None
+    # Position of this rank's GPU in the cluster's GPU list (groups in order, each group's
+    # GPUs in turn). Ranks are numbered over the GPUs the plan uses; with idle GPUs this says
+    # which device a rank runs on (`cephalo run` maps ranks to local devices with it).
+    gpu_index: int | None = Field(default=None, ge=0)
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_index(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _omit_empty(handler(self), ("gpu_index",))
+
+
+class IdleGpus(BaseModel):
+    """GPUs the plan leaves unused (no rank, no pod) and why."""
+
+    model_config = ConfigDict(extra="allow")
+
+    gpu: str
+    pool: str | None = None
+    count: int = Field(ge=1)
+    reason: str
 
 
 class BaselineResult(BaseModel):
@@ -55,6 +89,23 @@ class Plan(BaseModel):
     predicted_samples_per_second: float | None = None
     ranks: list[RankPlan]
     baselines: dict[str, BaselineResult] = Field(default_factory=dict)
+    # GPUs of the cluster the planner chose not to use (fewer GPUs made the step faster).
+    idle_gpus: list[IdleGpus] = Field(default_factory=list)
+    # Proven distance of predicted_step_seconds to the cost model's optimum on the GPUs
+    # used (0: exact). Positive only when the large-batch aggregate-memory search could not
+    # close its Lagrangian bound.
+    optimality_gap_seconds: float | None = Field(default=None, ge=0)
+    # Per-unit sharding (the paper's §4.3): engine unit index ("0" embedding, "1".."L"
+    # blocks, "L+1" head) -> one ratio per rank, for the units that do not use the ranks'
+    # `shard_ratio`. Usually the units sharded evenly (1/N, no uneven-collective overhead)
+    # or those skewed where memory needs it. Empty (omitted): every unit uses shard_ratio.
+    # Validated against the world size where the plan is used (trainer env, `cephalo run`).
+    unit_shard_ratios: dict[str, list[float]] = Field(default_factory=dict)
+
+    @model_serializer(mode="wrap")
+    def _omit_empty_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _omit_empty(handler(self), ("idle_gpus", "optimality_gap_seconds",
+                                           "unit_shard_ratios"))
 
     @model_validator(mode="after")
     def _invariants(self) -> Plan:

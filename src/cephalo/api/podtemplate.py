@@ -23,14 +23,11 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from cephalo.api.trainer_env import OPERATOR_SET
+
 # Environment variables the operator sets on rank and profiler pods (DESIGN.md's trainer
 # contract, plus HOME, which must point at the writable /tmp under a read-only root).
-CONTRACT_ENV = frozenset({
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CEPHALO_JOB",
-    "CEPHALO_PLAN", "CEPHALO_BATCH_SIZE", "CEPHALO_MICRO_BATCH_SIZE",
-    "CEPHALO_NUM_MICRO_BATCHES", "CEPHALO_SHARD_RATIO", "CEPHALO_CHECKPOINT_DIR",
-    "CEPHALO_METRICS_PORT", "CEPHALO_RESTART_ATTEMPT", "HOME",
-})
+CONTRACT_ENV = frozenset({*OPERATOR_SET, "HOME"})
 # Volumes the operator mounts, by name and path (the token-file volume's path is the job's
 # data.tokenFile.mountPath; the operator checks that one when it renders).
 OPERATOR_VOLUMES = frozenset({"config", "tmp", "dshm", "checkpoints", "dataset"})

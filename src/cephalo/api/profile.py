@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from cephalo.api.models import ModelConfig
 
 TERMINATION_MESSAGE_LIMIT_BYTES = 4096
+# Part of every profile cache key: bump it whenever what a profile measures changes, so that
+# profiles cached by an older profiler are measured again instead of silently lacking fields.
+# 5: the real single-rank step is kept as measured (`single_rank_step`), no longer as an
+# overhead computed with one planner version's cost model.
+PROFILE_FORMAT = 5
 
 
 class ProfilePoint(BaseModel):
@@ -55,6 +63,20 @@ class CollectiveProfile(BaseModel):
             "on its own stream; near 0 on gloo when compute and gloo share few CPU cores)"))
 
 
+class SingleRankStep(BaseModel):
+    """One real training step of the engine on the profiled device alone, as measured, with
+    what the planner needs to set its own prediction of that step beside it: the difference
+    is the engine's per-step work beyond units and optimizer (inputs, buffers, logging)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seconds: float = Field(gt=0, description="median wall time of one step")
+    micro_batch_size: int = Field(default=1, ge=1, description="samples in the step's one "
+                                                                "microbatch")
+    num_blocks: int = Field(ge=0, description="transformer blocks the step ran")
+    parameters: int = Field(ge=1, description="parameters the step's optimizer updated")
+
+
 class GpuProfile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -75,16 +97,28 @@ class GpuProfile(BaseModel):
             "microbatches run through it (binding the unit, cold caches)"))
     other_forward_fixed_seconds: float | None = Field(
         default=None, ge=0, description="the same for the embedding's forward and the data")
-    step_overhead_seconds: float | None = Field(
-        default=None, ge=0, description=(
-            "per-step work of the engine beyond the units and the optimizer (inputs, "
-            "buffers, logging): a real single-rank step with one sample, minus the cost "
-            "model's prediction of it"))
+    single_rank_step: SingleRankStep | None = Field(
+        default=None, description=(
+            "a real step on this device alone, measured where the whole training state fits "
+            "in a small share of the device (the planner derives the step overhead from it)"))
     optimizer_seconds_per_parameter: float | None = Field(
         default=None, ge=0, description="AdamW update time per owned parameter")
     optimizer_seconds_fixed: float | None = Field(
         default=None, ge=0, description="AdamW + gradient-norm time per step for all units, "
                                         "independent of their sizes (launch/Python overhead)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_older_formats(cls, data: object) -> object:
+        # Format <= 4 stored the step overhead as one planner version computed it; such a
+        # profile is refused (not converted: the raw step time it came from is lost), so a
+        # cache holding it measures the GPU again.
+        if isinstance(data, dict) and "step_overhead_seconds" in data:
+            raise ValueError(
+                f"a profile of an older format (step_overhead_seconds; this Cephalo reads "
+                f"format {PROFILE_FORMAT}): measure the GPU again with "
+                "`python -m cephalo.trainer.profile`")
+        return data
 
     def to_compact_json(self) -> str:
         """The smallest faithful JSON (what goes into a termination message)."""
@@ -97,7 +131,19 @@ def model_key(model_architecture_key: str, precision: str) -> str:
     return digest[:12]
 
 
-def profile_cache_key(product: str, model_architecture_key: str, precision: str) -> str:
-    """DNS-label-safe cache key for a profile of `product` on a model (ConfigMap names, files)."""
+def profile_cache_key(product: str, model: ModelConfig, precision: str, runtime: str,
+                      micro_batch_sizes: Sequence[int] | None = None) -> str:
+    """The one cache key of a measured profile, for the operator's ConfigMaps and the local
+    profiler's files alike (DNS-label safe): GPU product, model architecture, precision,
+    PROFILE_FORMAT and `runtime`, the software that measures.
+
+    `runtime` pins the torch build: locally `torch=<version>` (the profiler runs in this
+    environment); the operator, which must not import torch, passes the trainer image the
+    profiler pod runs (an image pins its torch). `micro_batch_sizes`: the operator's
+    ConfigMap is created once and never rewritten, so the sizes it holds are part of its
+    key; a local file is replaced when a run needs sizes it lacks (None: not in the key)."""
+    parts = [model.architecture_key(), f"format={PROFILE_FORMAT}", f"runtime={runtime}"]
+    if micro_batch_sizes is not None:
+        parts.append("mbs=" + ",".join(map(str, micro_batch_sizes)))
     safe = re.sub(r"[^a-z0-9-]+", "-", product.lower()).strip("-")[:40]
-    return f"{safe}-{model_key(model_architecture_key, precision)}"
+    return f"{safe}-{model_key('|'.join(parts), precision)}"

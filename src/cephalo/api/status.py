@@ -50,6 +50,9 @@ class Progress(StatusModel):
     step: int | None = Field(default=None, description="Last completed optimizer step.")
     total_steps: int | None = None
     loss: float | None = Field(default=None, description="Mean loss of the last step.")
+    validation_loss: float | None = Field(default=None, description=(
+        "Mean loss on the held-out validation set at the last evaluation "
+        "(spec.training.evalIntervalSteps)."))
     samples_per_second: float | None = Field(default=None,
                                              description="Measured training throughput.")
     last_update_time: str | None = None

@@ -1,6 +1,12 @@
 """`cephalo export CKPT_DIR --output model.pt`: a sharded checkpoint as one plain PyTorch
 state_dict that `cephalo.trainer.models.build_model(config).load_state_dict` accepts.
 
+`--format hf --output DIR` writes a Hugging Face checkpoint instead (config.json,
+model.safetensors or shards + model.safetensors.index.json above --max-shard-size, and the
+tokenizer files of the pretrained model the job started from): `transformers` loads it with
+`AutoModelForCausalLM.from_pretrained(DIR)`. llama exports as Llama (or Mistral when it
+started from one), gpt as GPT-2; vit and bert have no Hugging Face counterpart here.
+
 CKPT_DIR is a checkpoint root (its newest intact checkpoint is used) or one checkpoint
 folder, on local disk or object storage (an fsspec URL such as s3://bucket/prefix/ns/job,
 with the backend's usual credentials in the environment). torch is imported only when this
@@ -12,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from pathlib import Path
+from typing import Any
 
 from cephalo.errors import CephaloError
 
@@ -25,9 +33,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint_dir", metavar="CKPT_DIR",
                         help="checkpoint root (newest complete checkpoint) or one step-* folder; "
                              "a local path or a URL such as s3://bucket/prefix/ns/job")
-    parser.add_argument("--output", "-o", required=True, help="where to write the state_dict (.pt)")
+    parser.add_argument("--output", "-o", required=True,
+                        help="where to write the state_dict (.pt), or the folder for --format hf")
     parser.add_argument("--config-output", default=None,
                         help="also write the model architecture (ModelConfig) as JSON here")
+    parser.add_argument("--format", choices=("pt", "hf"), default="pt",
+                        help="pt: one PyTorch state_dict (default); hf: a Hugging Face "
+                             "checkpoint folder (config.json + safetensors) transformers loads")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="--format hf: split the safetensors above this size, with an "
+                             "index (default 5GB, as transformers; units B, KB, MB, GB)")
+    parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="--format hf: copy tokenizer files from this folder (default: "
+                             "those of the pretrained model the job started from, if any)")
+
+
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size_bytes(text: str) -> int:
+    """'5GB' -> 5_000_000_000 (decimal units, like transformers' max_shard_size)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in SIZE_UNITS:
+        raise ExportError(f"--max-shard-size {text!r} is not a size such as 5GB or 500MB")
+    size = int(float(match.group(1)) * SIZE_UNITS[match.group(2).upper()])
+    if size < 1:
+        raise ExportError(f"--max-shard-size {text!r} must be at least 1 byte")
+    return size
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,7 +82,15 @@ def run(args: argparse.Namespace) -> int:
         # checkpoint being read, or make the root look torn
         raise ExportError(f"--output {output} lies inside the checkpoint directory {root}; "
                           "write the export somewhere else")
-    if output.is_dir():
+    hf = args.format == "hf"
+    if hf:
+        max_shard_bytes = parse_size_bytes(args.max_shard_size)
+        if output.exists() and not output.is_dir():
+            raise ExportError(f"--output {output} is a file; --format hf writes a folder")
+        tokenizer = Path(args.tokenizer) if args.tokenizer else None
+        if tokenizer is not None and not tokenizer.is_dir():
+            raise ExportError(f"--tokenizer {tokenizer} is not a folder")
+    elif output.is_dir():
         raise ExportError(f"--output {output} is a directory; give a file name such as "
                           f"{output / 'model.pt'}")
     try:
@@ -64,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, KeyError) as err:
         raise ExportError(f"{info.path}/meta.json: the recorded model is not valid "
                           f"({err}); the checkpoint's metadata is corrupted") from None
+    if hf:
+        return _export_hf(info, output, max_shard_bytes, tokenizer, args.config_output)
     state = full_state_dict(info)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(output.name + ".tmp")
@@ -74,4 +117,20 @@ def run(args: argparse.Namespace) -> int:
     numel = sum(t.numel() for t in state.values())
     print(f"exported step {info.step} of {info.path} ({len(state)} tensors, {numel:,} "
           f"parameters, {info.config.family}) to {output}")
+    return 0
+
+
+def _export_hf(info: Any, output: Path, max_shard_bytes: int, tokenizer: Path | None,
+               config_output: str | None) -> int:
+    from cephalo.api.hf_config import PretrainedError
+    from cephalo.trainer.hf_export import export_hf
+
+    try:
+        written = export_hf(info, output, max_shard_bytes, tokenizer)
+    except PretrainedError as err:
+        raise ExportError(f"{info.path}: {err}") from None
+    if config_output:
+        Path(config_output).write_text(json.dumps(info.meta["model"], indent=2) + "\n")
+    print(f"exported step {info.step} of {info.path} ({info.config.family}) as a Hugging Face "
+          f"checkpoint to {output}: {', '.join(written)}")
     return 0

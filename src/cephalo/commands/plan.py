@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from cephalo.api import ClusterSpec, GpuGroup, GpuProfile, Plan, load_job, parse_job
 from cephalo.api.cluster import MAX_GPUS_PER_GROUP
 from cephalo.api.job import CephaloJobSpec, format_validation_error
+from cephalo.api.plan import SHARD_RATIO_TOLERANCE
 from cephalo.api.safeyaml import YamlError, read_text_file
 from cephalo.cli import UserError
 
@@ -47,17 +48,14 @@ def parse_gpus(text: str) -> ClusterSpec:
         count = int(match.group(1) or 1)
         if not 1 <= count <= MAX_GPUS_PER_GROUP:
             raise UserError(f"--gpus: count must be 1 to {MAX_GPUS_PER_GROUP} in {item[:40]!r}")
-        from cephalo.planner import lookup_gpu
-
-        lookup_gpu(match.group(2))  # a clear error for an unknown name, before planning
-        groups.append(GpuGroup(product=match.group(2), count=count))
+        groups.append(GpuGroup(product=match.group(2).strip(), count=count))
     if not groups:
         raise UserError("--gpus: give at least one GPU, e.g. --gpus 2xL4,1xRTX-A6000")
     return ClusterSpec(groups=groups)
 
 
 def load_profiles(folder: str) -> dict[str, GpuProfile]:
-    from cephalo.planner import lookup_gpu
+    from cephalo.planner.catalog import gpu_key
 
     path = Path(folder)
     if not path.is_dir():
@@ -72,8 +70,36 @@ def load_profiles(folder: str) -> dict[str, GpuProfile]:
         except ValidationError as err:
             raise UserError(f"--profiles: {file} is not a GpuProfile: "
                             f"{format_validation_error(err)}") from None
-        profiles[lookup_gpu(profile.product).name] = profile
+        profiles[gpu_key(profile.product)] = profile
     return profiles
+
+
+def match_profiles(cluster: ClusterSpec, profiles: dict[str, GpuProfile]) -> ClusterSpec:
+    """Each --gpus name resolved against the catalog and the profiles: a GPU outside the
+    catalog is usable from its measured profile (named as NVML or GFD spell it, or by a
+    shorter suffix of that: RTX-4090 for NVIDIA-GeForce-RTX-4090); without one, a clear
+    error saying to profile it (a typo of a catalog name gets the same list)."""
+    from cephalo.planner.catalog import gpu_key, known_names, resolve_gpu
+
+    groups = []
+    for group in cluster.groups:
+        key = gpu_key(group.product)
+        if not resolve_gpu(group.product).in_catalog and key not in profiles:
+            wanted = _letters(group.product)
+            found = [k for k in profiles if _letters(k).endswith(wanted)]
+            if len(found) != 1:
+                raise UserError(
+                    f"--gpus: unknown GPU {group.product[:64]!r}: not in the catalog and no "
+                    "profile of it was given: measure one on that GPU (`python -m "
+                    "cephalo.trainer.profile --job JOB.yaml --output DIR/gpu.json`) and "
+                    f"pass --profiles DIR; catalog GPUs: {known_names()}")
+            key = found[0]
+        groups.append(group.model_copy(update={"product": key}))
+    return cluster.model_copy(update={"groups": groups})
+
+
+def _letters(name: str) -> str:
+    return "".join(ch for ch in name.lower() if ch.isalnum())
 
 
 def _spec(args: argparse.Namespace) -> CephaloJobSpec:
@@ -101,9 +127,9 @@ def run(args: argparse.Namespace) -> int:
     from cephalo.planner import solve
 
     spec = _spec(args)
-    cluster = parse_gpus(args.gpus)
-    profiles = load_profiles(args.profiles) if args.profiles else None
-    plan = solve(spec, cluster, profiles)
+    profiles = load_profiles(args.profiles) if args.profiles else {}
+    cluster = match_profiles(parse_gpus(args.gpus), profiles)
+    plan = solve(spec, cluster, profiles)  # planner.chooseGpus (default true)
     if args.json:
         sys.stdout.write(plan.to_json())
     else:
@@ -136,6 +162,13 @@ def format_plan(plan: Plan, model_name: str) -> str:
                      f"{plan.predicted_samples_per_second:.2f} samples/s")
     else:
         lines.append("no prediction (a plan given by hand)")
+    if plan.unit_shard_ratios:
+        lines.append(unit_sharding_line(plan))
+    for idle in plan.idle_gpus:
+        lines.append(f"idle: {idle.count} x {idle.gpu} (pool {idle.pool}): {idle.reason}")
+    if plan.optimality_gap_seconds:
+        lines.append(f"optimality gap: at most {plan.optimality_gap_seconds:.4g} s per step "
+                     "above the cost model's optimum (proven bound)")
     if plan.baselines:
         lines += ["", f"{'baseline':<22} {'samples/s':>10}  {'Cephalo is':>10}"]
     for name, base in plan.baselines.items():
@@ -153,3 +186,26 @@ def format_plan(plan: Plan, model_name: str) -> str:
     return "\n".join(lines)
 
 
+
+
+def unit_sharding_line(plan: Plan) -> str:
+    """How many units are sharded evenly (no uneven-collective overhead) and how many
+    skewed, for a plan with per-unit ratios."""
+    flat = 1.0 / plan.world_size
+
+    def even(ratios: list[float]) -> bool:
+        return all(abs(r - flat) <= SHARD_RATIO_TOLERANCE for r in ratios)
+
+    layers = ((plan.model_extra or {}).get("model") or {}).get("num_layers")
+    listed = plan.unit_shard_ratios
+    listed_even = sum(even(v) for v in listed.values())
+    if isinstance(layers, int):
+        others = layers + 2 - len(listed)
+        rank_even = even([r.shard_ratio for r in plan.ranks])
+        num_even = listed_even + (others if rank_even else 0)
+        return (f"units: {num_even} of {layers + 2} sharded evenly, "
+                f"{layers + 2 - num_even} skewed where memory needs it (only those pay the "
+                f"uneven-collective overhead; 'shard' is for the units not in "
+                f"unit_shard_ratios)")
+    return (f"units: {len(listed)} with their own ratios (unit_shard_ratios), "
+            f"{listed_even} of them even")

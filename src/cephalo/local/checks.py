@@ -13,8 +13,10 @@ from pathlib import Path
 
 from cephalo.api.job import CephaloJob, CephaloJobSpec
 from cephalo.api.plan import Plan
+from cephalo.corpus import check_remote_file, check_text
 from cephalo.errors import CephaloError
 from cephalo.local.devices import LocalDevice
+from cephalo.tokenfile import sidecar_mismatch
 
 
 class RunError(CephaloError, ValueError):
@@ -123,12 +125,28 @@ def remove_created(created: list[Path]) -> None:
 def check_inputs(spec: CephaloJobSpec, options: RunOptions) -> None:
     """What would otherwise fail only after the profiler or the ranks started."""
     token = spec.data.token_file
-    if token is not None and token.claim_name is None and not options.plan_path:
+    if token is not None and "://" in token.path:  # object storage: the ranks download it
+        check_remote_file(token.path, "data.tokenFile.path")
+    elif token is not None and token.claim_name is None and not options.plan_path:
         path = Path(token.path)
         if not path.is_file():
             what = "is a folder" if path.is_dir() else "does not exist"
             raise RunError(f"data.tokenFile.path {token.path} {what}; give the token file "
                            "(a flat binary of token ids) or use data: {synthetic: {}}")
+        problem = sidecar_mismatch(path, token.dtype, spec.model.resolve().vocab_size)
+        if problem is not None:
+            raise RunError(problem)
+    text = spec.data.text
+    if text is not None and text.claim_name is None:
+        config = spec.model.resolve()
+        if config.family not in ("gpt", "llama"):
+            raise RunError(f"data.text needs a language model (gpt or llama), the job's "
+                           f"model is {config.family}; use data: {{synthetic: {{}}}}")
+        try:
+            check_text(text.uri or text.path or "", text.format, text.field, text.tokenizer,
+                       text.eos_id, config.vocab_size)
+        except CephaloError as err:
+            raise RunError(f"data.text: {err}") from None
 
 
 def check_plan(plan: Plan, devices: list[LocalDevice], source: str,
@@ -151,7 +169,7 @@ def check_plan_fits_job(plan: Plan, spec: CephaloJobSpec, source: str) -> None:
         raise RunError(f"{source} is for global batch {plan.global_batch_size} but the job's "
                        f"globalBatchSize is {spec.global_batch_size}; re-plan for the job")
     units = spec.model.resolve().num_units
-    overrides = (plan.model_extra or {}).get("unit_shard_ratios") or {}
+    overrides = getattr(plan, "unit_shard_ratios", None) or {}  # a declared Plan field
     if not isinstance(overrides, dict):
         raise RunError(f"{source}: unit_shard_ratios must map unit indices to lists of ratios")
     for unit, ratios in overrides.items():

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cephalo.api.memory import state_bytes
 from cephalo.api.models import ModelConfig
-from cephalo.api.profile import GpuProfile, ProfilePoint
+from cephalo.api.profile import GpuProfile, ProfilePoint, SingleRankStep
 from cephalo.planner.catalog import lookup_gpu
-from cephalo.planner.costmodel import STATE_BYTES_PER_PARAMETER
+from cephalo.planner.costmodel import modelled_single_rank_step_seconds, step_overhead_seconds
 
 HEADROOM = 1.5
 
@@ -45,7 +46,7 @@ def plan_emulation(cpu_profile: GpuProfile, products: list[str], model: ModelCon
     dilation = {p: fastest / peak[p] for p in distinct}
     if memory_scale is None:
         largest = max(cpu_profile.points, key=lambda q: q.micro_batch_size)
-        need = STATE_BYTES_PER_PARAMETER * model.total_parameters() + \
+        need = state_bytes(model.total_parameters(), precision) + \
             len(products) * largest.compute_memory_bytes
         offered = sum(lookup_gpu(p).memory_bytes for p in products) * memory_fraction
         memory_scale = HEADROOM * need / offered
@@ -71,11 +72,26 @@ def emulated_profile(cpu_profile: GpuProfile, product: str, emu: Emulation,
     scaled = {k: getattr(cpu_profile, k) * factor
               for k, factor in (("block_forward_fixed_seconds", d),
                                 ("other_forward_fixed_seconds", d),
-                                ("step_overhead_seconds", contention),
                                 ("optimizer_seconds_fixed", contention),
                                 ("optimizer_seconds_per_parameter", contention))
               if getattr(cpu_profile, k) is not None}
-    return cpu_profile.model_copy(update={
+    emulated = cpu_profile.model_copy(update={
         **scaled, "product": product, "source": "emulated", "points": points,
         "memory_capacity_bytes": emu.capacity_bytes[product],
         "device_name": f"emulated {product} on {cpu_profile.device_name}"})
+    return emulated.model_copy(update={"single_rank_step": _emulated_step(cpu_profile,
+                                                                          emulated, contention)})
+
+
+def _emulated_step(cpu_profile: GpuProfile, emulated: GpuProfile,
+                   contention: float) -> SingleRankStep | None:
+    """The measured single-rank step as the emulated GPU takes it: its units and optimizer
+    as the emulated profile models them, plus the CPU step's own overhead slowed only by
+    contention (the engine's per-step work runs outside the units, undilated). The planner
+    then derives exactly contention x the CPU's overhead from it."""
+    probe = cpu_profile.single_rank_step
+    modelled = modelled_single_rank_step_seconds(emulated)
+    if probe is None or modelled is None:
+        return None
+    seconds = modelled + contention * step_overhead_seconds(cpu_profile)
+    return probe.model_copy(update={"seconds": seconds})

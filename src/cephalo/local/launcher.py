@@ -23,6 +23,7 @@ from pathlib import Path
 
 from cephalo.api.job import CephaloJobSpec, load_job
 from cephalo.api.plan import Plan
+from cephalo.api.trainer_env import TrainerVars, to_environ
 from cephalo.local.devices import LocalDevice
 from cephalo.rootcause import RankFailure, describe, root_cause
 
@@ -56,7 +57,7 @@ class LaunchResult:
 
 
 def checkpoint_location(spec: CephaloJobSpec, job_name: str, run_dir: Path) -> str:
-    """Where a local run's ranks checkpoint (CEPHALO_CHECKPOINT_DIR).
+    """Where a local run's ranks checkpoint (their checkpoint directory variable).
 
     `checkpoint.uri`: `<uri>/<job name>/<run directory name>`, one prefix per run like the
     run directory itself (so --resume, which reuses the run directory, finds it again);
@@ -73,35 +74,25 @@ def checkpoint_location(spec: CephaloJobSpec, job_name: str, run_dir: Path) -> s
 
 def rank_environment(rank: int, plan: Plan, ranks: list[RankEnv], run_dir: Path,
                      job_file: Path, plan_file: Path, port: int,
-                     threads_per_rank: int, checkpoint_dir: str | None = None) -> dict[str, str]:
+                     threads_per_rank: int, checkpoint_dir: str | None = None,
+                     stop_after_step: int | None = None) -> dict[str, str]:
     r = plan.ranks[rank]
     info = ranks[rank]
+    gpu = info.device.kind != "cpu"
     env = dict(os.environ)
-    env.update({
-        "RANK": str(rank), "WORLD_SIZE": str(plan.world_size), "LOCAL_RANK": str(rank),
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        "CEPHALO_PLAN": str(plan_file), "CEPHALO_JOB": str(job_file),
-        "CEPHALO_CHECKPOINT_DIR": str(run_dir / "checkpoints") if checkpoint_dir is None
-        else checkpoint_dir,
-        "CEPHALO_METRICS_FILE": str(run_dir / "metrics.jsonl"),
-        "CEPHALO_METRICS_PORT": "0",
-        "CEPHALO_BATCH_SIZE": str(r.batch_size),
-        "CEPHALO_MICRO_BATCH_SIZE": str(r.micro_batch_size),
-        "CEPHALO_NUM_MICRO_BATCHES": str(r.num_micro_batches),
-        "CEPHALO_SHARD_RATIO": repr(r.shard_ratio),
-        "OMP_NUM_THREADS": str(threads_per_rank),
-        "CEPHALO_NUM_THREADS": str(threads_per_rank),
-        "PYTHONUNBUFFERED": "1",
-    })
-    if info.device.kind == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU rank must not grab a GPU
-    else:
-        env["CUDA_VISIBLE_DEVICES"] = str(info.device.index)
-        env["LOCAL_RANK"] = "0"  # the one visible GPU
-    if info.dilation != 1.0:
-        env["CEPHALO_TIME_DILATION"] = repr(info.dilation)
-    if info.memory_limit_bytes is not None:
-        env["CEPHALO_MEMORY_LIMIT_BYTES"] = str(info.memory_limit_bytes)
+    env.update(to_environ(TrainerVars(
+        rank=rank, world_size=plan.world_size, local_rank=0 if gpu else rank,  # 0: its one GPU
+        master_addr="127.0.0.1", master_port=port, job=str(job_file), plan=str(plan_file),
+        batch_size=r.batch_size, micro_batch_size=r.micro_batch_size,
+        num_micro_batches=r.num_micro_batches, shard_ratio=r.shard_ratio,
+        checkpoint_dir=str(run_dir / "checkpoints") if checkpoint_dir is None
+        else checkpoint_dir, metrics_port=0, metrics_file=str(run_dir / "metrics.jsonl"),
+        num_threads=threads_per_rank,
+        time_dilation=info.dilation if info.dilation != 1.0 else None,
+        memory_limit_bytes=info.memory_limit_bytes, stop_after_step=stop_after_step)))
+    env.update({"OMP_NUM_THREADS": str(threads_per_rank), "PYTHONUNBUFFERED": "1",
+                # a CPU rank must not grab a GPU; a GPU rank sees its one device
+                "CUDA_VISIBLE_DEVICES": str(info.device.index) if gpu else ""})
     return env
 
 
@@ -182,9 +173,7 @@ def launch(plan: Plan, ranks: list[RankEnv], run_dir: Path, job_file: Path, plan
     try:
         for rank in range(plan.world_size):
             env = rank_environment(rank, plan, ranks, run_dir, job_file, plan_file, port,
-                                   threads_per_rank, result.checkpoint_dir)
-            if stop_after_step is not None:
-                env["CEPHALO_STOP_AFTER_STEP"] = str(stop_after_step)
+                                   threads_per_rank, result.checkpoint_dir, stop_after_step)
             with open(logs / f"rank-{rank}.log", "ab") as log:
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "cephalo.trainer"], env=env, stdout=log,

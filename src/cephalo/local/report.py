@@ -7,7 +7,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -35,7 +35,9 @@ class Progress:
             width = 24
             filled = int(width * step / self.total)
             bar = "#" * filled + "." * (width - filled)
-            line = (f"[{bar}] step {step}/{self.total}  loss {rec['loss']:.4f}  "
+            validation = rec.get("validation_loss")
+            shown = "" if validation is None else f"  val-loss {validation:.4f}"
+            line = (f"[{bar}] step {step}/{self.total}  loss {rec['loss']:.4f}{shown}  "
                     f"{rec['samples_per_second']:.1f} samples/s  ETA {eta:4.0f} s")
             if self.tty:
                 self.stream.write("\r" + line)
@@ -58,6 +60,8 @@ class Summary:
     rank_idle_seconds: list[float]
     step_seconds: float
     first_step: int = 1  # > 1: a resumed run segment
+    # (step, mean loss on the held-out set) of every evaluation (training.evalIntervalSteps)
+    validation: list[tuple[int, float]] = field(default_factory=list)
 
 
 def summarize(records: Sequence[dict], plan: Plan) -> Summary | None:
@@ -78,7 +82,14 @@ def summarize(records: Sequence[dict], plan: Plan) -> Summary | None:
     idle = [max(0.0, step_s - c - w) for c, w in zip(compute, wait, strict=True)]
     return Summary(plan.global_batch_size / step_s, plan.predicted_samples_per_second,
                    records[0]["loss"], records[-1]["loss"], int(records[-1]["step"]),
-                   compute, wait, idle, step_s, int(records[0]["step"]))
+                   compute, wait, idle, step_s, int(records[0]["step"]),
+                   validation_points(records))
+
+
+def validation_points(records: Sequence[dict]) -> list[tuple[int, float]]:
+    """(step, validation loss) of the records that carry one (trainer/eval.py)."""
+    return [(int(r["step"]), float(r["validation_loss"])) for r in records
+            if r.get("validation_loss") is not None]
 
 
 def format_summary(summary: Summary, plan: Plan, labels: list[str]) -> str:
@@ -92,6 +103,12 @@ def format_summary(summary: Summary, plan: Plan, labels: list[str]) -> str:
             f"over steps {summary.first_step}-{summary.steps} (resumed after step "
             f"{summary.first_step - 1})")
     lines.append(f"  loss        {summary.first_loss:.4f} -> {summary.last_loss:.4f} {span}")
+    if summary.validation:
+        first, last = summary.validation[0], summary.validation[-1]
+        trend = f"{last[1]:.4f} at step {last[0]}" if first == last else \
+            f"{first[1]:.4f} (step {first[0]}) -> {last[1]:.4f} (step {last[0]})"
+        lines.append(f"  validation  loss {trend} on the held-out set "
+                     f"({len(summary.validation)} evaluations)")
     lines.append(f"  step time   {summary.step_seconds:.3f} s (median after the first step)")
     lines.append("  per rank    compute / waiting on collectives / idle (seconds per step)")
     for r in range(plan.world_size):
@@ -114,9 +131,15 @@ def write_plots(records: Sequence[dict], summary: Summary, labels: list[str],
         return []
     written = []
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".")
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".",
+            label="training (mean over the global batch)")
+    points = validation_points(records)
+    if points:
+        ax.plot([s for s, _ in points], [v for _, v in points], marker="o", linestyle="--",
+                color="#dd8452", label="validation (held-out set)")
+        ax.legend(fontsize="small")
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (mean over the global batch)")
+    ax.set_ylabel("loss")
     ax.set_title("Loss")
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -17,6 +17,7 @@ from cephalo.api.cluster import ClusterSpec, GpuGroup
 from cephalo.api.job import CephaloJob, load_job
 from cephalo.api.plan import Plan, PlanError, load_plan
 from cephalo.api.profile import GpuProfile
+from cephalo.api.trainer_env import TrainerVars, to_environ
 from cephalo.commands.plan import format_plan
 from cephalo.local.checks import (
     RunError,
@@ -60,12 +61,15 @@ def slowed(profile: GpuProfile, factor: float) -> GpuProfile:
         k: getattr(p, k) * factor for k in ("block_forward_seconds", "block_backward_seconds",
                                             "other_forward_seconds", "other_backward_seconds")})
         for p in profile.points]
-    # Per-step and per-pass work is CPU work too.
+    # Per-step and per-pass work is CPU work too: the measured real step slows as a whole
+    # (so the step overhead the planner derives from it scales by `factor` as well).
     scalars = {k: getattr(profile, k) * factor
                for k in ("block_forward_fixed_seconds", "other_forward_fixed_seconds",
-                         "step_overhead_seconds", "optimizer_seconds_fixed",
-                         "optimizer_seconds_per_parameter")
+                         "optimizer_seconds_fixed", "optimizer_seconds_per_parameter")
                if getattr(profile, k) is not None}
+    if profile.single_rank_step is not None:
+        scalars["single_rank_step"] = profile.single_rank_step.model_copy(
+            update={"seconds": profile.single_rank_step.seconds * factor})
     return profile.model_copy(update={"points": points, **scalars})
 
 
@@ -81,8 +85,18 @@ def write_job(job: CephaloJob, options: RunOptions, run_dir: Path) -> Path:
     if options.steps is not None:
         data["spec"].setdefault("training", {})["steps"] = options.steps
     token = data["spec"].get("data", {}).get("tokenFile")
-    if token:
+    if token and "://" not in token["path"]:  # a URL is fetched by the ranks as it is
         token["path"] = str(Path(token["path"]).resolve())
+    text = data["spec"].get("data", {}).get("text")
+    if text:  # data.text: its local path and tokenizer folder (not URLs, not "byte-level")
+        if text.get("path"):
+            text["path"] = str(Path(text["path"]).resolve())
+        tokenizer = text.get("tokenizer")
+        if tokenizer and "://" not in tokenizer and tokenizer != "byte-level":
+            text["tokenizer"] = str(Path(tokenizer).resolve())
+    model = data["spec"].get("model", {})
+    if model.get("pretrained") and "://" not in model["pretrained"]:  # a local HF folder
+        model["pretrained"] = str(Path(model["pretrained"]).resolve())
     data.pop("status", None)
     path = run_dir / "job.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -100,7 +114,8 @@ def profile_devices(devices: list[LocalDevice], job_file: Path, run_dir: Path,
         if kind in profiles:
             continue
         output = folder / f"measured-{kind}.json"
-        env = dict(os.environ, CEPHALO_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+        env = dict(os.environ, **to_environ(TrainerVars(num_threads=threads)),
+                   OMP_NUM_THREADS=str(threads))
         command = [sys.executable, "-m", "cephalo.trainer.profile", "--job", str(job_file),
                    "--output", str(output)]
         if not profiles and len(devices) > 1:
@@ -147,6 +162,17 @@ def build_cluster(devices: list[LocalDevice], host_memory_bytes: int | None = No
     return ClusterSpec(groups=groups, network_latency_seconds=LOCAL_LATENCY_SECONDS,
                        network_bandwidth_bytes_per_second=PCIE_BANDWIDTH_BYTES_PER_SECOND
                        if on_gpu else LOOPBACK_BANDWIDTH_BYTES_PER_SECOND)
+
+
+def plan_devices(plan: Plan, devices: list[LocalDevice]) -> list[LocalDevice]:
+    """The device of each rank: a plan may leave devices idle (fewer ranks were faster);
+    its ranks then name their device by `gpu_index`, the position in `build_cluster`'s
+    order, which is the device order."""
+    if plan.world_size == len(devices):
+        return devices
+    chosen = [devices[r.gpu_index] for r in plan.ranks if r.gpu_index is not None]
+    assert len(chosen) == plan.world_size, "a plan with idle devices names each rank's device"
+    return chosen
 
 
 def run_job(options: RunOptions, out=print) -> int:
@@ -225,6 +251,7 @@ def _run_in(run_dir: Path, job: CephaloJob, options: RunOptions, devices: list[L
         title += " (EMULATED GPUs on this CPU)"
     out(format_plan(plan, title))
     out(f"\nRun directory: {run_dir}")
+    devices = plan_devices(plan, devices)
     ranks = [RankEnv(d,
                      emulation.dilation[d.product] if emulation and d.emulated else 1.0,
                      emulation.capacity_bytes[d.product] if emulation and d.emulated else None)

@@ -1,8 +1,17 @@
-"""GPU catalog: memory, peak throughput and memory bandwidth of common GPUs, and the product
-label spellings NVIDIA GPU Feature Discovery (`nvidia.com/gpu.product`) and NVML use for them.
+"""GPU catalog: memory, peak throughput, memory bandwidth and *measured efficiency* of common
+GPUs, and the product label spellings NVIDIA GPU Feature Discovery (`nvidia.com/gpu.product`)
+and NVML use for them.
 
-Figures are the vendors' dense (no sparsity) peaks. They feed the *estimated* cost model used
-when no measured profile exists, and the memory capacity when no node label says otherwise.
+Peaks are the vendors' dense (no sparsity) figures for the exact SKU: PCIe and SXM boards of
+one chip differ in clocks, power and memory (H100 PCIe has 76 % of the SXM's FLOP/s and 60 %
+of its bandwidth), so each has its own entry and labels. The efficiencies are the fraction of
+peak a transformer block's training pass reaches, calibrated against the Cephalo authors'
+per-layer measurements (`tests/unit/test_catalog_calibration.py` keeps the errors); GPUs they
+did not measure take the figure of the closest measured GPU of the same architecture.
+
+The catalog only feeds *estimates* (the cost model when no profile was measured) and the
+memory capacity when no node label or profile says otherwise: a GPU missing from it is still
+usable once profiled (`resolve_gpu`).
 """
 
 from __future__ import annotations
@@ -18,12 +27,17 @@ MIB = 1024**2
 @dataclass(frozen=True)
 class GpuType:
     name: str  # short catalog name used in plans and on the command line
-    memory_bytes: int
+    memory_bytes: int  # 0: unknown (a product outside the catalog)
     fp32_tflops: float
     bf16_tflops: float | None  # tensor-core bf16 peak; None: no native bf16 (Pascal, Volta, T4)
     fp16_tflops: float
     memory_bandwidth_gbps: float  # GB/s
     labels: tuple[str, ...] = ()  # GFD / NVML spellings that mean this GPU
+    # Fraction of the fp32 / bf16 peak a transformer block's forward+backward reaches at a
+    # large microbatch (measured: L4 ~0.3, A6000 ~0.5, V100 ~0.9 of fp32 peak).
+    fp32_efficiency: float = 0.6
+    bf16_efficiency: float = 0.45
+    in_catalog: bool = True  # False: known only by its label; speed must come from a profile
 
     def peak_flops(self, precision: str) -> float:
         """Peak FLOP/s the engine can use: fp32 runs on CUDA cores (TF32 is off by default in
@@ -32,35 +46,64 @@ class GpuType:
             return self.bf16_tflops * 1e12
         return self.fp32_tflops * 1e12
 
+    def achieved_flops(self, precision: str) -> float:
+        """FLOP/s a large transformer block actually reaches (peak x measured efficiency)."""
+        if precision == "bf16" and self.bf16_tflops:
+            return self.bf16_tflops * 1e12 * self.bf16_efficiency
+        return self.fp32_tflops * 1e12 * self.fp32_efficiency
+
 
 def _gpu(name: str, mib: int, fp32: float, bf16: float | None, fp16: float, bw: float,
-         *labels: str) -> GpuType:
-    return GpuType(name, mib * MIB, fp32, bf16, fp16, bw, labels)
+         eff: tuple[float, float], *labels: str) -> GpuType:
+    return GpuType(name, mib * MIB, fp32, bf16, fp16, bw, labels, eff[0], eff[1])
 
+
+# (fp32, bf16) efficiencies, fitted per GPU to the authors' per-layer times of the paper's
+# six models (GPT-2.7B/6.7B, Llama-3B/7B, ViT-G/e at m = 1…8; least mean error). bf16 from
+# their fp16 runs where they have them (tensor cores, same rate); else the architecture's.
+_PASCAL_P40, _PASCAL_P100 = (0.49, 0.45), (0.65, 0.45)
+_VOLTA_SXM2, _VOLTA_PCIE = (0.82, 0.45), (0.90, 0.45)  # PCIe: lower peak, same real speed
+_TURING = (0.50, 0.45)  # T4 (power-capped at 70 W: the figure is its sustained clock)
+_AMPERE_A10G, _AMPERE_A6000 = (0.54, 0.79), (0.48, 0.54)
+_AMPERE_A100 = (0.90, 0.60)
+_ADA_L4, _ADA_L40S = (0.29, 0.33), (0.36, 0.33)  # Ada's fp32 peak counts dual-issue FMAs
+_HOPPER = (0.67, 0.43)  # H100 NVL measured; SXM/PCIe/H200 share the architecture
 
 GPU_CATALOG: dict[str, GpuType] = {g.name: g for g in (
-    _gpu("P40", 24576, 11.76, None, 0.18, 346, "Tesla-P40", "NVIDIA-Tesla-P40"),
-    _gpu("P100", 16384, 9.3, None, 18.7, 732, "Tesla-P100-PCIE-16GB", "Tesla-P100-SXM2-16GB",
-         "P100-16GB"),
-    _gpu("V100-16GB", 16384, 15.7, None, 125.0, 900, "Tesla-V100-SXM2-16GB",
-         "Tesla-V100-PCIE-16GB", "V100"),
-    _gpu("V100-32GB", 32768, 15.7, None, 125.0, 900, "Tesla-V100-SXM2-32GB",
-         "Tesla-V100-PCIE-32GB", "Tesla-V100S-PCIE-32GB"),
-    _gpu("T4", 15360, 8.1, None, 65.0, 320, "Tesla-T4", "NVIDIA-T4"),
-    _gpu("A10G", 23028, 31.2, 70.0, 70.0, 600, "NVIDIA-A10G"),
-    _gpu("L4", 23034, 30.3, 121.0, 121.0, 300, "NVIDIA-L4"),
-    _gpu("RTX-A6000", 49140, 38.7, 154.8, 154.8, 768, "NVIDIA-RTX-A6000", "A6000",
-         "RTXA6000"),
-    _gpu("A100-40GB", 40960, 19.5, 312.0, 312.0, 1555, "NVIDIA-A100-SXM4-40GB",
+    _gpu("P40", 24576, 11.76, None, 0.18, 346, _PASCAL_P40, "Tesla-P40", "NVIDIA-Tesla-P40"),
+    # The paper's Cluster A P100s are PCIe boards (a workstation): "P100" is the PCIe SKU.
+    _gpu("P100", 16384, 9.3, None, 18.7, 732, _PASCAL_P100, "Tesla-P100-PCIE-16GB",
+         "P100-16GB", "P100-PCIe-16GB"),
+    _gpu("P100-12GB", 12288, 9.3, None, 18.7, 549, _PASCAL_P100, "Tesla-P100-PCIE-12GB"),
+    _gpu("P100-SXM2", 16384, 10.6, None, 21.2, 732, _PASCAL_P100, "Tesla-P100-SXM2-16GB"),
+    # "V100-16GB"/"V100-32GB" are the SXM2 boards (AWS p3, DGX-1: the paper's Cluster B).
+    _gpu("V100-16GB", 16384, 15.7, None, 125.0, 900, _VOLTA_SXM2, "Tesla-V100-SXM2-16GB", "V100",
+         "V100-SXM2-16GB"),
+    _gpu("V100-32GB", 32768, 15.7, None, 125.0, 900, _VOLTA_SXM2, "Tesla-V100-SXM2-32GB",
+         "V100-SXM2-32GB"),
+    _gpu("V100-PCIe-16GB", 16384, 14.0, None, 112.0, 900, _VOLTA_PCIE, "Tesla-V100-PCIE-16GB"),
+    _gpu("V100-PCIe-32GB", 32768, 14.0, None, 112.0, 900, _VOLTA_PCIE, "Tesla-V100-PCIE-32GB"),
+    _gpu("V100S-32GB", 32768, 16.4, None, 130.0, 1134, _VOLTA_SXM2, "Tesla-V100S-PCIE-32GB"),
+    _gpu("T4", 15360, 8.1, None, 65.0, 320, _TURING, "Tesla-T4", "NVIDIA-T4"),
+    _gpu("A10G", 23028, 31.2, 70.0, 70.0, 600, _AMPERE_A10G, "NVIDIA-A10G"),
+    _gpu("L4", 23034, 30.3, 121.0, 121.0, 300, _ADA_L4, "NVIDIA-L4"),
+    _gpu("RTX-A6000", 49140, 38.7, 154.8, 154.8, 768, _AMPERE_A6000, "NVIDIA-RTX-A6000",
+         "A6000", "RTXA6000"),
+    _gpu("A100-40GB", 40960, 19.5, 312.0, 312.0, 1555, _AMPERE_A100, "NVIDIA-A100-SXM4-40GB",
          "NVIDIA-A100-PCIE-40GB", "A100"),
-    _gpu("A100-80GB", 81920, 19.5, 312.0, 312.0, 2039, "NVIDIA-A100-SXM4-80GB",
+    _gpu("A100-80GB", 81920, 19.5, 312.0, 312.0, 2039, _AMPERE_A100, "NVIDIA-A100-SXM4-80GB",
          "NVIDIA-A100-80GB-PCIe"),
-    _gpu("H100", 81559, 67.0, 989.0, 989.0, 3350, "NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-PCIe",
-         "NVIDIA-H100-SXM5-80GB", "H100-80GB"),
-    _gpu("H200", 143771, 67.0, 989.0, 989.0, 4800, "NVIDIA-H200", "NVIDIA-H200-141GB-HBM3e"),
-    _gpu("L40S", 46068, 91.6, 362.0, 362.0, 864, "NVIDIA-L40S"),
+    # "H100" is the SXM5 board; the PCIe and NVL boards have their own clocks and memory.
+    _gpu("H100", 81559, 67.0, 989.0, 989.0, 3350, _HOPPER, "NVIDIA-H100-80GB-HBM3",
+         "NVIDIA-H100-SXM5-80GB", "H100-80GB", "H100-SXM"),
+    _gpu("H100-PCIe", 81559, 51.0, 756.0, 756.0, 2000, _HOPPER, "NVIDIA-H100-PCIe",
+         "NVIDIA-H100-PCIE-80GB"),
+    _gpu("H100-NVL", 95830, 60.0, 835.0, 835.0, 3900, _HOPPER, "NVIDIA-H100-NVL"),
+    _gpu("H200", 143771, 67.0, 989.0, 989.0, 4800, _HOPPER, "NVIDIA-H200",
+         "NVIDIA-H200-141GB-HBM3e"),
+    _gpu("L40S", 46068, 91.6, 362.0, 362.0, 864, _ADA_L40S, "NVIDIA-L40S"),
     # The host CPU for `cephalo run --devices cpu:N`; always replaced by a measured profile.
-    _gpu("cpu", 16384, 0.2, None, 0.2, 20, "CPU"),
+    _gpu("cpu", 16384, 0.2, None, 0.2, 20, (0.6, 0.45), "CPU"),
 )}
 
 
@@ -81,14 +124,56 @@ class UnknownGpuError(CephaloError, ValueError):
     """A GPU name that is not in the catalog; the message lists the known ones."""
 
 
-def lookup_gpu(label_or_name: str) -> GpuType:
-    """The catalog entry for a catalog name ('A10G'), a GFD label ('NVIDIA-A10G') or an NVML
-    device name ('NVIDIA A10G', 'Tesla T4'); UnknownGpuError listing the known names otherwise."""
+def _find(label_or_name: str) -> GpuType | None:
     key = _normalize(label_or_name)
     for candidate in (key, key.removeprefix("nvidia"), key.removeprefix("nvidiatesla"),
                       key.removeprefix("tesla")):
         if candidate in _INDEX:
             return _INDEX[candidate]
-    known = ", ".join(n for n in GPU_CATALOG if n != "cpu")
-    raise UnknownGpuError(f"unknown GPU {label_or_name[:64]!r}; known GPUs: {known} "
-                     "(GPU Feature Discovery labels such as NVIDIA-A10G or Tesla-T4 work too)")
+    return None
+
+
+def lookup_gpu(label_or_name: str) -> GpuType:
+    """The catalog entry for a catalog name ('A10G'), a GFD label ('NVIDIA-A10G') or an NVML
+    device name ('NVIDIA A10G', 'Tesla T4'); UnknownGpuError listing the known names otherwise."""
+    found = _find(label_or_name)
+    if found is not None:
+        return found
+    raise UnknownGpuError(f"unknown GPU {label_or_name[:64]!r}; known GPUs: {known_names()} "
+                          "(GPU Feature Discovery labels such as NVIDIA-A10G or Tesla-T4 work "
+                          "too; any other GPU works from a measured profile)")
+
+
+def known_names() -> str:
+    return ", ".join(n for n in GPU_CATALOG if n != "cpu")
+
+
+def gpu_key(label_or_name: str) -> str:
+    """The name plans and profiles use for a GPU: its catalog name, or for a product outside
+    the catalog its label with blanks as dashes, the spelling the profiler gives it
+    (`cephalo.trainer.device_info`): NVML's 'NVIDIA GeForce RTX 4090' and GFD's
+    'NVIDIA-GeForce-RTX-4090' both give 'NVIDIA-GeForce-RTX-4090'. Never raises."""
+    found = _find(label_or_name)
+    if found is not None:
+        return found.name
+    return re.sub(r"\s+", "-", label_or_name.strip())[:63] or "unknown-gpu"
+
+
+def resolve_gpu(label_or_name: str, memory_bytes: int | None = None) -> GpuType:
+    """The catalog entry, or for a product outside the catalog a GpuType that only knows its
+    name and memory (`in_catalog` False): planning then needs a measured profile of it, and
+    `estimate_profile` refuses it with a message saying so."""
+    found = _find(label_or_name)
+    if found is not None:
+        return found
+    return GpuType(gpu_key(label_or_name), memory_bytes or 0, 0.0, None, 0.0, 0.0,
+                   (label_or_name,), in_catalog=False)
+
+
+def same_gpu(a: str, b: str) -> bool:
+    """Do two spellings name the same GPU (catalog SKU, or the same unknown product up to
+    case and punctuation)?"""
+    found_a, found_b = _find(a), _find(b)
+    if found_a is not None or found_b is not None:
+        return found_a is found_b
+    return _normalize(a) == _normalize(b)

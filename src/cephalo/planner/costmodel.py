@@ -34,15 +34,15 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from cephalo.api.models import ModelConfig
-from cephalo.api.profile import GpuProfile, ProfilePoint, model_key
-from cephalo.planner.catalog import GpuType
+from cephalo.api import memory
 
-# Bytes per parameter of training state: fp32 parameter + fp32 gradient + two fp32 Adam
-# moments. bf16 runs autocast over fp32 master shards, so the state is the same 16 bytes.
-STATE_BYTES_PER_PARAMETER = 16
-# Parameters and gradients travel in fp32 in both precisions (the shards are fp32 masters).
-COMM_BYTES_PER_PARAMETER = 4
+# The memory model is cephalo.api.memory's; its constants stay importable from here.
+from cephalo.api.memory import COMM_BYTES_PER_PARAMETER
+from cephalo.api.memory import STATE_BYTES_PER_PARAMETER as STATE_BYTES_PER_PARAMETER
+from cephalo.api.models import ModelConfig
+from cephalo.api.profile import GpuProfile, ProfilePoint, SingleRankStep, model_key
+from cephalo.planner.catalog import GpuType, UnknownGpuError
+
 # The paper measured uneven collectives at most 15% slower than even ones.
 UNEVEN_COLLECTIVE_OVERHEAD = 0.15
 
@@ -122,6 +122,11 @@ class UnitComm:
     all_reduce_seconds: float = 0.0  # the step's fixed small all-reduces
     state_share_parameters: float = 0.0  # P / N: the optimizer's work per GPU
     step_overhead_seconds: float = 0.0  # measured, beyond the model (CommModel.calibrated)
+    # Per-unit sharding (planner/unit_shards.py): `even_blocks` of the blocks are sharded
+    # evenly and pay these even collectives; ag_block / rs_block price the other, skewed ones.
+    even_blocks: int = 0
+    ag_block_even: float = 0.0
+    rs_block_even: float = 0.0
 
     @classmethod
     def build(cls, model: ModelConfig, comm: CommModel, world_size: int,
@@ -170,8 +175,21 @@ class GpuCostModel:
                                         profile.other_forward_fixed_seconds or 0.0])
         self.optimizer_seconds_per_parameter = profile.optimizer_seconds_per_parameter or 0.0
         self.optimizer_seconds_fixed = profile.optimizer_seconds_fixed or 0.0
-        # The engine's own per-step work beyond units and optimizer, as profiled.
-        self.step_fixed_seconds = profile.step_overhead_seconds or 0.0
+        # The engine's own per-step work beyond units and optimizer: what the profiled real
+        # step took beyond this model's prediction of it (none measured: none charged).
+        self.step_fixed_seconds = 0.0
+        probe = profile.single_rank_step
+        if probe is not None:
+            self.step_fixed_seconds = max(0.0, probe.seconds - self.modelled_seconds(probe))
+
+    def modelled_seconds(self, probe: SingleRankStep) -> float:
+        """This model's prediction of a single-rank step like `probe`, without the step
+        overhead: one microbatch through every unit (no collectives, the fixed part of a
+        forward paid once as in any one-microbatch pass) and the optimizer on all of
+        `probe.parameters`."""
+        f, b, fo, bo = self.compute_seconds(np.array([probe.micro_batch_size]))[:, 0]
+        return float(probe.num_blocks * (f + b) + fo + bo + self.optimizer_seconds_fixed +
+                     self.optimizer_seconds_per_parameter * probe.parameters)
 
     def compute_seconds(self, m: np.ndarray) -> np.ndarray:
         """(4, len(m)) array: block fwd, block bwd, other fwd, other bwd seconds per microbatch."""
@@ -205,13 +223,18 @@ class GpuCostModel:
                                                                                  collective)
 
         per_block = unit(f, comm.ag_block) + unit(b, comm.ag_block + comm.rs_block)
+        blocks = self.num_layers * per_block
+        if comm.even_blocks:  # a mixed per-unit plan: some blocks skip the uneven overhead
+            per_even = unit(f, comm.ag_block_even) + \
+                unit(b, comm.ag_block_even + comm.rs_block_even)
+            blocks = comm.even_blocks * per_even + (self.num_layers - comm.even_blocks) * per_block
         # The embedding's forward hides the first block's gather, the last block's forward
         # the head's: per pass, L + 1 gathers overlap compute. Charging the head's gather
         # to the embedding+head compute keeps the count exact.
         other = unit(fo, comm.ag_head) + unit(bo, comm.ag_first + comm.rs_other)
         fixed = comm.ag_first + comm.all_reduce_seconds + self.optimizer_seconds(comm) + \
             comm.step_overhead_seconds + self.step_fixed_seconds
-        return fixed + self.num_layers * per_block + other
+        return fixed + blocks + other
 
     def optimizer_seconds(self, comm: UnitComm) -> float:
         return self.optimizer_seconds_fixed + \
@@ -228,14 +251,19 @@ class GpuCostModel:
         return np.asarray(ell, dtype=np.float64) * per_micro + fixed
 
 
-def single_rank_step_seconds(profile: GpuProfile, model: ModelConfig) -> float:
-    """This model's step time for one sample on one GPU alone, from `profile` without its
-    step overhead: what the profiler compares a measured step with to find that overhead."""
-    bare = profile.model_copy(update={"step_overhead_seconds": None})
-    cost = GpuCostModel(None, bare, bare.memory_capacity_bytes, model.num_layers)
-    alone = UnitComm(0.0, 0.0, 0.0, 0.0, 0.0, state_share_parameters=model.total_parameters())
-    one = np.ones(1)
-    return float(cost.step_seconds(one, one, alone)[0])
+def step_overhead_seconds(profile: GpuProfile) -> float:
+    """The engine's per-step work beyond units and optimizer that `profile`'s measured
+    single-rank step shows (0 when it measured none): the planner's reading of it."""
+    return GpuCostModel(None, profile, profile.memory_capacity_bytes, 0).step_fixed_seconds
+
+
+def modelled_single_rank_step_seconds(profile: GpuProfile) -> float | None:
+    """What this cost model predicts for `profile`'s measured single-rank step, without the
+    step overhead (None: the profile measured no such step)."""
+    if profile.single_rank_step is None:
+        return None
+    cost = GpuCostModel(None, profile, profile.memory_capacity_bytes, 0)
+    return cost.modelled_seconds(profile.single_rank_step)
 
 
 def _linear_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
@@ -259,41 +287,58 @@ def _upper_slope(x: np.ndarray, y: np.ndarray) -> float:
 
 # ---- analytic estimate when no profile was measured ------------------------------------
 
-# Fraction of peak reached by large transformer matmuls, and the tokens per microbatch at
-# which half of it is reached (small microbatches under-fill the GPU, the paper's Fig. 5).
-_PEAK_EFFICIENCY = {"fp32": 0.6, "bf16": 0.45}
-_HALF_EFFICIENCY_TOKENS = 1024.0
+# Rows (tokens) per microbatch at which a block reaches half its large-batch efficiency. On
+# CUDA cores (fp32) a 512-token sample already fills the GPU: the authors measured per-sample
+# time at m = 1 within ~5 % of m = 8 (V100, GPT-6.7B: 17.3 vs 17.4 ms). Tensor cores (bf16)
+# need bigger tiles: their per-sample time at m = 1 is 1.3-1.9x that at m = 8.
+_HALF_EFFICIENCY_TOKENS = {"fp32": 16.0, "bf16": 512.0}
 _KERNEL_LAUNCH_SECONDS = 12 * 10e-6  # ~12 kernels per block pass at ~10 µs each
 _WORKSPACE_BYTES = 256 * 1024**2
+# Activations one block keeps per token for its recompute + backward, in units of
+# (2 x ffn width + 4 x hidden width) elements: the MLP's wide tensors (input of the
+# activation and its output) and the hidden-width ones (norms, attention output, residual).
+# Attention scores are not materialised: SDPA's fused kernels keep them on chip. Calibrated
+# on the authors' measured compute memory (ViT-e: 0.108 GiB per sample vs 0.11 estimated).
+_BLOCK_ACTIVATION_FACTOR = 1.5
+# The loss keeps three logits-sized fp32 tensors per token (logits, softmax, their gradient).
+_HEAD_LOGIT_COPIES = 3
 
 
 def estimate_profile(gpu: GpuType, model: ModelConfig, precision: str,
                      micro_batch_sizes: Iterable[int] = range(1, 9)) -> GpuProfile:
-    """A GpuProfile from catalog peaks and the model's FLOPs (marked `estimated`)."""
-    peak = gpu.peak_flops(precision) * _PEAK_EFFICIENCY[precision]
+    """A GpuProfile from the catalog's measured efficiency and the model's FLOPs (marked
+    `estimated`). A GPU outside the catalog has no figures to estimate from: it must be
+    profiled (UnknownGpuError says how)."""
+    if not gpu.in_catalog:
+        raise UnknownGpuError(
+            f"GPU {gpu.name!r} is not in the catalog, so its speed cannot be estimated: "
+            "measure a profile of it (the operator profiles every GPU product; locally run "
+            "`python -m cephalo.trainer.profile` on it) and pass the folder with --profiles")
+    achieved = gpu.achieved_flops(precision)
+    half = _HALF_EFFICIENCY_TOKENS.get(precision, _HALF_EFFICIENCY_TOKENS["fp32"])
     elem_bytes = 2 if precision == "bf16" else 4
     tokens = model.tokens_per_sample
     h, f = model.hidden_size, model.ffn_hidden_size
-    # Working set of one block's recompute + backward per sample: QKV, attention output,
-    # projections, norms and the MLP's two wide tensors, plus their gradients; attention
-    # scores when the kernel materialises them.
-    block_act = 2 * tokens * (10 * h + 3 * f) * elem_bytes + model.num_heads * tokens**2 * 4
-    head_act = 3 * tokens * (model.vocab_size or model.num_classes or 0) * 4
-    boundary = 2 * tokens * h * elem_bytes  # activations in flight to / from host memory
-    max_unit = max(model.unit_parameters())
-    fixed = 3 * max_unit * COMM_BYTES_PER_PARAMETER + _WORKSPACE_BYTES
+    block_act = _BLOCK_ACTIVATION_FACTOR * tokens * (2 * f + 4 * h) * elem_bytes
+    head_act = _HEAD_LOGIT_COPIES * tokens * (model.vocab_size or 0) * 4
+    # Two boundary activations in flight to / from host memory (fp32 in both precisions).
+    boundary = 2 * memory.boundary_bytes(1, tokens, h)
+    fixed = memory.unit_buffer_bytes(max(model.unit_parameters())) + _WORKSPACE_BYTES
     weight_read = model.block_parameters() * elem_bytes / (gpu.memory_bandwidth_gbps * 1e9)
     points = []
     for m in sorted(set(micro_batch_sizes)):
-        eff = m * tokens / (m * tokens + _HALF_EFFICIENCY_TOKENS)
-        fwd = model.block_forward_flops() * m / (peak * eff) + weight_read + _KERNEL_LAUNCH_SECONDS
-        other = model.other_forward_flops() * m / (peak * eff) + 4 * _KERNEL_LAUNCH_SECONDS
+        fill = m * tokens / (m * tokens + half)
+        # Roofline: a pass is bound by its FLOPs or by reading the block's weights, whichever
+        # is slower (large models: FLOPs at any m, so per-sample time is flat in m).
+        fwd = max(model.block_forward_flops() * m / (achieved * fill), weight_read) + \
+            _KERNEL_LAUNCH_SECONDS
+        other = model.other_forward_flops() * m / (achieved * fill) + 4 * _KERNEL_LAUNCH_SECONDS
         points.append(ProfilePoint(
             micro_batch_size=m, block_forward_seconds=fwd, block_backward_seconds=3 * fwd,
             other_forward_seconds=other, other_backward_seconds=2 * other,
             compute_memory_bytes=int(fixed + m * (block_act + head_act + boundary))))
     # AdamW reads and writes parameter, gradient and two moments: memory-bound.
-    adam = 2 * STATE_BYTES_PER_PARAMETER / (gpu.memory_bandwidth_gbps * 1e9)
+    adam = 2 * memory.state_bytes_per_parameter(precision) / (gpu.memory_bandwidth_gbps * 1e9)
     return GpuProfile(product=gpu.name, memory_capacity_bytes=gpu.memory_bytes,
                       source="estimated", model_key=model_key(model.architecture_key(), precision),
                       precision=precision, points=points,  # type: ignore[arg-type]

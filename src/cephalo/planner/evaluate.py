@@ -13,7 +13,8 @@ import numpy as np
 from cephalo.api.cluster import ClusterSpec
 from cephalo.api.job import CephaloJobSpec
 from cephalo.api.profile import GpuProfile
-from cephalo.planner.problem import Problem, build_problem, gib
+from cephalo.planner.problem import Problem, build_problem, gib, subset_problem
+from cephalo.planner.unit_shards import EvenUnits, even_state_bytes, fits, mixed_unit_comm
 
 # Floating-point slack when comparing memory to a budget (bytes are ~1e10; this is 1 B/GiB).
 _MEMORY_RTOL = 1e-9
@@ -27,8 +28,10 @@ class Evaluation:
     rank_seconds: list[float]
     rank_compute_bytes: list[float]
     rank_memory_bytes: list[float]
-    shard_ratios: list[float]
+    shard_ratios: list[float]  # of the skewed units (all units unless `even_units` says)
     global_batch_size: int
+    # Units sharded evenly (1/N) whatever `shard_ratios` says; None: all units use them.
+    even_units: EvenUnits | None = None
 
     @property
     def samples_per_second(self) -> float | None:
@@ -63,18 +66,33 @@ def water_fill(compute_bytes: Sequence[float], budgets: Sequence[float],
 
 def score(problem: Problem, micro: Sequence[int], ell: Sequence[int],
           shard_ratios: Sequence[float] | None = None, *, even_shards: bool = False,
-          layered: bool = True) -> Evaluation:
-    """Step time and memory of one assignment (per rank: microbatch size m and count ℓ)."""
+          layered: bool = True, even_units: EvenUnits | None = None) -> Evaluation:
+    """Step time and memory of one assignment (per rank: microbatch size m and count ℓ).
+
+    `even_units` shards those units evenly and the rest by `shard_ratios` (default:
+    water-filled over the memory the even units leave); all or none of the units is the
+    same as `even_shards` True or False."""
     n = problem.world_size
+    layers = problem.model.num_layers
+    if even_units is not None and (n == 1 or even_units.is_all(layers)):
+        even_units, even_shards = None, True
+    elif even_units == EvenUnits.none():
+        even_units, even_shards = None, False
     micro_arr = np.asarray(micro, dtype=np.int64)
     ell_arr = np.asarray(ell, dtype=np.int64)
-    comm = problem.unit_comm(uneven=not even_shards and n > 1)
-    seconds, compute = [], []
-    for rank in range(n):
-        cost = problem.rank_cost(rank)
-        fn = cost.step_seconds if layered else cost.accumulation_step_seconds
-        seconds.append(float(fn(ell_arr[rank:rank + 1], micro_arr[rank:rank + 1], comm)[0]))
-        compute.append(float(cost.compute_memory_bytes(micro_arr[rank:rank + 1])[0]))
+    if even_units is not None:
+        comm = mixed_unit_comm(problem.model, problem.comm_model, n, even_units)
+    else:
+        comm = problem.unit_comm(uneven=not even_shards and n > 1)
+    # One vectorised call per class of identical GPUs (elementwise: the same numbers as one
+    # call per rank, at thousands of ranks far faster).
+    seconds_arr, compute_arr = np.empty(n), np.empty(n)
+    for cls in problem.classes:
+        idx = np.asarray(cls.slots, dtype=np.int64)
+        fn = cls.cost.step_seconds if layered else cls.cost.accumulation_step_seconds
+        seconds_arr[idx] = fn(ell_arr[idx], micro_arr[idx], comm)
+        compute_arr[idx] = cls.cost.compute_memory_bytes(micro_arr[idx])
+    seconds, compute = seconds_arr.tolist(), compute_arr.tolist()
     budgets = [problem.rank_budget(r) for r in range(n)]
     state = problem.state_bytes
     reason = None
@@ -82,13 +100,19 @@ def score(problem: Problem, micro: Sequence[int], ell: Sequence[int],
     if total_batch != problem.global_batch_size:
         reason = f"batch sizes sum to {total_batch}, not {problem.global_batch_size}"
     over = [r for r in range(n) if compute[r] > budgets[r] * (1 + _MEMORY_RTOL)]
+    if even_units is not None:
+        even_share = even_state_bytes(problem.model, problem.precision, even_units) / n
+        fixed = [c + even_share for c in compute]
+        state -= even_share * n  # what the skewed units hold
+    else:
+        fixed = compute
     if shard_ratios is not None:
         ratios = list(shard_ratios)
     elif even_shards or over:  # over budget already: any partition fails, report it evenly
         ratios = [1.0 / n] * n
     else:
-        ratios = water_fill(compute, budgets, state)
-    memory = [compute[r] + ratios[r] * state for r in range(n)]
+        ratios = water_fill(fixed, budgets, state)
+    memory = [fixed[r] + ratios[r] * state for r in range(n)]
     if reason is None:
         for r in range(n):
             if memory[r] > budgets[r] * (1 + _MEMORY_RTOL):
@@ -99,33 +123,70 @@ def score(problem: Problem, micro: Sequence[int], ell: Sequence[int],
                           f"{problem.memory_fraction:.0%} of memory")
                 break
     return Evaluation(reason is None, reason, max(seconds), seconds, compute, memory, ratios,
-                      problem.global_batch_size)
+                      problem.global_batch_size, even_units)
 
 
 def evaluate(spec: CephaloJobSpec, cluster: ClusterSpec,
              profiles: Mapping[str, GpuProfile] | None,
-             assignment: Sequence[tuple[int, int]],
+             assignment: Sequence[tuple[int, int] | None],
              shard_ratios: Sequence[float] | None = None, *,
              even_shards: bool = False) -> Evaluation:
     """Score a given assignment — one (micro_batch_size, num_micro_batches) per GPU in the
-    cluster's order; (0, 0) for a state-only GPU — under the planner's cost model.
-    Without `shard_ratios` the state is partitioned as the planner would (`score_best`)."""
+    cluster's order; (0, 0) for a state-only GPU, None for an idle one (no rank) — under
+    the planner's cost model. Without `shard_ratios` the state is partitioned as the
+    planner would (`score_best`); given, they are one per GPU used."""
     problem = build_problem(spec, cluster, profiles)
     if len(assignment) != problem.world_size:
         raise ValueError(f"assignment has {len(assignment)} entries for "
                          f"{problem.world_size} GPUs")
-    micro = [m for m, _ in assignment]
-    ell = [count for _, count in assignment]
+    if any(a is None for a in assignment):
+        problem = subset_problem(problem, [r for r, a in enumerate(assignment)
+                                           if a is not None])
+    used = [a for a in assignment if a is not None]
+    if not used:
+        raise ValueError("the assignment leaves every GPU idle")
+    micro = [m for m, _ in used]
+    ell = [count for _, count in used]
     if shard_ratios is not None or even_shards:
         return score(problem, micro, ell, shard_ratios, even_shards=even_shards)
     return score_best(problem, micro, ell)
 
 
 def score_best(problem: Problem, micro: Sequence[int], ell: Sequence[int]) -> Evaluation:
-    """The better of the two partitions the planner considers: even shards (no uneven
-    collective overhead, if 1/N of the state fits everywhere) or water-filled shards."""
+    """The best partition for this assignment: each unit even or skewed (unit_shards.py),
+    least step time, ties to more even units.
+
+    Exact over every even set: for fixed (m, ℓ) making a unit even never slows a rank
+    (its collectives lose the uneven overhead), so for each of the four embedding/head
+    choices only the most even blocks that fit need scoring."""
     even = score(problem, micro, ell, even_shards=True)
-    uneven = score(problem, micro, ell)
-    if even.feasible and (not uneven.feasible or even.step_seconds <= uneven.step_seconds):
-        return even
-    return uneven
+    best = even if even.feasible else score(problem, micro, ell)
+    if problem.world_size == 1 or not best.feasible or best is even:
+        return best
+    rooms = [problem.rank_budget(r) - best.rank_compute_bytes[r]
+             for r in range(problem.world_size)]
+    for option in most_even_options(problem, rooms):
+        ev = score(problem, micro, ell, even_units=option)
+        if ev.feasible and ev.step_seconds <= best.step_seconds:
+            best = ev
+    return best
+
+
+def most_even_options(problem: Problem, rooms: Sequence[float]) -> list[EvenUnits]:
+    """Per embedding/head choice, the even set with the most blocks that fits `rooms`
+    (memory per rank after compute), fewest even units first."""
+    found = []
+    for embedding in (False, True):
+        for head in (False, True):
+            lo, hi = -1, problem.model.num_layers  # largest k that fits, by bisection
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                option = EvenUnits(embedding, head, mid)
+                if fits(problem.model, problem.precision, option, rooms,
+                        problem.state_bytes, _MEMORY_RTOL):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if lo >= 0:
+                found.append(EvenUnits(embedding, head, lo))
+    return sorted(found, key=lambda e: e.count())

@@ -11,12 +11,12 @@ import numpy as np
 
 from cephalo.api.cluster import ClusterSpec
 from cephalo.api.job import CephaloJobSpec
+from cephalo.api.memory import state_bytes_per_parameter
 from cephalo.api.models import ModelConfig
 from cephalo.api.profile import CollectiveProfile, GpuProfile
 from cephalo.errors import CephaloError
-from cephalo.planner.catalog import GpuType, lookup_gpu
+from cephalo.planner.catalog import GpuType, resolve_gpu
 from cephalo.planner.costmodel import (
-    STATE_BYTES_PER_PARAMETER,
     UNEVEN_COLLECTIVE_OVERHEAD,
     CommModel,
     GpuCostModel,
@@ -58,7 +58,7 @@ class Problem:
 
     @property
     def state_bytes(self) -> int:
-        return STATE_BYTES_PER_PARAMETER * self.model.total_parameters()
+        return state_bytes_per_parameter(self.precision) * self.model.total_parameters()
 
     @property
     def total_budget_bytes(self) -> float:
@@ -83,7 +83,7 @@ def build_problem(spec: CephaloJobSpec, cluster: ClusterSpec,
     ranks: list[tuple[str, str]] = []
     rank_class: list[int] = []
     for group in cluster.groups:
-        gpu = lookup_gpu(group.product)
+        gpu = resolve_gpu(group.product, group.memory_bytes)  # outside the catalog: profiled
         profile = profiles.get(gpu.name) or estimate_profile(
             gpu, model, spec.precision, spec.planner.profile_micro_batch_sizes)
         capacity = group.memory_bytes or profile.memory_capacity_bytes or gpu.memory_bytes
@@ -140,22 +140,26 @@ def _comm_model(spec: CephaloJobSpec, cluster: ClusterSpec,
 
 def class_tables(problem: Problem, *, uneven: bool = True, max_ell: int | None = None,
                  micro_sizes: list[int] | None = None,
-                 state_share_bytes: float = 0.0) -> list[ClassTable]:
+                 state_share_bytes: float = 0.0,
+                 comm: UnitComm | None = None) -> list[ClassTable]:
     """Every (ℓ, m) each class may run within its own memory budget.
 
     `max_ell`/`micro_sizes` restrict the choices (for the baselines); `state_share_bytes`
-    reserves a fixed training-state share on every GPU (even sharding)."""
+    reserves a fixed training-state share on every GPU (even sharding, or the even units
+    of a per-unit plan); `comm` overrides the collectives (a per-unit plan's mix)."""
     batch = problem.global_batch_size
-    comm = problem.unit_comm(uneven)
+    if comm is None:
+        comm = problem.unit_comm(uneven)
     tables = []
     for cls in problem.classes:
         room = cls.budget_bytes - state_share_bytes
         sizes = np.arange(1, batch + 1) if micro_sizes is None else np.array(micro_sizes)
         sizes = sizes[cls.cost.compute_memory_bytes(sizes) <= room]
-        ells = [np.arange(1, (batch // m if max_ell is None else min(max_ell, batch // m)) + 1)
-                for m in sizes]
-        micro = np.repeat(sizes, [len(e) for e in ells]) if len(ells) else np.zeros(0, int)
-        ell = np.concatenate(ells) if len(ells) else np.zeros(0, int)
+        # For each m, ℓ = 1 .. B // m (or max_ell): built flat, without a Python loop.
+        ell_counts = batch // sizes if max_ell is None else np.minimum(max_ell, batch // sizes)
+        micro = np.repeat(sizes, ell_counts)
+        starts = np.repeat(np.cumsum(ell_counts) - ell_counts, ell_counts)
+        ell = np.arange(micro.size) - starts + 1
         if problem.allow_state_only and cls.cost.compute_memory_bytes(np.zeros(1))[0] <= room:
             micro, ell = np.concatenate([[0], micro]), np.concatenate([[0], ell])
         micro, ell = micro.astype(np.int64), ell.astype(np.int64)
@@ -177,3 +181,24 @@ def gib(num_bytes: float) -> str:
     if abs(num_bytes) >= GIB:
         return f"{num_bytes / GIB:.1f} GiB"
     return f"{num_bytes / 1024**2:.1f} MiB"
+
+
+def first_gpus(problem: Problem, counts: list[int]) -> list[int]:
+    """The ranks of the first `counts[c]` GPUs of each class, in rank order."""
+    return sorted(slot for cls, k in zip(problem.classes, counts, strict=True)
+                  for slot in cls.slots[:k])
+
+
+def subset_problem(problem: Problem, keep: list[int]) -> Problem:
+    """The same job on the GPUs of ranks `keep` only (ascending), renumbered 0..len-1."""
+    new_index = {old: new for new, old in enumerate(keep)}
+    classes, class_index = [], {}
+    for c, cls in enumerate(problem.classes):
+        slots = [new_index[s] for s in cls.slots if s in new_index]
+        if slots:
+            class_index[c] = len(classes)
+            classes.append(GpuClass(cls.gpu, cls.cost, cls.budget_bytes, slots))
+    return Problem(problem.model, problem.precision, problem.global_batch_size,
+                   problem.memory_fraction, problem.allow_state_only, problem.comm_model,
+                   [problem.ranks[r] for r in keep], classes,
+                   [class_index[problem.rank_class[r]] for r in keep])

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
 from cephalo.api.cluster import ClusterSpec
 from cephalo.api.job import CephaloJobSpec
-from cephalo.api.plan import Plan, RankPlan
+from cephalo.api.memory import state_bytes_per_parameter
+from cephalo.api.plan import IdleGpus, Plan, RankPlan
 from cephalo.api.profile import GpuProfile
 from cephalo.planner.baselines import compute_baselines
 from cephalo.planner.costmodel import UNEVEN_COLLECTIVE_OVERHEAD
@@ -19,47 +21,85 @@ from cephalo.planner.problem import (
     InfeasibleError,
     Problem,
     build_problem,
-    class_tables,
     gib,
 )
-from cephalo.planner.search import ClassTable, SearchResult, min_bottleneck
+from cephalo.planner.search import ClassTable, SearchResult
+from cephalo.planner.subset import Choice, idle_counts, search_subsets
+from cephalo.planner.unit_search import search_even_sets
+from cephalo.planner.unit_shards import EvenUnits, unit_shard_ratios
 
 
 def solve(spec: CephaloJobSpec, cluster: ClusterSpec,
-          profiles: Mapping[str, GpuProfile] | None = None) -> Plan:
-    """The plan of least predicted step time; InfeasibleError (with numbers) if none fits."""
+          profiles: Mapping[str, GpuProfile] | None = None, *,
+          choose_gpus: bool | None = None) -> Plan:
+    """The plan of least predicted step time; InfeasibleError (with numbers) if none fits.
+
+    `choose_gpus` (default: the job's `planner.chooseGpus`, true unless set) also chooses
+    which GPUs to use (subset.py) and leaves the rest idle, named in the plan with the
+    reason; false gives every GPU a rank."""
+    if choose_gpus is None:
+        choose_gpus = spec.planner.choose_gpus
     problem = build_problem(spec, cluster, profiles)
-    micro, ell, even, exact_memory = solve_problem(problem)
-    evaluation = score(problem, micro, ell, even_shards=even)
+    if choose_gpus:
+        choice, solved, exhaustive = search_subsets(problem, solve_fixed, _solution_step)
+    else:
+        fixed = solve_fixed(problem)
+        everything = list(range(problem.world_size))
+        choice = Choice([len(c.slots) for c in problem.classes], problem, everything, fixed,
+                        _solution_step(problem, fixed))
+        solved, exhaustive = 1, True  # exact for the GPUs given: no other set was asked
+    sol: Solution = choice.solution  # type: ignore[assignment]
+    evaluation = score(choice.problem, sol.micro, sol.ell, even_units=sol.even_units)
     assert evaluation.feasible, evaluation.reason
-    return _plan(problem, micro, ell, evaluation, exact_memory)
+    return _plan(problem, choice, sol, evaluation, solved, exhaustive, choose_gpus)
+
+
+@dataclass
+class Solution:
+    micro: list[int]
+    ell: list[int]
+    even_units: EvenUnits  # sharded 1/N each; the others water-filled
+    memory_binding: bool  # the aggregate memory constraint decided the search
+    gap_seconds: float  # proven distance to the optimum of this GPU set (0: exact)
+    num_layers: int = 0
+
+    @property
+    def even(self) -> bool:
+        """Every unit sharded evenly."""
+        return self.even_units.is_all(self.num_layers)
+
+
+def _solution_step(problem: Problem, sol: Solution) -> float:
+    return score(problem, sol.micro, sol.ell, even_units=sol.even_units).step_seconds
 
 
 def solve_problem(problem: Problem) -> tuple[list[int], list[int], bool, bool]:
-    """Per-rank (m, ℓ) of least bottleneck time, whether the shards are even, and whether
-    the aggregate memory check went exact.
+    """Per-rank (m, ℓ) of least bottleneck time on all of `problem`'s GPUs, whether all
+    shards are even, and whether the aggregate memory check decided the search (a per-unit
+    mix reads as not even: `solve_fixed` says which units are)."""
+    sol = solve_fixed(problem)
+    return sol.micro, sol.ell, sol.even, sol.memory_binding
 
-    Two partitions are searched: water-filled uneven shards (every collective pays the
-    uneven overhead) and even 1/N shards (no overhead, but each GPU must fit 1/N of the
-    state). The faster wins; a tie goes to even shards."""
+
+def solve_fixed(problem: Problem) -> Solution:
+    """The least bottleneck on exactly `problem`'s GPUs.
+
+    Every unit is sharded evenly (1/N: no uneven-collective overhead, but each GPU holds
+    1/N of it) or skewed (water-filled over the memory left). Each distinct even set
+    (unit_shards.py: embedding/head even or not, k of the L identical blocks) is searched
+    exactly: its even units reserve their 1/N share on every GPU, its collectives are
+    priced per unit, and the skewed units need the aggregate memory room. All-even and
+    all-skewed are two of the sets. The fastest wins; a tie goes to more even units."""
     _precheck(problem)
-    n = problem.world_size
-    results = []
-    for even in (True, False) if n > 1 else (True,):
-        if even:
-            tables = class_tables(problem, uneven=False, state_share_bytes=problem.state_bytes / n)
-            room = float("inf")
-        else:
-            tables = class_tables(problem, uneven=True)
-            room = problem.total_budget_bytes - problem.state_bytes
-        found = min_bottleneck(tables, problem.global_batch_size, room)
-        if found is not None:
-            results.append((found.threshold_seconds, not even, tables, room, found))
-    if not results:
+    found, lower, _ = search_even_sets(problem)
+    if found is None:
         raise InfeasibleError(_no_split_message(problem))
-    _, uneven, tables, room, result = min(results, key=lambda r: (r[0], r[1]))
-    micro, ell = _pick_configs(problem, tables, room, result)
-    return micro, ell, not uneven, result.memory_checked_exactly
+    result = found.result
+    micro, ell = _pick_configs(problem, found.tables, found.room_bytes, result)
+    # The optimum is at least the least lower bound over all even sets.
+    gap = max(0.0, result.threshold_seconds - lower)
+    return Solution(micro, ell, found.even, result.memory_checked_exactly, gap,
+                    problem.model.num_layers)
 
 
 def _pick_configs(problem: Problem, tables: list[ClassTable], room: float,
@@ -123,8 +163,10 @@ def _min_compute_bytes(problem: Problem) -> float:
 
 def _memory_message(problem: Problem, minimum_compute: float) -> str:
     state = problem.state_bytes
+    per_parameter = state_bytes_per_parameter(problem.precision)
     msg = (f"needs {gib(state)} of training state ({_count(problem.model.total_parameters())} "
-           f"parameters x 16 bytes) + at least {gib(minimum_compute)} of compute memory, the "
+           f"parameters x {per_parameter} bytes) + at least {gib(minimum_compute)} of compute "
+           "memory, the "
            f"selected GPUs offer {gib(problem.total_budget_bytes)} at "
            f"{problem.memory_fraction:.0%}")
     biggest = max(problem.classes, key=lambda c: c.budget_bytes)
@@ -151,8 +193,12 @@ def _no_split_message(problem: Problem) -> str:
             f"at {problem.memory_fraction:.0%}; use more or larger GPUs or a smaller model")
 
 
-def _plan(problem: Problem, micro: list[int], ell: list[int], ev: Evaluation,
-          exact_memory: bool) -> Plan:
+def _plan(full: Problem, choice: Choice, sol: Solution, ev: Evaluation, solved: int,
+          exhaustive: bool, chose_gpus: bool) -> Plan:
+    problem, micro, ell = choice.problem, sol.micro, sol.ell
+    layers = problem.model.num_layers
+    rank_ratios, per_unit = unit_shard_ratios(ev.even_units or EvenUnits.none(), layers,
+                                              problem.world_size, ev.shard_ratios)
     ranks = []
     notes = []
     for r, (gpu, pool) in enumerate(problem.ranks):
@@ -161,17 +207,21 @@ def _plan(problem: Problem, micro: list[int], ell: list[int], ev: Evaluation,
         ranks.append(RankPlan(
             rank=r, gpu=gpu, pool=pool, node=None, batch_size=batch,
             micro_batch_size=micro[r], num_micro_batches=ell[r],
-            shard_ratio=ev.shard_ratios[r], predicted_step_seconds=ev.rank_seconds[r],
+            shard_ratio=rank_ratios[r], predicted_step_seconds=ev.rank_seconds[r],
             predicted_memory_bytes=int(ev.rank_memory_bytes[r]),
             memory_capacity_bytes=int(cost.memory_capacity_bytes),
             compute_memory_bytes=int(ev.rank_compute_bytes[r]),
-            estimated=cost.estimated))
+            estimated=cost.estimated, gpu_index=choice.keep[r]))
         if batch == 0:
+            held = ev.shard_ratios[r] if ev.even_units is None else (
+                ev.rank_memory_bytes[r] - ev.rank_compute_bytes[r]) / problem.state_bytes
             notes.append(
-                f"rank {r} ({gpu}) gets no samples: it holds {ev.shard_ratios[r]:.1%} of the "
+                f"rank {r} ({gpu}) gets no samples: it holds {held:.1%} of the "
                 f"training state and joins every collective; giving it any samples would make "
                 f"the step slower than {ev.step_seconds:.4g} s")
-    baselines = compute_baselines(problem)
+    idle = _idle_gpus(full, choice, ev.step_seconds)
+    # Baselines run every GPU given (that is what they are): the full problem.
+    baselines = compute_baselines(full)
     even = baselines["even_fsdp"].predicted_samples_per_second
     sps = ev.samples_per_second
     if even and sps:
@@ -188,13 +238,36 @@ def _plan(problem: Problem, micro: list[int], ell: list[int], ev: Evaluation,
         ranks=ranks, baselines=baselines,
         model=problem.model.model_dump(), precision=problem.precision,
         memory_fraction=problem.memory_fraction, state_bytes=problem.state_bytes,
-        estimated_gpus=estimated,
+        estimated_gpus=estimated, idle_gpus=idle, unit_shard_ratios=per_unit,
+        optimality_gap_seconds=choice.gap_seconds if chose_gpus else sol.gap_seconds,
         assumptions={
-            "state_bytes_per_parameter": 16,
+            "state_bytes_per_parameter": state_bytes_per_parameter(problem.precision),
             "network_bandwidth_bytes_per_second": comm.bandwidth_bytes_per_second,
             "network_latency_seconds": comm.latency_seconds,
             "uneven_collective_overhead": UNEVEN_COLLECTIVE_OVERHEAD,
         },
-        search={"exact": True, "aggregate_memory_constraint_binding": exact_memory},
+        search={"exact": (choice.gap_seconds if chose_gpus else sol.gap_seconds) == 0.0,
+                "gpu_subsets_chosen": chose_gpus,
+                # The gap on the GPUs used alone (optimality_gap_seconds: over all subsets).
+                "used_gpus_gap_seconds": sol.gap_seconds,
+                "aggregate_memory_constraint_binding": sol.memory_binding,
+                "gpu_subsets_solved": solved,
+                "gpu_subsets_exhaustive": exhaustive},
         notes=notes,
     )
+
+
+def _idle_gpus(full: Problem, choice: Choice, step_seconds: float) -> list[IdleGpus]:
+    left = idle_counts(full, choice.counts)
+    if not left:
+        return []
+    used = choice.problem.world_size
+    if choice.full_step_seconds is None:
+        reason = (f"the job does not fit on all {full.world_size} GPUs (see the error "
+                  f"without them); it runs on {used}")
+    else:
+        reason = (f"fewer GPUs are faster: {used} of the {full.world_size} take "
+                  f"{step_seconds:.4g} s per step, all of them {choice.full_step_seconds:.4g} "
+                  f"s (a ring over n GPUs pays n-1 latency hops per collective and moves "
+                  f"(n-1)/n of each unit's bytes)")
+    return [IdleGpus(gpu=gpu, pool=pool, count=n, reason=reason) for gpu, pool, n in left]

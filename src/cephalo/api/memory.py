@@ -1,0 +1,69 @@
+"""The memory model: what one rank's device holds during a training step, stated once.
+
+The engine's own accounting (`cephalo.trainer.engine.Engine.memory_estimate_bytes`), the
+profiler (`cephalo.trainer.profile_units`, whose compute memory includes the unit buffers)
+and the planner (`cephalo.planner.costmodel`, `problem`, `solver`) all read these figures;
+torch-free so the operator side can. tests/unit/test_memory_model.py holds the engine's
+measured peak against them.
+
+What a rank holds, from the engine's allocations (trainer/engine.py, optim.py,
+collectives.py):
+
+* training state, per parameter of its shards: the fp32 master weight, AdamW's two fp32
+  moments (`ShardedAdamW`) and the fp32 gradient shard a reduce-scatter hands it, kept
+  until the optimizer step. bf16 runs autocast over the same fp32 masters, so the state is
+  16 bytes per parameter in both precisions;
+* gathered unit buffers, fp32 in both precisions (a gather has the shards' dtype): during
+  a unit's backward the current unit, its full gradient, the gradient of the microbatch
+  being added to it (autograd hands a parameter's gradient over as one new full buffer,
+  then adds it in place), the next unit's prefetched gather and the previous unit's
+  gradient, whose reduce-scatter the engine lets run under this unit's backward (one at a
+  time) — five buffers of at most the largest unit (with one microbatch, four);
+* boundary activations, one per unit output per microbatch, fp32 in both precisions (the
+  residual stream stays fp32 under autocast). Offloaded to host on GPUs; otherwise the
+  forward keeps every unit's output until its backward, plus a gradient in flight;
+* on top, the working set of one unit's compute for one microbatch (measured by the
+  profiler per microbatch size).
+"""
+
+from __future__ import annotations
+
+FP32_BYTES = 4
+# Master weight + AdamW exp_avg + exp_avg_sq + reduce-scattered gradient shard, all fp32.
+_STATE_BYTES = {"fp32": 4 * FP32_BYTES, "bf16": 4 * FP32_BYTES}
+STATE_BYTES_PER_PARAMETER = _STATE_BYTES["fp32"]
+# Parameters are gathered and gradients reduce-scattered in fp32 in both precisions.
+COMM_BYTES_PER_PARAMETER = FP32_BYTES
+# Current unit, its gradient, a microbatch's gradient being added to it, the prefetched next
+# unit, the previous unit's gradient under its reduce-scatter.
+UNIT_BUFFERS_AT_PEAK = 5
+BOUNDARY_BYTES_PER_ELEMENT = FP32_BYTES
+
+
+def state_bytes_per_parameter(precision: str) -> int:
+    """Bytes of training state per parameter a rank owns."""
+    return _STATE_BYTES[precision]
+
+
+def state_bytes(owned_parameters: float, precision: str = "fp32") -> float:
+    return state_bytes_per_parameter(precision) * owned_parameters
+
+
+def unit_buffer_bytes(largest_unit_parameters: int) -> int:
+    """Peak bytes of gathered unit buffers (parameters and full gradients) on a rank."""
+    return UNIT_BUFFERS_AT_PEAK * COMM_BYTES_PER_PARAMETER * largest_unit_parameters
+
+
+def boundary_bytes(samples: int, tokens_per_sample: int, hidden_size: int) -> int:
+    """One unit boundary (a unit's output or its gradient) for `samples` samples."""
+    return samples * tokens_per_sample * hidden_size * BOUNDARY_BYTES_PER_ELEMENT
+
+
+def kept_boundary_bytes(num_layers: int, samples: int, tokens_per_sample: int,
+                        hidden_size: int, offload: bool) -> int:
+    """Boundary activations a rank keeps on its device at the peak: none when offloaded;
+    else the output of the embedding and of every block for all its samples (the head's
+    input is the last block's output), plus the gradient of one in flight."""
+    if offload:
+        return 0
+    return (num_layers + 2) * boundary_bytes(samples, tokens_per_sample, hidden_size)

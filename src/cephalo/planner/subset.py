@@ -1,0 +1,252 @@
+"""Which GPUs to use: with real collective latency a ring over more GPUs can make the step
+slower (every AllGather/ReduceScatter pays (n−1) latency hops), so the planner may choose
+how many GPUs of each class to use and leave the rest idle (no rank, no pod); `solve(...,
+choose_gpus=True)` asks for it, `cephalo plan` does.
+
+A choice is a count k_c ≤ count_c per class of identical GPUs (which k GPUs of a class does
+not matter). Every choice is solved by `solve_fixed` (exact, or with its stated gap); the
+best wins, ties going to more GPUs. When the number of choices is small
+(Π(count_c + 1) − 1 ≤ EXHAUSTIVE_MAX_CHOICES) all are tried, so the result is the optimum
+over every subset of the cluster (tests check it against brute force) and adding GPUs
+never makes the plan slower. Larger clusters try a family that always contains the whole
+cluster (so the plan is never slower than using every GPU): sets of classes at halving
+fractions of their counts, smallest first. The plan then states a proven gap to the
+optimum over every subset (`subset_lower_bound`: a relaxation per world-size interval).
+
+A choice is skipped without solving when its GPUs cannot process B samples within the best
+step found so far: Σ_c k_c · (largest batch class c finishes in time) < B is a proof.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from cephalo.planner.costmodel import UnitComm
+from cephalo.planner.problem import (
+    InfeasibleError,
+    Problem,
+    class_tables,
+    first_gpus,
+    subset_problem,
+)
+
+EXHAUSTIVE_MAX_CHOICES = 256
+# Class sets tried in full when there are few classes (2^C − 1 of them); beyond, the whole
+# set, each class alone and the prefixes by memory and by speed.
+_MAX_CLASSES_FOR_ALL_SETS = 6
+
+
+@dataclass
+class Choice:
+    counts: list[int]  # GPUs used per class of the full problem
+    problem: Problem  # the job on those GPUs only
+    keep: list[int]  # per rank of `problem`: its rank in the full problem
+    solution: object  # solver.Solution (typed loosely: solver imports this module)
+    step_seconds: float
+    full_step_seconds: float | None = None  # every GPU used (None: that does not fit)
+    # Proven distance of step_seconds to the least step over every subset of the GPUs.
+    gap_seconds: float = 0.0
+
+
+def choices(problem: Problem) -> tuple[list[list[int]], bool]:
+    """The per-class counts to try (whole cluster first) and whether they are all."""
+    full = [len(c.slots) for c in problem.classes]
+    total = math.prod(k + 1 for k in full)
+    if total - 1 <= EXHAUSTIVE_MAX_CHOICES:
+        every = [list(k) for k in itertools.product(*(range(k, -1, -1) for k in full))]
+        return [k for k in every if any(k)], True
+    # A class that cannot hold even its smallest configuration next to nothing is never
+    # worth trying; among the rest, every set of classes when few, else the whole set, each
+    # class alone, and the prefixes of the classes by memory budget and by speed.
+    capable = [c for c, cls in enumerate(problem.classes) if _can_hold_anything(problem, cls)]
+    num = len(full)
+    masks: list[tuple[int, ...]]
+    if len(capable) <= _MAX_CLASSES_FOR_ALL_SETS:
+        masks = [tuple(int(c in chosen) for c in range(num))
+                 for size in range(len(capable), 0, -1)
+                 for chosen in itertools.combinations(capable, size)]
+    else:
+        speed = [s.speed_weight for s in class_tables(problem, uneven=False,
+                                                       micro_sizes=[1])]
+        orders = [sorted(capable, key=lambda c: -problem.classes[c].budget_bytes),
+                  sorted(capable, key=lambda c: -speed[c])]
+        masks = [tuple(int(c in capable) for c in range(num))]
+        masks += [tuple(int(c in order[:size]) for c in range(num))
+                  for order in orders for size in range(1, len(order))]
+        masks += [tuple(int(c == one) for c in range(num)) for one in capable]
+    out: list[list[int]] = [full]
+    seen = {tuple(full)}
+    for mask in masks:
+        scale = 1.0
+        while True:
+            counts = [math.ceil(k * scale) if on else 0 for k, on in zip(full, mask, strict=True)]
+            if tuple(counts) not in seen:
+                seen.add(tuple(counts))
+                out.append(counts)
+            if all(c <= 1 for c, on in zip(counts, mask, strict=True) if on):
+                break
+            scale /= 2
+    return out, False
+
+
+def _can_hold_anything(problem: Problem, cls) -> bool:
+    smallest = np.array([0 if problem.allow_state_only else 1])
+    return float(cls.cost.compute_memory_bytes(smallest)[0]) <= cls.budget_bytes
+
+
+def cannot_beat(sub: Problem, step_seconds: float) -> bool:
+    """True when no split of B on `sub`'s GPUs finishes below `step_seconds` with either
+    sharding: even under even shards' collectives (uneven ones only cost more) and with no
+    state share in any GPU's memory (looser than both partitions), the largest batch each
+    GPU finishes in time does not add up to B."""
+    comm = sub.unit_comm(uneven=False)
+    batch = sub.global_batch_size
+    reach = 0
+    for cls in sub.classes:
+        most = _largest_batch(cls, comm, batch, step_seconds, sub.allow_state_only)
+        if most < 0:
+            return True
+        reach += len(cls.slots) * most
+    return reach < batch
+
+
+def _largest_batch(cls, comm, batch: int, step_seconds: float, state_only: bool,
+                   strict: bool = True) -> int:
+    """max ℓ·m with T(ℓ, m) < step_seconds (≤ unless strict) and m within memory (-1:
+    none). T grows with ℓ, so the largest ℓ for every m at once is a vectorised bisection."""
+    sizes = np.arange(1, batch + 1)
+    sizes = sizes[cls.cost.compute_memory_bytes(sizes) <= cls.budget_bytes]
+    lo = np.zeros(sizes.size, dtype=np.int64)  # largest ℓ known in time (0: none)
+    hi = batch // sizes  # largest ℓ that may be
+    while np.any(lo < hi):
+        mid = (lo + hi + 1) // 2
+        seconds = cls.cost.step_seconds(mid, sizes, comm)
+        fast = seconds < step_seconds if strict else seconds <= step_seconds
+        lo = np.where(fast & (lo < hi), mid, lo)
+        hi = np.where(~fast & (lo < hi), mid - 1, hi)
+    most = int((lo * sizes).max(initial=0))
+    if most == 0:
+        zero_fits = state_only and float(cls.cost.compute_memory_bytes(np.zeros(1))[0]) <= \
+            cls.budget_bytes and float(cls.cost.step_seconds(
+                np.zeros(1), np.zeros(1), comm)[0]) < step_seconds
+        return 0 if zero_fits else -1
+    return most
+
+
+def search_subsets(problem: Problem, solve_fixed, score_step) -> tuple[Choice, int, bool]:
+    """The best choice, how many choices were solved, and whether all were considered.
+
+    `solve_fixed(problem) -> Solution` raises InfeasibleError; `score_step(problem,
+    solution) -> seconds`."""
+    candidates, exhaustive = choices(problem)
+    # The whole cluster first (its time is the idle GPUs' reason), then the smallest choices:
+    # they are quick to solve, and their step time prunes most of the larger ones unsolved.
+    candidates = candidates[:1] + sorted(candidates[1:], key=sum)
+    best: Choice | None = None
+    first_error: InfeasibleError | None = None
+    solved = 0
+    full_step: float | None = None
+    lowest = float("inf")  # least proven lower bound among the choices solved
+    for counts in candidates:
+        keep = first_gpus(problem, counts)
+        sub = subset_problem(problem, keep)
+
+        if best is not None and cannot_beat(sub, best.step_seconds):
+            continue
+        try:
+            solution = solve_fixed(sub)
+        except InfeasibleError as err:
+            if counts == candidates[0]:
+                first_error = err
+            continue
+        solved += 1
+        step = score_step(sub, solution)
+        lowest = min(lowest, step - solution.gap_seconds)
+        if counts == candidates[0]:
+            full_step = step
+        # Strictly faster, or as fast on more GPUs (choices that could only tie are pruned
+        # unsolved, so a tie may also go to fewer GPUs).
+        if best is None or step < best.step_seconds * (1 - 1e-12) or (
+                step <= best.step_seconds * (1 + 1e-12) and sum(counts) > sum(best.counts)):
+            best = Choice(counts, sub, keep, solution, step)
+    if best is None:
+        raise first_error or InfeasibleError("no subset of the GPUs fits the job")
+    best.full_step_seconds = full_step
+    # Every choice is solved (bounded by its own gap) or proven unable to beat the best; a
+    # partial search adds the bound over every subset.
+    bound = lowest if exhaustive else min(lowest, subset_lower_bound(problem, best.step_seconds))
+    best.gap_seconds = max(0.0, best.step_seconds - bound)
+    return best, solved, exhaustive
+
+
+# Bisection steps on the time threshold of one world-size interval's bound.
+_BOUND_STEPS = 40
+# World-size intervals [n1, n1·1.25]: collectives are priced at n1 for the whole interval,
+# so narrower intervals give a tighter bound (at more intervals to bound).
+_INTERVAL_RATIO_PERCENT = 125
+
+
+def subset_lower_bound(problem: Problem, best_seconds: float) -> float:
+    """A proven lower bound of the least step time over *every* subset of the GPUs, for a
+    non-exhaustive search: the plan is within `best_seconds − bound` of the optimum.
+
+    Subsets are grouped by world size n into intervals [n1, 1.25·n1] (1, 2, 3, 4–5, 6–7, …). For an
+    interval [n1, n2] the relaxation prices the collectives at n1 (ring time grows with n),
+    the optimizer's share at P/n2, ignores the uneven shards' overhead, lets every GPU idle,
+    and uses at most min(count, n2) GPUs per class. Its least threshold at which the
+    classes' largest batches add up to B is at most the step time of any subset in the
+    interval; an interval whose GPUs cannot hold the training state has no subset at all."""
+    batch = problem.global_batch_size
+    params = problem.model.total_parameters()
+    bound = best_seconds
+    n1 = 1
+    while n1 <= problem.world_size:
+        n2 = min(max(n1, n1 * _INTERVAL_RATIO_PERCENT // 100), problem.world_size)
+        comm = replace(UnitComm.build(problem.model, problem.comm_model, n1, uneven=False),
+                       state_share_parameters=params / n2)
+        if _memory_room(problem, n2) < problem.state_bytes:
+            n1 = n2 + 1  # no n2 GPUs hold the training state: nothing here fits
+            continue
+
+        def reaches(threshold: float, n2: int = n2, comm: UnitComm = comm) -> bool:
+            total = 0
+            for cls in problem.classes:
+                most = _largest_batch(cls, comm, batch, threshold, problem.allow_state_only,
+                                      strict=False)
+                total += min(len(cls.slots), n2) * max(most, 0)
+            return total >= batch
+
+        if reaches(bound * (1 - 1e-9)):  # this interval may beat the bound so far
+            lo, hi = 0.0, bound
+            for _ in range(_BOUND_STEPS):
+                mid = 0.5 * (lo + hi)
+                if reaches(mid):
+                    hi = mid
+                else:
+                    lo = mid
+            bound = min(bound, lo)
+        n1 = n2 + 1
+    return bound
+
+
+def _memory_room(problem: Problem, n2: int) -> float:
+    """The most memory any set of at most n2 GPUs per class leaves for the training state:
+    each GPU's budget less its least compute memory (state only, or one sample)."""
+    smallest = np.array([0 if problem.allow_state_only else 1])
+    return sum(min(len(cls.slots), n2) * max(0.0, cls.budget_bytes - float(
+        cls.cost.compute_memory_bytes(smallest)[0])) for cls in problem.classes)
+
+
+def idle_counts(problem: Problem, counts: list[int]) -> list[tuple[str, str, int]]:
+    """(gpu, pool, idle count) per (gpu, pool), in cluster order."""
+    used = {slot for cls, k in zip(problem.classes, counts, strict=True)
+            for slot in cls.slots[:k]}
+    idle: dict[tuple[str, str], int] = {}
+    for rank, (gpu, pool) in enumerate(problem.ranks):
+        if rank not in used:
+            idle[(gpu, pool)] = idle.get((gpu, pool), 0) + 1
+    return [(gpu, pool, n) for (gpu, pool), n in idle.items()]

@@ -1,0 +1,145 @@
+"""Which GPUs the planner uses: never slower with more GPUs, idle GPUs named with a reason,
+and a plan with idle GPUs renders (operator) and launches (`cephalo run`) only its ranks."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cephalo.api import ClusterSpec, GpuGroup, parse_job
+from cephalo.local.runner import plan_devices
+from cephalo.operator.render import render
+from cephalo.planner import InfeasibleError, solve
+from cephalo.planner.evaluate import score
+from cephalo.planner.problem import build_problem
+from cephalo.planner.solver import solve_fixed
+
+from .planner_instances import job_spec, random_instance
+
+
+def _without_one(cluster: ClusterSpec, index: int) -> ClusterSpec | None:
+    groups = [g.model_copy() for g in cluster.groups]
+    groups[index].count -= 1
+    groups = [g for g in groups if g.count > 0]
+    return ClusterSpec(groups=groups) if groups else None
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(min_value=0, max_value=10**9))
+def test_adding_a_gpu_never_makes_the_plan_slower(seed: int) -> None:
+    spec, cluster, profiles = random_instance(seed, max_gpus=5, max_batch=24)
+    try:
+        plan = solve(spec, cluster, profiles, choose_gpus=True)
+    except InfeasibleError:
+        plan = None
+    for index in range(len(cluster.groups)):
+        smaller = _without_one(cluster, index)
+        if smaller is None:
+            continue
+        try:
+            fewer = solve(spec, smaller, profiles, choose_gpus=True)
+        except InfeasibleError:
+            continue
+        # Whatever plan fits on fewer GPUs fits on more: the bigger cluster has one too ...
+        assert plan is not None
+        # ... and it is at least as fast.
+        assert plan.predicted_step_seconds <= fewer.predicted_step_seconds * (1 + 1e-12)
+
+
+def _latency_job(batch: int):
+    return parse_job({
+        "apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
+        "metadata": {"name": "lat", "uid": "0d5c2b1e-0000-4000-8000-000000000009"},
+        "spec": {"model": {"preset": "gpt-tiny"}, "globalBatchSize": batch,
+                 "image": "registry.example/cephalo-trainer:0.1.0",
+                 "checkpoint": {"claimName": "ckpt"}}})
+
+
+def test_collective_latency_leaves_gpus_idle_and_says_why() -> None:
+    """The issue's case: on 64 L4 a tiny model's step is all ring latency."""
+    spec = _latency_job(64).spec
+    many = ClusterSpec(groups=[GpuGroup(product="L4", count=64)])
+    plan = solve(spec, many, choose_gpus=True)
+    everything = build_problem(spec, many)
+    sol = solve_fixed(everything)
+    all_used = score(everything, sol.micro, sol.ell, even_units=sol.even_units).step_seconds
+    four = solve(spec, ClusterSpec(groups=[GpuGroup(product="L4", count=4)]), choose_gpus=True)
+    # Never slower than every GPU, nor than a cluster with fewer of them.
+    assert plan.predicted_step_seconds < all_used
+    assert plan.predicted_step_seconds <= four.predicted_step_seconds * (1 + 1e-12)
+    assert plan.world_size < 64 and len(plan.ranks) == plan.world_size
+    [idle] = plan.idle_gpus
+    assert (idle.gpu, idle.count) == ("L4", 64 - plan.world_size)
+    assert f"{all_used:.4g} s" in idle.reason and "latency hops" in idle.reason
+    # The ranks name their GPUs; together with the idle ones they are the cluster.
+    indices = [r.gpu_index for r in plan.ranks]
+    assert len(set(indices)) == plan.world_size and all(0 <= i < 64 for i in indices)
+    assert plan.search["gpu_subsets_exhaustive"] is True  # one class: all 64 counts tried
+
+
+def test_plan_with_idle_gpus_renders_and_launches_only_its_ranks() -> None:
+    job = _latency_job(8)
+    cluster = ClusterSpec(groups=[GpuGroup(product="L4", count=6, pool="NVIDIA-L4"),
+                                  GpuGroup(product="T4", count=2, pool="Tesla-T4")])
+    plan = solve(job.spec, cluster, choose_gpus=True)
+    assert plan.idle_gpus and plan.world_size < 8
+    pods = [o for o in render(job, plan) if o["kind"] == "Pod"]
+    assert len(pods) == plan.world_size
+    for pod, rank in zip(pods, plan.ranks, strict=True):
+        env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+        assert env["WORLD_SIZE"] == str(plan.world_size) and env["RANK"] == str(rank.rank)
+        assert rank.pool in pod["spec"]["nodeSelector"].values()
+    # `cephalo run`: rank r runs on the device at its gpu_index (the devices in order).
+    devices = [f"device-{i}" for i in range(8)]
+    chosen = plan_devices(plan, devices)  # type: ignore[arg-type]
+    assert chosen == [f"device-{r.gpu_index}" for r in plan.ranks]
+    assert plan_devices(plan, chosen) == chosen  # a plan using every device: unchanged
+
+
+def test_an_unusable_gpu_class_is_left_out_rather_than_failing() -> None:
+    # The T4 cannot hold one sample of this model at this budget; the A10Gs alone can.
+    cluster = ClusterSpec(groups=[GpuGroup(product="T4", count=1, memory_bytes=64 * 2**20),
+                                  GpuGroup(product="A10G", count=2)])
+    spec = job_spec(8, "gpt-1.3b", allow_state_only=False)
+    with pytest.raises(InfeasibleError, match="T4 cannot hold"):
+        solve_fixed(build_problem(spec, cluster))
+    plan = solve(spec, cluster, choose_gpus=True)
+    assert {r.gpu for r in plan.ranks} == {"A10G"}
+    assert [(i.gpu, i.count) for i in plan.idle_gpus] == [("T4", 1)]
+    assert "does not fit on all 3 GPUs" in plan.idle_gpus[0].reason
+
+
+def test_choose_gpus_off_uses_every_gpu_given() -> None:
+    """The default (the operator, `cephalo run`): every GPU given gets a rank."""
+    spec = _latency_job(64).spec
+    cluster = ClusterSpec(groups=[GpuGroup(product="L4", count=64)])
+    plan = solve(spec, cluster, choose_gpus=False)
+    assert plan.world_size == 64 and plan.idle_gpus == []
+    assert plan.search["gpu_subsets_chosen"] is False
+    assert "idle_gpus" not in plan.to_json()  # nothing idle: the plan JSON as before
+    chosen = solve(spec, cluster, choose_gpus=True)
+    assert chosen.predicted_step_seconds < plan.predicted_step_seconds
+
+
+@pytest.mark.parametrize("preset,batch", [("gpt-tiny", 16), ("gpt-tiny", 96), ("gpt-1.3b", 64)])
+def test_partial_subset_search_states_a_proven_bound(monkeypatch: pytest.MonkeyPatch,
+                                                     preset: str, batch: int) -> None:
+    """With too many choices to try them all, the plan states a gap: the optimum over every
+    subset (found here by trying them all) lies within it."""
+    from cephalo.planner import subset
+
+    spec = job_spec(batch, preset)
+    cluster = ClusterSpec(groups=[GpuGroup(product=p, count=5) for p in ("L4", "T4", "A10G")],
+                          network_bandwidth_bytes_per_second=10e9)
+    monkeypatch.setattr(subset, "EXHAUSTIVE_MAX_CHOICES", 10**6)
+    everything = solve(spec, cluster, choose_gpus=True)
+    assert everything.search["gpu_subsets_exhaustive"] is True
+    monkeypatch.setattr(subset, "EXHAUSTIVE_MAX_CHOICES", 0)
+    partial = solve(spec, cluster, choose_gpus=True)
+    assert partial.search["gpu_subsets_exhaustive"] is False
+    gap = partial.optimality_gap_seconds
+    assert gap is not None and gap >= 0 and partial.search["exact"] is (gap == 0.0)
+    assert partial.predicted_step_seconds - gap <= everything.predicted_step_seconds * (
+        1 + 1e-12)
+    assert everything.predicted_step_seconds <= partial.predicted_step_seconds * (1 + 1e-12)
