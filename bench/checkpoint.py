@@ -33,7 +33,7 @@ from pathlib import Path
 
 from cephalo.api.job import CephaloJobSpec
 from cephalo.trainer.engine import Layout
-from cephalo.trainer.launch import run_local
+from cephalo.trainer.spawn import spawn_ranks
 from cephalo.trainer.storage import Store
 
 LAYOUT = Layout([12, 12], [4, 4], [0.5, 0.5])
@@ -130,7 +130,7 @@ def bench_target(name: str, target_of: dict[str, str | None], env: dict[str, str
     for repeat in range(args.repeats):
         for mode, (key, asynchronous) in modes.items():
             target = None if key is None else f"{target_of[key]}/r{repeat}"
-            per_rank = run_local(_worker, 2, env, target, args.steps, args.interval,
+            per_rank = spawn_ranks(_worker, 2, env, target, args.steps, args.interval,
                                  asynchronous, timeout_seconds=1800)
             step, _ = measure(*per_rank[0], args.warmup)
             times[mode].append(step)

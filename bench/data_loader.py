@@ -38,7 +38,7 @@ from cephalo.api.job import CephaloJobSpec, DataSpec, TextData, TokenFileData
 from cephalo.trainer import text_data
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Layout
-from cephalo.trainer.launch import run_local
+from cephalo.trainer.spawn import spawn_ranks
 
 LAYOUT = Layout([12, 12], [4, 4], [0.5, 0.5])  # the quickstart's two ranks
 GLOBAL_BATCH = 24
@@ -77,7 +77,7 @@ def _train_worker(rank: int, world_size: int, steps: int) -> list[float]:
 
 
 def consumed_tokens_per_second(steps: int, warmup: int) -> float:
-    boundaries = run_local(_train_worker, 2, steps, timeout_seconds=1800)[0]
+    boundaries = spawn_ranks(_train_worker, 2, steps, timeout_seconds=1800)[0]
     step = (boundaries[-1] - boundaries[warmup]) / (len(boundaries) - 1 - warmup)
     config = quickstart().model.resolve()
     return GLOBAL_BATCH * config.tokens_per_sample / step

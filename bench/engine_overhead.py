@@ -27,9 +27,9 @@ from cephalo.api.job import DataSpec, SyntheticData, TrainingSpec
 from cephalo.api.models import ModelConfig, preset
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Engine, Layout
-from cephalo.trainer.launch import free_port
 from cephalo.trainer.models import UnitModel, build_model
 from cephalo.trainer.optim import learning_rate
+from cephalo.trainer.spawn import free_port
 
 CONFIG = dict(family="gpt", num_layers=4, hidden_size=256, num_heads=4, ffn_hidden_size=1024,
               vocab_size=1024, sequence_length=64)

@@ -56,9 +56,9 @@ from cephalo.api.job import DataSpec, SyntheticData, TrainingSpec
 from cephalo.api.models import ModelConfig
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Engine, Layout
-from cephalo.trainer.launch import run_local
 from cephalo.trainer.models import UnitModel, build_unit
 from cephalo.trainer.optim import learning_rate
+from cephalo.trainer.spawn import spawn_ranks
 
 WORLD = 2
 MODEL = dict(family="gpt", num_layers=4, hidden_size=256, num_heads=4, ffn_hidden_size=1024,
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     default_rounds = {"compute": 6, "communication": 12}
     rounds = {r: args.rounds or (2 if args.quick else default_rounds[r])
               for r in (REGIMES if args.regime == "both" else [args.regime])}
-    raw = run_local(_worker, WORLD, rounds, args.quick, not args.no_memory,
+    raw = spawn_ranks(_worker, WORLD, rounds, args.quick, not args.no_memory,
                     timeout_seconds=900)[0]
     results = {regime: summarise(value) for regime, value in raw.items()}
     if not args.json:

@@ -24,7 +24,7 @@ from cephalo.api.job import DataSpec, SyntheticData, TrainingSpec
 from cephalo.api.models import ModelConfig
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Engine, Layout
-from cephalo.trainer.launch import run_local
+from cephalo.trainer.spawn import spawn_ranks
 
 # A model whose units are large enough that moving them costs about as much as computing
 # a microbatch on a CPU core: the regime FSDP lives in on real clusters.
@@ -92,7 +92,7 @@ def main() -> None:
           f"(B={args.ranks * args.microbatches}), 1 thread per rank")
     results = {}
     for mode in ("layered", "per-microbatch"):
-        results[mode] = run_local(_worker, args.ranks, mode, args.microbatches, args.steps,
+        results[mode] = spawn_ranks(_worker, args.ranks, mode, args.microbatches, args.steps,
                                   timeout_seconds=300)[0]
         r = results[mode]
         print(f"{mode:>15}: {r['seconds']:.3f} s/step | collectives per step (rank 0): "

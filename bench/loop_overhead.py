@@ -108,7 +108,7 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def main() -> None:
-    from cephalo.trainer.launch import run_local
+    from cephalo.trainer.spawn import spawn_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--job", default=str(QUICKSTART))
@@ -119,7 +119,7 @@ def main() -> None:
                         help="also print every rank's gap after each step, in ms")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="cephalo-loop-") as folder:
-        results = run_local(_worker, 2, args.job, args.steps, args.log_interval, folder,
+        results = spawn_ranks(_worker, 2, args.job, args.steps, args.log_interval, folder,
                             timeout_seconds=600)
     s = summarise(results)
     if args.show_gaps:

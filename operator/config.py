@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
+from typing import Any
 
 DEFAULT_TRAINER_IMAGE = "ghcr.io/cephalo/cephalo-trainer:0.1.0"
 
@@ -35,11 +36,14 @@ class OperatorConfig:
     # CEPHALO_PLANNING_MEMORY_BYTES: memory the planning child may allocate (RLIMIT_AS over
     # its start); the chart's memory limit must cover the operator plus this.
     planning_memory_bytes: int = 512 * 1024**2
+    # CEPHALO_JOB_NETWORK_POLICIES (the chart's networkPolicy.enabled): give each job a
+    # NetworkPolicy that admits only its own ranks (operator/netpol.py).
+    job_network_policies: bool = False
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> OperatorConfig:
         env = dict(os.environ if env is None else env)
-        values = {}
+        values: dict[str, Any] = {}
         for f in fields(cls):
             name = "CEPHALO_" + f.name.upper()
             if f.name == "metrics_port":
@@ -49,7 +53,17 @@ class OperatorConfig:
             raw = env[name]
             kind: type = type(f.default)  # every field has a default of its own type
             try:
-                values[f.name] = kind(raw)
+                values[f.name] = _parse_bool(raw) if kind is bool else kind(raw)
             except ValueError:
                 raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
         return cls(**values)
+
+
+def _parse_bool(raw: str) -> bool:
+    """`bool("false")` is True: spell the accepted words out (as Helm renders a bool)."""
+    word = raw.strip().lower()
+    if word in ("1", "true", "yes"):
+        return True
+    if word in ("0", "false", "no", ""):
+        return False
+    raise ValueError(raw)

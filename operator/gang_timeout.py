@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from cephalo.api import Plan
 from cephalo.operator.gang import gang_scheduler
+from cephalo.operator.gpu_usage import PODS
 from cephalo.operator.kube import core_path
 from cephalo.operator.render import plan_config_map_name, rank_pod_names
 from cephalo.operator.status import PLANNED, JobPhase, parse_time
@@ -117,6 +118,7 @@ async def _release(ctx: JobContext, plan: Plan, pods: dict[str, dict[str, Any]],
             if pod is not None and not pod["metadata"].get("deletionTimestamp"):
                 await ctx.kube.delete(core_path(ctx.namespace, "pods", pod["metadata"]["name"]),
                                       pod["metadata"].get("uid"))
+        PODS.invalidate()
 
     ctx.after_write(release)
     ctx.wake_in(ctx.config.recheck_seconds)

@@ -219,6 +219,11 @@ class PodLister:
                 self.num_lists += 1
             return list(self._pods)
 
+    def invalidate(self) -> None:
+        """The next pass lists again: after a gang release the re-plan must see the pods
+        that took its GPUs, not a listing from before they were bound."""
+        self._listed_at = None
+
     async def _list(self, kube: AsyncKube, namespaces: frozenset[str]) -> list[dict[str, Any]]:
         query = "?fieldSelector=" + quote(NOT_TERMINAL, safe="")
         if self.clusterwide:

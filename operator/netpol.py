@@ -11,7 +11,6 @@ union of their rules and nothing else.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -22,11 +21,7 @@ from cephalo.operator.render import LABEL_JOB, LABEL_ROLE, job_name, owner_refer
 if TYPE_CHECKING:
     from cephalo.operator.context import JobContext
 
-ENV_FLAG = "CEPHALO_JOB_NETWORK_POLICIES"
-
-
-def enabled() -> bool:
-    return os.environ.get(ENV_FLAG, "").lower() in ("1", "true", "yes")
+ENV_FLAG = "CEPHALO_JOB_NETWORK_POLICIES"  # read by OperatorConfig (job_network_policies)
 
 
 def network_policies_path(namespace: str, name: str | None = None) -> str:
@@ -53,7 +48,7 @@ def render_network_policy(job: CephaloJob) -> dict[str, Any]:
 
 async def ensure_network_policy(ctx: JobContext) -> None:
     """Create the job's policy if absent (it never changes: names and labels are fixed)."""
-    if not enabled():
+    if not ctx.config.job_network_policies:
         return
     path = network_policies_path(ctx.namespace)
     created, _ = await ctx.kube.create(path, render_network_policy(ctx.job))

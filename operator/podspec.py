@@ -106,20 +106,16 @@ def pack_ranks(plan: Plan, node_free_gpus: Mapping[str, Sequence[int]],
 def with_pod_ranks(plan: Plan, sizes: Sequence[int]) -> Plan:
     """`plan` recording `sizes` (nothing recorded when every pod runs one rank: the plan and
     its hash stay what they were)."""
-    data = plan.model_dump(mode="json")
-    data.pop(POD_RANKS_KEY, None)
-    if any(size > 1 for size in sizes):
-        data[POD_RANKS_KEY] = list(sizes)
-    return Plan.model_validate(data)
+    grouped = any(size > 1 for size in sizes)
+    return plan.model_copy(update={"pod_ranks": list(sizes) if grouped else []})
 
 
 def pod_groups(plan: Plan) -> list[list[RankPlan]]:
     """The plan's ranks grouped into pods (consecutive ranks of one pool each); one rank per
     pod when the plan records no grouping, or one that does not fit its ranks."""
     singles = [[r] for r in plan.ranks]
-    sizes = (plan.model_extra or {}).get(POD_RANKS_KEY)
-    if not isinstance(sizes, list) or not all(isinstance(s, int) and s >= 1 for s in sizes) \
-            or sum(sizes) != len(plan.ranks):
+    sizes = plan.pod_ranks
+    if not sizes or not all(s >= 1 for s in sizes) or sum(sizes) != len(plan.ranks):
         return singles
     groups, start = [], 0
     for size in sizes:
@@ -151,3 +147,36 @@ def pods_fit(plan: Plan, node_gpus: Mapping[str, Sequence[int]]) -> list[str]:
             room[0] -= size
             room.sort(reverse=True)
     return lost
+
+
+# ---- default CPU and memory (issue 12: no BestEffort rank pods) --------------------------
+# A rank process on the host: the CUDA torch runtime, NCCL, the data loader and the metrics
+# server (~2-3 GiB resident for a CUDA torch process), plus the host copy of its training
+# state that an asynchronous checkpoint uploads from: master weights and two Adam moments,
+# 12 bytes per owned parameter (trainer/checkpoint.py).
+PROCESS_HOST_BYTES = 3 * 1024**3
+CHECKPOINT_HOST_BYTES_PER_STATE_BYTE = 12 / 16  # of the 16 bytes/parameter of GPU state
+CPUS_PER_RANK = 2  # the training loop and the loader/checkpoint threads
+
+
+def host_memory_bytes(plan_state_bytes: int | None, shard_ratios: list[float]) -> int:
+    """Host memory a pod of ranks with these shards needs: per rank the process, plus its
+    share of the checkpoint snapshot when the plan says how big the state is."""
+    snapshot = (plan_state_bytes or 0) * CHECKPOINT_HOST_BYTES_PER_STATE_BYTE
+    return int(sum(PROCESS_HOST_BYTES + snapshot * ratio for ratio in shard_ratios))
+
+
+def apply_default_resources(pod: dict[str, Any], memory_bytes: int, cpus: int) -> dict[str, Any]:
+    """Requests for CPU and memory (Burstable QoS) where the pod template set neither a
+    request nor a limit: a pod without them is BestEffort, the first the kubelet evicts
+    under memory pressure. No default limits: a brief spike must not OOM-kill a rank."""
+    for container in pod["spec"]["containers"]:
+        resources = container.setdefault("resources", {})
+        requests = resources.setdefault("requests", {})
+        limits = resources.get("limits", {})
+        memory_mib = -(-memory_bytes // 2**20)  # rounded up, in the unit people read
+        for name, value in (("cpu", str(cpus)), ("memory", f"{memory_mib}Mi")):
+            # a limit alone: Kubernetes makes it the request too; leave it so
+            if name not in requests and name not in limits:
+                requests[name] = value
+    return pod

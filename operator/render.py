@@ -21,7 +21,13 @@ from cephalo.api.trainer_env import TrainerVars, to_environ
 from cephalo.operator.config import OperatorConfig
 from cephalo.operator.discovery import GPU_RESOURCE, PRODUCT_LABEL, product_matches
 from cephalo.operator.gang import apply_gang, apply_scheduling, group_name
-from cephalo.operator.podspec import apply_pod_template, pod_groups
+from cephalo.operator.podspec import (
+    CPUS_PER_RANK,
+    apply_default_resources,
+    apply_pod_template,
+    host_memory_bytes,
+    pod_groups,
+)
 
 LABEL_JOB = f"{API_GROUP}/job"
 LABEL_ROLE = f"{API_GROUP}/role"
@@ -307,7 +313,10 @@ def render_profiler_pod(job: CephaloJob, product: str, attempt: int,
         env=_pod_env(TrainerVars(job=f"{CONFIG_DIR}/job.yaml")),
         config_map=spec_config_map_name(job), ports=[], extra_volumes=[], extra_mounts=[],
         node_selector=_pool_selector(job, product))
-    return apply_scheduling(apply_pod_template(pod, job.spec.pod_template), job)
+    # a profiler holds a whole small model's state on the GPU only: the process alone
+    pod = apply_default_resources(apply_pod_template(pod, job.spec.pod_template),
+                                  host_memory_bytes(None, [1.0]), CPUS_PER_RANK)
+    return apply_scheduling(pod, job)
 
 
 def _pool_selector(job: CephaloJob, product: str) -> dict[str, str] | None:
@@ -388,7 +397,11 @@ def render(job: CephaloJob, plan: Plan, config: OperatorConfig | None = None,
         pod["spec"]["subdomain"] = service_name(job)
         # Gang membership last: Kueue's, Volcano's and coscheduling's keys win over the
         # pod template's labels and annotations (cephalo.operator.gang).
-        objects.append(apply_gang(apply_pod_template(pod, job.spec.pod_template), job,
+        pod = apply_default_resources(
+            apply_pod_template(pod, job.spec.pod_template),
+            host_memory_bytes(plan.state_bytes, [rank.shard_ratio for rank in group]),
+            CPUS_PER_RANK * count)
+        objects.append(apply_gang(pod, job,
                                   group=group_name(name, attempt, digest),
                                   group_size=len(groups), task=_dns_safe(pool, 63)))
     return objects

@@ -43,7 +43,20 @@ def moto_server(extra_env: dict[str, str] | None = None) -> Iterator[str]:
                 if time.monotonic() > deadline or server.poll() is not None:
                     raise RuntimeError("the moto server did not start") from None
                 time.sleep(0.1)
+        _forget_s3_clients()
         yield f"http://127.0.0.1:{port}"
     finally:
         server.kill()
         server.wait()
+        _forget_s3_clients()
+
+
+def _forget_s3_clients() -> None:
+    """fsspec caches filesystem instances by their arguments, not by AWS_ENDPOINT_URL: an
+    S3FileSystem made while an earlier test's server ran would still point at its dead
+    port (connection refused, only when the whole suite runs)."""
+    try:
+        import s3fs
+    except ImportError:
+        return
+    s3fs.S3FileSystem.clear_instance_cache()

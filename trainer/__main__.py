@@ -46,7 +46,7 @@ def run_pod(env: Mapping[str, str], count: int, command: Sequence[str] | None = 
     to the pod is passed on, so every rank reaches its step boundary and checkpoints."""
     argv = list(command or [sys.executable, "-m", "cephalo.trainer"])
     environs = [pod_process_environ(env, i) for i in range(count)]  # EnvError before any start
-    children = [subprocess.Popen(argv, env=e) for e in environs]
+    children: list[subprocess.Popen[bytes]] = []
     signalled: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
@@ -55,8 +55,14 @@ def run_pod(env: Mapping[str, str], count: int, command: Sequence[str] | None = 
             if child.poll() is None:
                 child.send_signal(signum)
 
+    # The handlers come first: a SIGTERM while the ranks start must reach them, not kill
+    # this process (PID 1 of the pod) and with it every rank before it can checkpoint.
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
+        for environ in environs:
+            children.append(subprocess.Popen(argv, env=environ))
+            if signalled:  # stopped while starting: this rank is told too
+                children[-1].send_signal(signalled[-1])
         while True:
             codes = [child.poll() for child in children]
             failed = [c for c in codes if c not in (None, 0)]

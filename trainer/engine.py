@@ -272,14 +272,20 @@ class Engine:
     def memory_estimate_bytes(self) -> int:
         """Device bytes this rank needs at least (cephalo.api.memory, the planner's model
         too): the training state of its shards, the gathered unit buffers at the peak, and
-        the boundary activations kept for backward when not offloaded. The working set
-        inside one unit's compute comes on top."""
+        the boundary activations kept for backward when not offloaded; without recompute,
+        every block's graph and the gathered units kept alive instead (kept_graph_bytes).
+        The working set inside one unit's compute comes on top."""
         samples = self.layout.batch_sizes[self.rank]
+        c = self.config
+        if self.recompute:
+            kept = memory.kept_boundary_bytes(c.num_layers, samples, c.tokens_per_sample,
+                                              c.hidden_size, self.store.offload)
+        else:
+            kept = memory.kept_graph_bytes(c.num_layers, samples, c.tokens_per_sample,
+                                           c.hidden_size, c.ffn_hidden_size,
+                                           sum(u.numel for u in self.units[:-1]))
         return int(memory.state_bytes(sum(u.shard_numel for u in self.units), self.precision)
-                   + memory.unit_buffer_bytes(max(u.numel for u in self.units))
-                   + memory.kept_boundary_bytes(self.config.num_layers, samples,
-                                                self.config.tokens_per_sample,
-                                                self.config.hidden_size, self.store.offload))
+                   + memory.unit_buffer_bytes(max(u.numel for u in self.units)) + kept)
 
     def _grad_of(self, full: torch.Tensor) -> torch.Tensor:
         # A rank with no batch contributes zeros (it still takes part in the collective).

@@ -51,7 +51,7 @@ class TrainerEnv:
 
 def layout_from_plan(plan: Plan) -> Layout:
     """The engine's view of a plan (plus its optional per-unit ratio overrides)."""
-    overrides = getattr(plan, "unit_shard_ratios", None) or {}
+    overrides = plan.unit_shard_ratios
     try:
         unit_ratios = {int(k): [float(r) for r in v] for k, v in overrides.items()}
     except (TypeError, ValueError, AttributeError):

@@ -6,9 +6,13 @@ fastest kernel available (flash / memory-efficient on GPU, a fused math kernel o
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from cephalo.api.models import RopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -26,9 +30,31 @@ class RMSNorm(nn.Module):
         return (normed * self.weight.float()).to(x.dtype)
 
 
-def rope_tables(sequence_length: int, head_dim: int, theta: float) -> torch.Tensor:
+def scale_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies under a pretrained model's RoPE scaling, as transformers'
+    `_compute_linear_scaling_rope_parameters` / `_compute_llama3_parameters` compute them."""
+    if scaling is None:
+        return inv_freq
+    if scaling.type == "linear":
+        return inv_freq / scaling.factor
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    context = scaling.original_max_position_embeddings
+    assert low is not None and high is not None and context is not None  # RopeScaling checks
+    wavelength = 2 * math.pi / inv_freq
+    # Long wavelengths (beyond context / low) are interpolated by `factor`, short ones (below
+    # context / high) kept, and those in between blended linearly in context / wavelength.
+    scaled = torch.where(wavelength > context / low, inv_freq / scaling.factor, inv_freq)
+    smooth = (context / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelength >= context / high) & (wavelength <= context / low)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_tables(sequence_length: int, head_dim: int, theta: float,
+                scaling: RopeScaling | None = None) -> torch.Tensor:
     """cos/sin tables for rotary embeddings, shape [2, T, head_dim] (rotate-half layout)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    inv_freq = scale_inv_freq(inv_freq, scaling)
     angles = torch.outer(torch.arange(sequence_length, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return torch.stack([angles.cos(), angles.sin()]).float()
@@ -67,7 +93,8 @@ class GroupedQueryAttention(nn.Module):
     by groups of query heads."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int,
-                 sequence_length: int, rope_theta: float) -> None:
+                 sequence_length: int, rope_theta: float,
+                 rope_scaling: RopeScaling | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -78,8 +105,8 @@ class GroupedQueryAttention(nn.Module):
         self.v = nn.Linear(hidden_size, kv_width, bias=False)
         self.o = nn.Linear(hidden_size, hidden_size, bias=False)
         # Not persistent: derived from the config, so it never enters a state_dict.
-        self.register_buffer("rope", rope_tables(sequence_length, self.head_dim, rope_theta),
-                             persistent=False)
+        self.register_buffer("rope", rope_tables(sequence_length, self.head_dim, rope_theta,
+                                                 rope_scaling), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, hidden = x.shape
@@ -154,11 +181,11 @@ class LlamaBlock(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int,
                  ffn_hidden_size: int, sequence_length: int, epsilon: float,
-                 rope_theta: float) -> None:
+                 rope_theta: float, rope_scaling: RopeScaling | None = None) -> None:
         super().__init__()
         self.norm1 = RMSNorm(hidden_size, epsilon)
         self.attn = GroupedQueryAttention(hidden_size, num_heads, num_kv_heads,
-                                          sequence_length, rope_theta)
+                                          sequence_length, rope_theta, rope_scaling)
         self.norm2 = RMSNorm(hidden_size, epsilon)
         self.mlp = SwiGLU(hidden_size, ffn_hidden_size)
 

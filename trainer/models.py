@@ -141,7 +141,7 @@ def _block(c: ModelConfig) -> nn.Module:
         return PostNormBlock(c.hidden_size, c.num_heads, c.ffn_hidden_size, c.norm_epsilon)
     assert c.sequence_length is not None
     return LlamaBlock(c.hidden_size, c.num_heads, c.kv_heads, c.ffn_hidden_size,
-                      c.sequence_length, c.norm_epsilon, c.rope_theta)
+                      c.sequence_length, c.norm_epsilon, c.rope_theta, c.rope_scaling)
 
 
 def _embedding(c: ModelConfig) -> nn.Module:

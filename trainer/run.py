@@ -68,7 +68,7 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
           verbose: bool = True, time_dilation: float = 1.0,
           memory_limit_bytes: int | None = None, collective_timeout_seconds: float = 600.0,
           stop_requested: Callable[[], bool] | None = None,
-          async_checkpoints: bool = True) -> TrainOutcome:
+          async_checkpoints: bool = True, recompute: bool | None = None) -> TrainOutcome:
     """Train `job` under `layout`, resuming from the newest intact checkpoint in
     `checkpoint_dir` (a shared folder or an fsspec URL; None or "" = no checkpoints at all);
     checkpoints every `intervalSteps` and always at the end (or at `stop_after_step`, which
@@ -77,11 +77,13 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
     write a checkpoint of the same step and return together. Steps are logged every
     `training.logIntervalSteps` and at the last, without a collective (step_log).
     `async_checkpoints`: interval checkpoints upload in the background while training goes
-    on (see checkpoint_write); the final one and a requested stop's are synchronous."""
+    on (see checkpoint_write); the final one and a requested stop's are synchronous.
+    `recompute`: the plan's job-wide choice (None: the engine's default, recompute)."""
     config = job.model.resolve()
     spec = job.training
     engine = Engine(config, spec, layout, group=group, device=device,
-                    precision=job.precision, time_dilation=time_dilation)
+                    precision=job.precision, time_dilation=time_dilation,
+                    recompute=True if recompute is None else recompute)
     if memory_limit_bytes is not None:
         _check_memory(engine, memory_limit_bytes)
     data = DataSource(config, job.data, spec.seed)
@@ -219,7 +221,8 @@ def main() -> int:
                             local_rank=env.local_rank, time_dilation=env.time_dilation,
                             memory_limit_bytes=env.memory_limit_bytes,
                             collective_timeout_seconds=env.timeout_seconds,
-                            stop_requested=terminated.is_set)
+                            stop_requested=terminated.is_set,
+                            recompute=env.plan.recompute)
         except MemoryLimitError as err:
             print(f"cephalo trainer (rank {env.rank}): error: {err}", file=sys.stderr,
                   flush=True)

@@ -143,7 +143,7 @@ def test_network_policies_fence_operator_and_ranks() -> None:
 def test_network_policies_follow_values() -> None:
     assert not by_kind(render(), "NetworkPolicy")
     env = one(render(), "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
-    assert ENV_FLAG not in {e["name"] for e in env}
+    assert {e["name"]: e["value"] for e in env}[ENV_FLAG] == "false"
     objects = render({**VALUES, "networkPolicy": {
         "enabled": True, "monitoringNamespaces": ["observability", "kps"],
         "monitoringPodSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}},

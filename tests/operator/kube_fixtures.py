@@ -50,8 +50,9 @@ def job_body(name: str = "gpt", namespace: str = "default", uid: str | None = No
                  "training": {"steps": 100},
                  # a multi-rank job needs a shared checkpoint target (else it is refused)
                  "checkpoint": {"claimName": "ckpt"},
-                 # gpt-small at B=64 is fastest on one GPU: the gang tests need every rank
-                 "planner": {"chooseGpus": False}, **spec},
+                 # gpt-small at B=64 is fastest on one GPU: the gang tests need every rank,
+                 # each in its own pod (tests of several ranks a pod say so)
+                 "planner": {"chooseGpus": False}, "ranksPerPod": 1, **spec},
     }
     if uid is not None:
         body["metadata"]["uid"] = uid

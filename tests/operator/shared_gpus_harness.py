@@ -73,9 +73,11 @@ class Cluster:
         names = {e[4]["metadata"]["name"] for e in self.api._log
                  if e[2] == "pods" and (e[4]["metadata"].get("labels") or {}).get(
                      "cephalo.dev/job") == job}
-        return sorted(n for n in names for v in self.api.history("pods", NS, n)
-                      if any(c.get("reason") == "Unschedulable"
-                             for c in (v.get("status") or {}).get("conditions") or []))
+        # a set: one pod has several versions marked Unschedulable (its deletion, a new
+        # scheduler message), and it still counts once
+        return sorted({n for n in names for v in self.api.history("pods", NS, n)
+                       if any(c.get("reason") == "Unschedulable"
+                              for c in (v.get("status") or {}).get("conditions") or [])})
 
 
 @pytest_asyncio.fixture(name="cluster")

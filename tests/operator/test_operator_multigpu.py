@@ -18,6 +18,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from kube_fixtures import job_body
+from pydantic import ValidationError
 
 from cephalo.api import Plan, parse_job
 from cephalo.api import trainer_env as names
@@ -85,9 +86,11 @@ def test_the_grouping_travels_in_the_plan_and_bad_ones_fall_back() -> None:
     assert json.loads(packed.to_json())[POD_RANKS_KEY] == [4, 2]
     assert Plan.model_validate_json(packed.to_json()) == packed  # the ConfigMap round trip
     assert config_hash(_job(), packed) != config_hash(_job(), plan)  # new grouping: restart
-    for bad in ([3, 3], [4, 1], [6], "4,2", [4, 0, 2]):  # mixes pools, wrong sum, not a list
+    for bad in ([3, 3], [4, 1], [6], [4, 0, 2]):  # mixes pools, wrong sum, a zero
         broken = Plan.model_validate({**plan.model_dump(mode="json"), POD_RANKS_KEY: bad})
         assert [len(g) for g in pod_groups(broken)] == [1] * 6, bad
+    with pytest.raises(ValidationError):  # not a list: the plan itself is refused (re-plan)
+        Plan.model_validate({**plan.model_dump(mode="json"), POD_RANKS_KEY: "4,2"})
     assert rank_pod_names(_job(), packed) == {0: "gpt-rank-0", 1: "gpt-rank-0", 2: "gpt-rank-0",
                                               3: "gpt-rank-0", 4: "gpt-rank-4", 5: "gpt-rank-4"}
 
@@ -235,7 +238,7 @@ def test_a_pod_of_two_ranks_trains_with_the_real_trainer(tmp_path: Path) -> None
     ranks 0 and 1 as two processes that form one gloo group and train to the end."""
     import subprocess
 
-    from cephalo.trainer.launch import free_port
+    from cephalo.trainer.spawn import free_port
 
     plan = {"global_batch_size": 8, "world_size": 2, "ranks": [
         {"rank": 0, "batch_size": 5, "micro_batch_size": 5, "num_micro_batches": 1,

@@ -502,3 +502,28 @@ def test_every_env_var_the_operator_sets_is_refused_in_the_pod_template() -> Non
     pods = [*render(job, _plan())[2:], render_profiler_pod(job, "NVIDIA-L4", attempt=0)]
     names = {e["name"] for pod in pods for e in pod["spec"]["containers"][0]["env"]}
     assert "CEPHALO_CHECKPOINT_DIR" in names and names <= CONTRACT_ENV
+
+
+def _resources(pod: dict) -> dict:
+    return pod["spec"]["containers"][0]["resources"]
+
+
+def test_rank_and_profiler_pods_are_burstable_by_default_and_the_template_wins() -> None:
+    """No BestEffort pods (the first evicted): CPU and memory requests sized from the plan's
+    training state (the async checkpoint's host copy), no CPU/memory limits; the pod
+    template's own request or limit replaces the default; the GPU stays the plan's."""
+    plan = _plan().model_copy(update={"state_bytes": 16 * 2**30})  # 1 Gi parameters
+    rank0 = next(o for o in render(_job(), plan) if o["kind"] == "Pod")
+    requests = _resources(rank0)["requests"]
+    # 3 GiB for the process + 12 of 16 bytes of its half of the state (0.5 x 12 GiB)
+    assert requests == {"nvidia.com/gpu": 1, "cpu": "2", "memory": f"{3 * 1024 + 6 * 1024}Mi"}
+    assert set(_resources(rank0)["limits"]) == {"nvidia.com/gpu"}
+    profiler = render_profiler_pod(_job(), "NVIDIA-L4", attempt=0)
+    assert _resources(profiler)["requests"]["memory"] == f"{3 * 1024}Mi"
+    custom = _job(podTemplate={"resources": {"requests": {"cpu": "8"},
+                                             "limits": {"memory": "64Gi"}}})
+    pod = next(o for o in render(custom, plan) if o["kind"] == "Pod")
+    assert _resources(pod)["requests"] == {"nvidia.com/gpu": 1, "cpu": "8"}  # limit = request
+    assert _resources(pod)["limits"] == {"nvidia.com/gpu": 1, "memory": "64Gi"}
+    for obj in (rank0, profiler, pod):
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)

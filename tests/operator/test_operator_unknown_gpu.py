@@ -79,8 +79,8 @@ async def test_unknown_gpu_is_profiled_planned_and_gets_ranks(emulator: ApiEmula
     for rank in used:
         assert rank.pool == PRODUCT
         assert rank.memory_capacity_bytes == LABEL_MIB * 1024**2  # the label wins over NVML
-        assert rank.batch_size > 0 and not (rank.model_extra or {}).get("estimated")
-    assert PRODUCT not in (plan.model_extra or {}).get("estimated_gpus", [])
+        assert rank.batch_size > 0 and not rank.estimated
+    assert PRODUCT not in plan.estimated_gpus
     selectors = {p["spec"]["nodeSelector"]["nvidia.com/gpu.product"] for p in ranks}
     assert PRODUCT in selectors
     status = await wait_phase(emulator, "any", "Running")

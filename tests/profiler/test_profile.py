@@ -98,7 +98,7 @@ def test_profile_round_trips_through_the_planner(tiny_profile: GpuProfile) -> No
     cluster = ClusterSpec(groups=[GpuGroup(product="cpu", count=2, memory_bytes=2**30)])
     plan = solve(_spec(), cluster, {"cpu": again})
     assert plan.world_size == 2 and sum(r.batch_size for r in plan.ranks) == 8
-    assert not any(r.model_extra.get("estimated") for r in plan.ranks)
+    assert not any(r.estimated for r in plan.ranks)
     assert plan.ranks[0].predicted_step_seconds > 0
 
 

@@ -13,8 +13,8 @@ import torch
 from cephalo.api.job import CephaloJobSpec
 from cephalo.trainer import checkpoint
 from cephalo.trainer.engine import Layout
-from cephalo.trainer.launch import run_local
 from cephalo.trainer.run import train
+from cephalo.trainer.spawn import spawn_ranks
 
 JOB = {"model": {"preset": "gpt-tiny"}, "globalBatchSize": 4,
        "training": {"steps": 6, "learningRate": 1e-3},
@@ -54,8 +54,8 @@ def _worker(rank: int, world_size: int, root: str, held: bool) -> dict:
 @pytest.mark.slow
 def test_training_continues_while_uploading_and_the_marker_waits_for_every_rank(
         tmp_path: Path) -> None:
-    held = run_local(_worker, 2, str(tmp_path / "async"), True)
-    sync = run_local(_worker, 2, str(tmp_path / "sync"), False)
+    held = spawn_ranks(_worker, 2, str(tmp_path / "async"), True)
+    sync = spawn_ranks(_worker, 2, str(tmp_path / "sync"), False)
     for result in held:
         # Step 3 was trained while step 2's shards were still held back, and step 2 was not
         # visible then; it was committed once the uploads finished.

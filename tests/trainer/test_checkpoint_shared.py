@@ -10,8 +10,8 @@ import pytest
 
 from cephalo.api.job import CephaloJobSpec
 from cephalo.trainer.engine import Layout
-from cephalo.trainer.launch import run_local
 from cephalo.trainer.run import train
+from cephalo.trainer.spawn import spawn_ranks
 
 JOB = {"model": {"preset": "gpt-tiny"}, "globalBatchSize": 4,
        "training": {"steps": 2, "learningRate": 1e-3},
@@ -32,7 +32,7 @@ def _own_folder_worker(rank: int, world_size: int, base: str) -> str:
 
 @pytest.mark.slow
 def test_ranks_without_a_shared_folder_stop_with_one_clear_message(tmp_path: Path) -> None:
-    messages = run_local(_own_folder_worker, 2, str(tmp_path))
+    messages = spawn_ranks(_own_folder_worker, 2, str(tmp_path))
     for rank, message in enumerate(messages):
         assert message != "trained", rank
         assert "\n" not in message
@@ -56,7 +56,7 @@ def _no_target_worker(rank: int, world_size: int, target: str | None, cwd: str) 
 @pytest.mark.parametrize("target", [None, "", "  "])
 def test_no_checkpoint_target_trains_without_saving_or_resuming(
         tmp_path: Path, target: str | None) -> None:
-    results = run_local(_no_target_worker, 2, target, str(tmp_path))
+    results = spawn_ranks(_no_target_worker, 2, target, str(tmp_path))
     assert results == [{"first": 0, "last": 2, "checkpoints": []}] * 2
     assert not list(tmp_path.iterdir())
 
@@ -127,7 +127,7 @@ def _disk_full_worker(rank: int, world_size: int, root: str) -> str:
 @pytest.mark.slow
 def test_a_failed_write_on_one_rank_is_the_same_root_cause_on_every_rank(tmp_path: Path
                                                                          ) -> None:
-    messages = run_local(_disk_full_worker, 2, str(tmp_path / "ckpt"))
+    messages = spawn_ranks(_disk_full_worker, 2, str(tmp_path / "ckpt"))
     shard = tmp_path / "ckpt" / "step-00000002" / "rank-00001.pt"
     assert messages[0] == messages[1]
     assert messages[0] == (f"checkpoint at step 2 failed: rank 1 could not write {shard}: "

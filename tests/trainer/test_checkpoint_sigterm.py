@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from cephalo.trainer import checkpoint
-from cephalo.trainer.launch import free_port
+from cephalo.trainer.spawn import free_port
 
 STEPS = 500  # far more than the test waits for: the run only ends by the signal
 JOB = {"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob", "metadata": {"name": "t"},

@@ -22,10 +22,10 @@ from cephalo.operator.progress import parse_progress_checked
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Engine, Layout, StepResult
 from cephalo.trainer.eval import VALIDATION_STEP, Evaluator, hold_out
-from cephalo.trainer.launch import run_local
 from cephalo.trainer.metrics import TrainerMetrics
 from cephalo.trainer.models import build_model
 from cephalo.trainer.run import train
+from cephalo.trainer.spawn import spawn_ranks
 from cephalo.trainer.step_log import StepLogger
 
 UNEVEN = Layout(batch_sizes=[5, 3], micro_batch_sizes=[2, 3], shard_ratios=[0.7, 0.3])
@@ -87,7 +87,7 @@ def _worker(rank: int, world_size: int, folder: str) -> dict:
 def test_validation_loss_is_the_same_for_any_plan(tmp_path: Path) -> None:
     np.random.default_rng(1).integers(0, 256, 2000).astype(np.uint16).tofile(
         tmp_path / "tokens.bin")
-    results = run_local(_worker, 2, str(tmp_path), timeout_seconds=180)
+    results = spawn_ranks(_worker, 2, str(tmp_path), timeout_seconds=180)
     uneven, solo = _records(tmp_path / "uneven.jsonl"), _records(tmp_path / "solo.jsonl")
     # Evaluated at step 2 (the interval) and at the last step, 3; logged on those steps
     # although logIntervalSteps is 10.

@@ -159,8 +159,8 @@ def test_spec_with_pretrained_resolves_and_checks_contradictions(tmp_path: Path)
 
 
 @pytest.mark.parametrize("hf_config, message", [
-    (llama_config(rope_scaling={"rope_type": "linear", "factor": 2.0}),
-     "rope scaling type='linear'"),
+    (llama_config(rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+     "rope scaling type='dynamic'.*sequence length at run time"),
     (llama_config(hidden_act="gelu"), "hidden_act='gelu'"),
     (llama_config(attention_bias=True), "attention_bias=True"),
     (MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=56, num_hidden_layers=2,

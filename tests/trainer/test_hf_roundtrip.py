@@ -23,8 +23,8 @@ from cephalo.cli import main as cli_main
 from cephalo.trainer import checkpoint
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Layout
-from cephalo.trainer.launch import run_local
 from cephalo.trainer.models import build_model
+from cephalo.trainer.spawn import spawn_ranks
 
 pytestmark = pytest.mark.slow
 UNEVEN = Layout([5, 2, 1], [1, 2, 1], [0.5, 0.3, 0.2])
@@ -80,13 +80,13 @@ def test_llama_round_trip_on_three_uneven_ranks(tmp_path: Path) -> None:
     source, ckpt = tmp_path / "hf-in", tmp_path / "ckpt"
     reference = save_random(llama_config(), source, shard_size="20KB")  # sharded input
     _write_tokenizer(source)
-    first = run_local(_train, 3, str(source), 3, str(ckpt), UNEVEN, 2)  # stops at step 2
+    first = spawn_ranks(_train, 3, str(source), 3, str(ckpt), UNEVEN, 2)  # stops at step 2
     # step 1's loss is the pretrained model's loss on step 1's batch (not ln(96) = 4.56)
     expected = _first_batch_loss(reference, _job(str(source), 3))
     assert abs(first[0]["losses"][0] - expected) <= 1e-5 * expected
     # the resume takes precedence over the pretrained weights: step 3 starts from step 2's
     # checkpoint, whose loss on step 3's batch differs from the pretrained model's
-    resumed = run_local(_train, 3, str(source), 3, str(ckpt), UNEVEN, None)
+    resumed = spawn_ranks(_train, 3, str(source), 3, str(ckpt), UNEVEN, None)
     assert resumed[0]["first"] == 2
     assert abs(resumed[0]["losses"][0] - _first_batch_loss(reference, _job(str(source), 3),
                                                            step=2)) > 1e-3
@@ -109,7 +109,7 @@ def test_llama_round_trip_on_three_uneven_ranks(tmp_path: Path) -> None:
 def test_gpt2_round_trip_and_unexportable_family(tmp_path: Path, capsys) -> None:
     source, ckpt = tmp_path / "hf-in", tmp_path / "ckpt"
     reference = save_random(gpt2_config(), source)
-    results = run_local(_train, 1, str(source), 2, str(ckpt), Layout([BATCH], [4], [1.0]),
+    results = spawn_ranks(_train, 1, str(source), 2, str(ckpt), Layout([BATCH], [4], [1.0]),
                         None)
     expected = _first_batch_loss(reference, _job(str(source), 2))
     assert abs(results[0]["losses"][0] - expected) <= 1e-5 * expected

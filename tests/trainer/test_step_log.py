@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 from cephalo.api.job import CephaloJobSpec
 from cephalo.trainer import checkpoint
 from cephalo.trainer.engine import Layout, StepResult
-from cephalo.trainer.launch import run_local
+from cephalo.trainer.spawn import spawn_ranks
 from cephalo.trainer.step_log import StepLogger, throughput
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor",
@@ -87,7 +87,7 @@ def _progress(folder: Path) -> list[dict]:
 @pytest.mark.slow
 def test_stop_vote_rides_on_the_step_and_all_ranks_stop_at_the_same_step(tmp_path: Path
                                                                          ) -> None:
-    results = run_local(_worker, 2, str(tmp_path), 50, 1, 3, timeout_seconds=120)
+    results = spawn_ranks(_worker, 2, str(tmp_path), 50, 1, 3, timeout_seconds=120)
     # Rank 1 alone asked, in step 3's all-reduce: both ranks stop after step 3.
     assert [(r["last"], r["stopped"]) for r in results] == [(3, True), (3, True)]
     info = checkpoint.find_latest(tmp_path / "ckpt")
@@ -108,7 +108,7 @@ def test_stop_vote_rides_on_the_step_and_all_ranks_stop_at_the_same_step(tmp_pat
 
 @pytest.mark.slow
 def test_logs_every_interval_and_the_last_step(tmp_path: Path) -> None:
-    results = run_local(_worker, 2, str(tmp_path), 7, 3, None, timeout_seconds=120)
+    results = spawn_ranks(_worker, 2, str(tmp_path), 7, 3, None, timeout_seconds=120)
     assert [(r["last"], r["stopped"]) for r in results] == [(7, False), (7, False)]
     assert [p["step"] for p in _progress(tmp_path)] == [3, 6, 7]
     for rank, r in enumerate(results):

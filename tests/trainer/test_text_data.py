@@ -21,7 +21,7 @@ from cephalo.tokenfile import tokenize_corpus
 from cephalo.tokenizer import byte_tokenizer
 from cephalo.trainer import text_data
 from cephalo.trainer.data import DataSource
-from cephalo.trainer.launch import run_local
+from cephalo.trainer.spawn import spawn_ranks
 
 CONFIG = preset("gpt-tiny")  # sequence length 32, vocabulary 256: byte-level ids fit
 STEPS = 3
@@ -99,7 +99,7 @@ def test_every_plan_and_world_size_sees_the_same_global_batches(tmp_path: Path) 
     for i, (name, layout) in enumerate(plans.items()):
         # The three-rank plan shares one cache (ranks race for its lock); the others do not.
         cache_root = str(tmp_path / f"cache-{i}" / ("shared" if i == 2 else "own"))
-        per_rank = run_local(_rank_batches, len(layout), docs, cache_root, layout)
+        per_rank = spawn_ranks(_rank_batches, len(layout), docs, cache_root, layout)
         global_batches[name] = [torch.cat([mb for rank in per_rank for mb in rank[step]])
                                 for step in range(STEPS)]
     reference = global_batches.pop("one rank")

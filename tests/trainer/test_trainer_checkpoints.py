@@ -14,9 +14,9 @@ from cephalo.api.job import CephaloJobSpec
 from cephalo.cli import main as cli_main
 from cephalo.trainer import checkpoint
 from cephalo.trainer.engine import Layout
-from cephalo.trainer.launch import run_local
 from cephalo.trainer.models import build_model
 from cephalo.trainer.run import train
+from cephalo.trainer.spawn import spawn_ranks
 
 STEPS = 4
 
@@ -54,13 +54,13 @@ def _max_relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> flo
 @pytest.mark.slow
 def test_resume_same_and_other_plan_matches_uninterrupted(tmp_path: Path) -> None:
     full, first, other = tmp_path / "full", tmp_path / "first", tmp_path / "other"
-    ref = run_local(_train_worker, 3, UNEVEN, str(full), None, 2)
-    stopped = run_local(_train_worker, 3, UNEVEN, str(first), 2, 2)
+    ref = spawn_ranks(_train_worker, 3, UNEVEN, str(full), None, 2)
+    stopped = spawn_ranks(_train_worker, 3, UNEVEN, str(first), 2, 2)
     assert stopped[0]["last"] == 2
     assert checkpoint.find_latest(first).step == 2  # type: ignore[union-attr]
     shutil.copytree(first, other)
-    same = run_local(_train_worker, 3, UNEVEN, str(first), None, 2)
-    moved = run_local(_train_worker, 2, OTHER, str(other), None, 2)
+    same = spawn_ranks(_train_worker, 3, UNEVEN, str(first), None, 2)
+    moved = spawn_ranks(_train_worker, 2, OTHER, str(other), None, 2)
     assert same[0]["first"] == 2 and moved[0]["first"] == 2
     assert same[0]["last"] == moved[0]["last"] == STEPS
     want = _weights(full)
@@ -88,7 +88,7 @@ def test_resume_same_and_other_plan_matches_uninterrupted(tmp_path: Path) -> Non
 @pytest.mark.slow
 def test_torn_checkpoints_are_skipped(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
-    run_local(_train_worker, 1, Layout([8], [4], [1.0]), str(root), 3, 1)
+    spawn_ranks(_train_worker, 1, Layout([8], [4], [1.0]), str(root), 3, 1)
     steps = sorted(p.name for p in root.glob("step-*"))
     assert steps == ["step-00000001", "step-00000002", "step-00000003"]
     assert checkpoint.find_latest(root).step == 3  # type: ignore[union-attr]
@@ -112,8 +112,8 @@ def test_torn_checkpoints_are_skipped(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_resume_uses_previous_complete_checkpoint(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
-    run_local(_train_worker, 1, Layout([8], [8], [1.0]), str(root), 2, 1)
+    spawn_ranks(_train_worker, 1, Layout([8], [8], [1.0]), str(root), 2, 1)
     (root / "step-00000002" / "COMPLETE").unlink()  # torn newest
-    resumed = run_local(_train_worker, 1, Layout([8], [8], [1.0]), str(root), 3, 1)
+    resumed = spawn_ranks(_train_worker, 1, Layout([8], [8], [1.0]), str(root), 3, 1)
     assert resumed[0]["first"] == 1 and resumed[0]["last"] == 3
     assert checkpoint.find_latest(root).step == 3  # type: ignore[union-attr]

@@ -12,7 +12,7 @@ from cephalo.api.job import DataSpec, SyntheticData, TrainingSpec
 from cephalo.api.models import preset
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Engine, Layout
-from cephalo.trainer.launch import run_local
+from cephalo.trainer.spawn import spawn_ranks
 
 
 def _worker(rank: int, world_size: int, layout: Layout, recompute: bool) -> dict:
@@ -36,7 +36,7 @@ def test_one_gather_per_unit_per_pass(recompute: bool) -> None:
     # rank 0: 8 microbatches of 1; rank 1: 1 microbatch of 4 and no shard; rank 2: state only.
     layout = Layout(batch_sizes=[8, 4, 0], micro_batch_sizes=[1, 4, 0],
                     shard_ratios=[0.8, 0.0, 0.2])  # rank 1 computes but owns no state
-    results = run_local(_worker, 3, layout, recompute, timeout_seconds=90)
+    results = spawn_ranks(_worker, 3, layout, recompute, timeout_seconds=90)
     num_units = results[0]["num_units"]
     head = num_units - 1
     for rank, result in enumerate(results):
@@ -59,7 +59,8 @@ def test_one_gather_per_unit_per_pass(recompute: bool) -> None:
             assert step["calls"] == results[0]["steps"][0]["calls"]
 
 
-def test_cost_model_charges_the_collectives_the_engine_issues() -> None:
+@pytest.mark.parametrize("recompute", [True, False])
+def test_cost_model_charges_the_collectives_the_engine_issues(recompute: bool) -> None:
     # The counts asserted above, priced by the planner: with no compute and no bandwidth
     # cost, one AllGather costs 1 s, one ReduceScatter 1000 s and one small all-reduce 1e6 s,
     # so the predicted step spells out how many of each the model charges.
@@ -73,6 +74,8 @@ def test_cost_model_charges_the_collectives_the_engine_issues() -> None:
     profile = GpuProfile(product="cpu", memory_capacity_bytes=2**30, model_key="x",
                          points=[zero])
     cost = GpuCostModel(lookup_gpu("cpu"), profile, 2**30, config.num_layers)
+    if not recompute:
+        cost = cost.without_recompute(config)
     comm = CommModel(bandwidth_bytes_per_second=1e30, latency_seconds=1.0,
                      reduce_scatter_latency_seconds=1000.0, all_reduce_seconds=1e6,
                      overlap_fraction=0.0)
@@ -80,6 +83,7 @@ def test_cost_model_charges_the_collectives_the_engine_issues() -> None:
     total = round(float(cost.step_seconds(np.array([3]), np.array([2]), unit)[0]))
     num_units = config.num_layers + 2
     gathers, scatters, all_reduces = total % 1000, total // 1000 % 1000, total // 10**6
-    assert gathers == num_units + (num_units - 1)  # forward, then backward without the head
+    # Forward, then (with recompute) backward without the head.
+    assert gathers == num_units + (num_units - 1 if recompute else 0)
     assert scatters == num_units
     assert all_reduces == 2  # the engine's [grad norm, loss] and the trainer's timings

@@ -11,8 +11,8 @@ from cephalo.api.job import CephaloJobSpec, DataSpec, SyntheticData, TrainingSpe
 from cephalo.api.models import preset
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Engine, Layout
-from cephalo.trainer.launch import run_local
 from cephalo.trainer.run import MemoryLimitError, train
+from cephalo.trainer.spawn import spawn_ranks
 
 
 def _dilation_worker(rank: int, world_size: int, dilation: float) -> dict:
@@ -32,8 +32,8 @@ def _dilation_worker(rank: int, world_size: int, dilation: float) -> dict:
 
 @pytest.mark.slow
 def test_time_dilation_sleeps_after_every_unit_compute_and_changes_no_numbers() -> None:
-    dilated = run_local(_dilation_worker, 1, 3.0)[0]
-    normal = run_local(_dilation_worker, 1, 1.0)[0]
+    dilated = spawn_ranks(_dilation_worker, 1, 3.0)[0]
+    normal = spawn_ranks(_dilation_worker, 1, 1.0)[0]
     # forward: embedding + 2 blocks; head fused fwd+bwd per microbatch (2);
     # backward: 2 blocks + embedding, per microbatch (2 each) -> 3 + 2 + 6 = 11.
     assert len(dilated["sleeps"]) == 11 and all(s > 0 for s in dilated["sleeps"])
@@ -54,7 +54,7 @@ def _memory_worker(rank: int, world_size: int, limits: list[int], root: str) -> 
 
 @pytest.mark.slow
 def test_memory_limit_fails_every_rank_together(tmp_path: Path) -> None:
-    messages = run_local(_memory_worker, 2, [1 << 40, 1 << 10], str(tmp_path))
+    messages = spawn_ranks(_memory_worker, 2, [1 << 40, 1 << 10], str(tmp_path))
     assert "rank 1 needs at least" in messages[1] and "memory limit is 0.0 MiB" in messages[1]
     assert messages[0] == "another rank exceeds its memory limit (see its log)"
-    assert run_local(_memory_worker, 2, [1 << 40, 1 << 40], str(tmp_path)) == [None, None]
+    assert spawn_ranks(_memory_worker, 2, [1 << 40, 1 << 40], str(tmp_path)) == [None, None]

@@ -17,8 +17,8 @@ import yaml
 from cephalo.trainer import checkpoint
 from cephalo.trainer.engine import Layout
 from cephalo.trainer.env import EnvError, read_env
-from cephalo.trainer.launch import free_port, run_local
 from cephalo.trainer.run import train
+from cephalo.trainer.spawn import free_port, spawn_ranks
 
 JOB = {"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob", "metadata": {"name": "t"},
        "spec": {"model": {"preset": "gpt-tiny"}, "globalBatchSize": 8,
@@ -157,7 +157,7 @@ def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted(tmp_path: Pa
 
     reference = tmp_path / "reference"
     layout = Layout([5, 3], [1, 3], [0.35, 0.65])
-    assert run_local(_reference_worker, 2, JOB, layout, str(reference)) == [20, 20]
+    assert spawn_ranks(_reference_worker, 2, JOB, layout, str(reference)) == [20, 20]
     got = checkpoint.full_state_dict(checkpoint.find_latest(ckpt))  # type: ignore[arg-type]
     want = checkpoint.full_state_dict(checkpoint.find_latest(reference))  # type: ignore[arg-type]
     for name, tensor in want.items():

@@ -9,7 +9,7 @@ from cephalo.api.job import DataSpec, SyntheticData, TrainingSpec
 from cephalo.api.models import preset
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Engine, Layout
-from cephalo.trainer.launch import free_port
+from cephalo.trainer.spawn import free_port
 
 pytestmark = pytest.mark.gpu
 

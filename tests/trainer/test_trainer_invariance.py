@@ -11,9 +11,9 @@ from cephalo.api.job import DataSpec, SyntheticData, TrainingSpec
 from cephalo.api.models import preset
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Engine, Layout
-from cephalo.trainer.launch import run_local
 from cephalo.trainer.models import build_model
 from cephalo.trainer.optim import learning_rate
+from cephalo.trainer.spawn import spawn_ranks
 
 STEPS = 3
 TOLERANCE = 1e-5
@@ -71,7 +71,7 @@ STATE_ONLY = Layout(batch_sizes=[6, 2, 0], micro_batch_sizes=[3, 1, 0],
     ("gpt-tiny", STATE_ONLY, True),
 ])
 def test_uneven_plan_matches_single_rank(name: str, layout: Layout, offload: bool) -> None:
-    results = run_local(_worker, 3, name, layout, offload, timeout_seconds=120)
+    results = spawn_ranks(_worker, 3, name, layout, offload, timeout_seconds=120)
     rank0 = results[0]
     for r in results[1:]:  # every rank ends with the same full model
         assert all(torch.equal(a, b) for a, b in zip(r["params"], rank0["params"], strict=True))
@@ -94,7 +94,7 @@ def test_single_rank_engine_matches_plain_pytorch() -> None:
     """The engine on one rank (microbatches of 2, recompute, offload) is AdamW + clipping on
     the mean loss of the global batch, as plain PyTorch computes it."""
     torch.set_num_threads(1)
-    results = run_local(_single_worker, 1, timeout_seconds=60)
+    results = spawn_ranks(_single_worker, 1, timeout_seconds=60)
     losses, params = results[0]
     config = preset("gpt-tiny")
     spec = _spec()
@@ -141,7 +141,7 @@ def _bf16_worker(rank: int, world_size: int) -> dict:
 
 @pytest.mark.slow
 def test_bf16_autocast_trains_close_to_fp32_with_fp32_master_weights() -> None:
-    rank0 = run_local(_bf16_worker, 2, timeout_seconds=120)[0]
+    rank0 = spawn_ranks(_bf16_worker, 2, timeout_seconds=120)[0]
     assert all(p.dtype == torch.float32 for p in rank0["params"])  # fp32 master shards
     # bf16 matmuls: same trajectory to bf16 precision (~3 significant digits), not bitwise.
     assert rank0["losses"] == pytest.approx(rank0["fp32_losses"], rel=2e-2)

@@ -23,9 +23,9 @@ from cephalo.trainer import checkpoint
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Engine, Layout
 from cephalo.trainer.env import layout_from_plan
-from cephalo.trainer.launch import run_local
 from cephalo.trainer.models import build_model
 from cephalo.trainer.run import train
+from cephalo.trainer.spawn import spawn_ranks
 
 STEPS = 3
 TOLERANCE = 1e-5
@@ -103,7 +103,7 @@ def test_solver_mixed_plan_matches_single_rank() -> None:
         evenness.append(is_even(shard_bounds(numel, layout.ratios_for(u))))
     assert any(evenness) and not all(evenness)  # mixed: some units even, some skewed
 
-    results = run_local(_worker, 3, json_roundtrip(plan), timeout_seconds=120)
+    results = spawn_ranks(_worker, 3, json_roundtrip(plan), timeout_seconds=120)
     rank0 = results[0]
     # Each rank owns exactly the slice of each unit that the plan's per-unit ratios give it.
     for rank, res in enumerate(results):
@@ -149,11 +149,11 @@ def _weights(root: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_checkpoint_resumes_under_another_per_unit_layout(tmp_path: Path) -> None:
     full, first, moved = tmp_path / "full", tmp_path / "first", tmp_path / "moved"
-    ref = run_local(_ckpt_worker, 2, UNIFORM, str(full), None)
-    stopped = run_local(_ckpt_worker, 3, MIXED, str(first), 2)
+    ref = spawn_ranks(_ckpt_worker, 2, UNIFORM, str(full), None)
+    stopped = spawn_ranks(_ckpt_worker, 3, MIXED, str(first), 2)
     assert stopped[0]["last"] == 2
     shutil.copytree(first, moved)
-    resumed = run_local(_ckpt_worker, 2, OTHER_MIXED, str(moved), None)
+    resumed = spawn_ranks(_ckpt_worker, 2, OTHER_MIXED, str(moved), None)
     assert resumed[0]["first"] == 2 and resumed[0]["last"] == 4
     assert resumed[0]["losses"] == pytest.approx(ref[0]["losses"][2:], rel=TOLERANCE)
     want, got = _weights(full), _weights(moved)

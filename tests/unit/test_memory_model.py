@@ -11,7 +11,8 @@ import torch
 
 from cephalo.api import memory, preset
 from cephalo.api.models import ModelConfig
-from cephalo.trainer.launch import run_local
+from cephalo.trainer.spawn import spawn_ranks
+from tests.torch_memory import live_bytes_peak
 
 # More blocks than gpt-tiny's two, so that the largest unit is a block and a block's
 # backward has a block both before (its gradient in flight) and after (prefetched) it.
@@ -24,23 +25,6 @@ BATCH, MICRO = 4, 2
 # understate it beyond allocator rounding: that is an out-of-memory error on a GPU.
 OVERSTATE_TOLERANCE = 0.15
 UNDERSTATE_TOLERANCE = 0.02
-
-
-def _live_bytes_peak(step: Any) -> int:
-    """Peak of the bytes allocated (net of frees) while `step` runs, from the allocation
-    events torch's profiler records (frees of blocks allocated before it started are not
-    recorded, so this counts only what the step itself allocates)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    live_bytes = peak = 0
-    for event in events:
-        live_bytes += event.nbytes()
-        peak = max(peak, live_bytes)
-    return peak
 
 
 def _rank(rank: int, world_size: int, config: ModelConfig) -> dict[str, Any]:
@@ -58,7 +42,7 @@ def _rank(rank: int, world_size: int, config: ModelConfig) -> dict[str, Any]:
                                        MICRO))
 
     step()  # the first step allocates nothing the later ones do not
-    return {"peak": _live_bytes_peak(step), "owned": sum(u.shard_numel for u in engine.units),
+    return {"peak": live_bytes_peak(step), "owned": sum(u.shard_numel for u in engine.units),
             "estimate": engine.memory_estimate_bytes(), "offload": engine.store.offload}
 
 
@@ -71,7 +55,7 @@ def test_engine_peak_agrees_with_the_memory_model() -> None:
     # unit's working set, the same figure the planner adds to the state.
     compute = UnitProfiler(CONFIG, "fp32", torch.device("cpu")).measure(
         [MICRO], repeats=1, warmup=0).points[0].compute_memory_bytes
-    for r in run_local(_rank, 2, CONFIG, timeout_seconds=180):
+    for r in spawn_ranks(_rank, 2, CONFIG, timeout_seconds=180):
         # Master weights and both moments exist before the step; the gradient shards, the
         # unit buffers and the activations are allocated during it.
         measured = 3 * memory.FP32_BYTES * r["owned"] + r["peak"]

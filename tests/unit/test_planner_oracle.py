@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from cephalo.api import ClusterSpec, GpuGroup
 from cephalo.planner import InfeasibleError, solve
 from cephalo.planner.evaluate import score
-from cephalo.planner.problem import build_problem
+from cephalo.planner.problem import build_problem, without_recompute
 from cephalo.planner.solver import solve_fixed
 from cephalo.planner.unit_shards import EvenUnits
 
@@ -31,9 +31,17 @@ def _options(batch: int, allow_zero: bool) -> dict[int, list[tuple[int, int]]]:
 
 
 def brute_force(spec, cluster, profiles) -> float | None:
-    """Least step time over all assignments and every choice of which units are sharded
-    evenly (the rest skewed), using `score` as the truth."""
-    problem = build_problem(spec, cluster, profiles)
+    """Least step time over all assignments, every choice of which units are sharded
+    evenly (the rest skewed) and both recompute modes (job-wide), using `score` as the
+    truth."""
+    recomputing = build_problem(spec, cluster, profiles)
+    found = [_brute_force_mode(problem) for problem in (recomputing,
+                                                        without_recompute(recomputing))]
+    finite = [f for f in found if f is not None]
+    return min(finite) if finite else None
+
+
+def _brute_force_mode(problem) -> float | None:
     n, batch = problem.world_size, problem.global_batch_size
     options = _options(batch, problem.allow_state_only)
     layers = problem.model.num_layers
@@ -73,16 +81,17 @@ def brute_force_subsets(spec, cluster, profiles) -> float | None:
 
 def _check_against_brute_force(seed: int, max_gpus: int, max_batch: int) -> None:
     spec, cluster, profiles = random_instance(seed, max_gpus=max_gpus, max_batch=max_batch)
-    # All GPUs used: the core search is exact.
-    expected = brute_force(spec, cluster, profiles)
-    problem = build_problem(spec, cluster, profiles)
-    if expected is None:
-        with pytest.raises(InfeasibleError):
-            solve_fixed(problem)
-    else:
-        sol = solve_fixed(problem)
-        got = score(problem, sol.micro, sol.ell, even_units=sol.even_units).step_seconds
-        assert got == pytest.approx(expected, rel=1e-12)
+    # All GPUs used: the core search is exact, in each recompute mode.
+    recomputing = build_problem(spec, cluster, profiles)
+    for problem in (recomputing, without_recompute(recomputing)):
+        expected = _brute_force_mode(problem)
+        if expected is None:
+            with pytest.raises(InfeasibleError):
+                solve_fixed(problem)
+        else:
+            sol = solve_fixed(problem)
+            got = score(problem, sol.micro, sol.ell, even_units=sol.even_units).step_seconds
+            assert got == pytest.approx(expected, rel=1e-12)
     # The planner's choice of GPUs: the optimum over every subset.
     best = brute_force_subsets(spec, cluster, profiles)
     if best is None:

@@ -18,7 +18,7 @@ from cephalo.api import trainer_env as names
 from cephalo.api.trainer_env import EnvError, TrainerVars, read_env, to_environ
 from cephalo.errors import CephaloError
 from cephalo.local.devices import LocalDevice
-from cephalo.local.launcher import RankEnv, rank_environment
+from cephalo.local.ranks import RankEnv, rank_environment
 from cephalo.operator.render import render, render_profiler_pod
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,11 +15,11 @@ import pytest
 
 from cephalo.api.plan import parse_plan
 from cephalo.api.sharding import shard_bounds
-from cephalo.commands.plan import format_plan
 from cephalo.planner import InfeasibleError, solve
 from cephalo.planner.costmodel import CommModel, UnitComm
 from cephalo.planner.evaluate import score, score_best
 from cephalo.planner.problem import build_problem
+from cephalo.planner.report import format_plan
 from cephalo.planner.solver import solve_fixed
 from cephalo.planner.unit_search import search_even_sets
 from cephalo.planner.unit_shards import (
@@ -234,7 +234,7 @@ def test_plan_ratios_and_json() -> None:
             ratios = plan.unit_shard_ratios.get(str(u), [x.shard_ratio for x in plan.ranks])
             start, end = shard_bounds(numel, ratios)[r.rank]
             held += (end - start) * per_param
-        compute = r.model_extra["compute_memory_bytes"]
+        compute = r.compute_memory_bytes
         assert r.predicted_memory_bytes == pytest.approx(compute + held, rel=1e-3, abs=64)
         assert r.predicted_memory_bytes <= r.memory_capacity_bytes * plan.memory_fraction + 1
     text = format_plan(plan, "gpt-tiny")

@@ -4,9 +4,11 @@ resolve a pretrained model's architecture with it).
 Which Hugging Face architectures map exactly onto a Cephalo family:
 
 * ``llama`` (LlamaForCausalLM) -> ``llama``: GQA (`num_key_value_heads`), `rms_norm_eps`,
-  `rope_theta`; SiLU, no attention/MLP bias, head_dim = hidden / heads. RoPE scaling is
-  refused (Cephalo's RoPE is unscaled; linear, dynamic, llama3, yarn and longrope would
-  change the rotation angles). Tied embeddings are copied into Cephalo's untied LM head.
+  `rope_theta`; SiLU, no attention/MLP bias, head_dim = hidden / heads. RoPE scaling
+  ``linear`` and ``llama3`` (Llama 3.1/3.2/3.3) become `ModelConfig.rope_scaling`, computed
+  as transformers does; ``dynamic`` (frequencies depend on the run-time sequence length),
+  ``yarn``, ``longrope`` and the rest are refused. Tied embeddings are copied into
+  Cephalo's untied LM head.
 * ``mistral`` (MistralForCausalLM) -> ``llama`` with the same rules; its sliding window is
   *refused* unless the training sequence fits inside it (sequenceLength <= sliding_window),
   where sliding-window attention equals full causal attention.
@@ -31,13 +33,17 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from cephalo.api.models import ModelConfig
+from pydantic import ValidationError
+
+from cephalo.api.models import ModelConfig, RopeScaling
 from cephalo.errors import CephaloError
 
 CONFIG_FILE = "config.json"
 DEFAULT_SEQUENCE_LENGTH = 512  # as for a custom model (ModelSpec.resolve)
 LLAMA_TYPES = ("llama", "mistral")
 GPT2_GELUS = ("gelu_new", "gelu_pytorch_tanh")  # both are the tanh approximation of GELU
+SCALED_ROPE_TYPES = ("linear", "llama3")
+LLAMA3_FIELDS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 class PretrainedError(CephaloError, ValueError):
@@ -81,15 +87,42 @@ def read_hf_config(location: str) -> dict[str, Any]:
     return data
 
 
-def _rope(hf: dict[str, Any]) -> tuple[float, str]:
-    """(rope_theta, rope type) from either transformers 5's `rope_parameters` or the older
-    top-level `rope_theta` + `rope_scaling`."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
+def _rope(hf: dict[str, Any]) -> tuple[float, str, dict[str, Any]]:
+    """(rope_theta, rope type, its parameters) from either transformers 5's
+    `rope_parameters` or the older top-level `rope_theta` + `rope_scaling`. Like
+    transformers 5's config loading, a legacy `rope_scaling` replaces `rope_parameters`."""
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") \
-        or "default"
-    return float(theta), str(kind)
+    kind = params.get("rope_type") or params.get("type") or "default"
+    return float(theta), str(kind), params
+
+
+def _rope_scaling(hf: dict[str, Any], model_type: str, kind: str,
+                  params: dict[str, Any]) -> RopeScaling | None:
+    """The scaling of a `linear` or `llama3` rope type (None for `default`)."""
+    if kind == "default":
+        return None
+    if kind not in SCALED_ROPE_TYPES:
+        why = ("its frequencies depend on the sequence length at run time" if kind == "dynamic"
+               else "only the default, linear and llama3 rope types are supported")
+        raise _refuse(model_type, "rope scaling type", kind, why)
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise _refuse(model_type, "partial_rotary_factor", params["partial_rotary_factor"],
+                      "Cephalo rotates the whole head")
+    values: dict[str, Any] = {"type": kind, "factor": params.get("factor")}
+    if kind == "llama3":
+        values.update({k: params.get(k) for k in LLAMA3_FIELDS})
+        # transformers: a top-level original_max_position_embeddings wins, and a missing
+        # one falls back to max_position_embeddings.
+        values["original_max_position_embeddings"] = (
+            hf.get("original_max_position_embeddings")
+            or values["original_max_position_embeddings"] or hf.get("max_position_embeddings"))
+    try:
+        return RopeScaling(**values)
+    except ValidationError as err:
+        why = "; ".join(".".join(map(str, e["loc"])) + ": " + e["msg"] if e["loc"] else e["msg"]
+                        for e in err.errors())
+        raise _refuse(model_type, "rope scaling", params, why) from None
 
 
 def _refuse(model_type: str, field: str, value: Any, why: str) -> PretrainedError:
@@ -111,14 +144,15 @@ def _llama(hf: dict[str, Any], kind: str) -> dict[str, Any]:
         raise _refuse(kind, "head_dim", head_dim,
                       f"Cephalo's head size is hidden_size / num_attention_heads = "
                       f"{hidden // heads}")
-    theta, rope_type = _rope(hf)
-    if rope_type != "default":
-        raise _refuse(kind, "rope scaling type", rope_type,
-                      "Cephalo's RoPE is unscaled (only the default rope type is supported)")
-    return dict(family="llama", num_layers=int(hf["num_hidden_layers"]), hidden_size=hidden,
+    theta, rope_type, rope_params = _rope(hf)
+    scaling = _rope_scaling(hf, kind, rope_type, rope_params)
+    values = dict(family="llama", num_layers=int(hf["num_hidden_layers"]), hidden_size=hidden,
                 num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
                 ffn_hidden_size=int(hf["intermediate_size"]), vocab_size=int(hf["vocab_size"]),
                 norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta)
+    if scaling is not None:  # absent when unscaled: the config equals a hand-written one
+        values["rope_scaling"] = scaling
+    return values
 
 
 def _gpt2(hf: dict[str, Any]) -> dict[str, Any]:
@@ -241,6 +275,12 @@ def to_hf_config(config: ModelConfig, base: dict[str, Any] | None = None,
             rms_norm_eps=config.norm_epsilon, rope_theta=config.rope_theta,
             attention_bias=False, mlp_bias=False,
             max_position_embeddings=max(max_positions(base), config.sequence_length or 0))
+        if config.rope_scaling is not None:
+            # The legacy `rope_scaling` form: transformers 5 reads it (and turns it into
+            # rope_parameters), as do transformers 4 and vLLM.
+            base["rope_scaling"] = {"rope_type": config.rope_scaling.type,
+                                    **config.rope_scaling.model_dump(exclude={"type"},
+                                                                     exclude_none=True)}
     elif config.family == "gpt":
         base.update(
             model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=config.hidden_size,

@@ -421,11 +421,12 @@ class CephaloJobSpec(CamelModel):
         "the job's precision, then memory); at most 100000."))
     scheduling_policy: SchedulingPolicy | None = Field(default=None, description=(
         "Gang scheduling: scheduler, queue, priority and a pending timeout."))
-    ranks_per_pod: int = Field(default=1, ge=0, le=64, description=(
-        "Ranks (GPUs) per rank pod: 1 (default) one pod per GPU; 0 (auto) one pod per node "
-        "of a pool, as many ranks as the node had free GPUs at planning, so ranks on one "
-        "node use NVLink/P2P; k > 1 the same with at most k ranks a pod. A pod of k ranks "
-        "requests k GPUs and runs k processes (consecutive ranks, LOCAL_RANK = GPU)."))
+    ranks_per_pod: int = Field(default=0, ge=0, le=64, description=(
+        "Ranks (GPUs) per rank pod: 0 (auto, the default) one pod per node of a pool, as "
+        "many ranks as the node had free GPUs at planning, so ranks on one node use "
+        "NVLink/P2P; k > 1 the same with at most k ranks a pod; 1 (opt-out) one pod per "
+        "GPU. A pod of k ranks requests k GPUs and runs k processes (consecutive ranks, "
+        "LOCAL_RANK = GPU)."))
     planner: PlannerSpec = Field(default_factory=PlannerSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     backoff_limit: int = Field(default=3, ge=0, le=10_000, description=(

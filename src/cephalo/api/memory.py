@@ -67,3 +67,36 @@ def kept_boundary_bytes(num_layers: int, samples: int, tokens_per_sample: int,
     if offload:
         return 0
     return (num_layers + 2) * boundary_bytes(samples, tokens_per_sample, hidden_size)
+
+
+# ---- without recompute (a plan's `recompute: false`) -------------------------------------
+# Autograd's saved tensors of one block, per token, in elements: the wide MLP tensors (the
+# input of the activation and its output; a gated MLP has one more) and the hidden-width ones
+# (the norms' inputs and outputs, q/k/v, the attention output, the projections' inputs, the
+# residual stream). Attention scores are not kept: SDPA's fused kernels save only their
+# output and log-sum-exp. An estimate from the model's dimensions (the profiler measures a
+# block's whole working set, not its saved tensors), counted at 4 bytes an element in both
+# precisions so that the fp32 residual stream under bf16 autocast is not understated;
+# tests/trainer/test_recompute_plan.py holds the engine's measured peak under it.
+_GRAPH_WIDE_TENSORS = 3
+_GRAPH_HIDDEN_TENSORS = 14
+
+
+def block_graph_bytes(samples: int, tokens_per_sample: int, hidden_size: int,
+                      ffn_hidden_size: int) -> int:
+    """What one block's forward keeps for its backward, for `samples` samples."""
+    per_token = _GRAPH_WIDE_TENSORS * ffn_hidden_size + _GRAPH_HIDDEN_TENSORS * hidden_size
+    return samples * tokens_per_sample * per_token * FP32_BYTES
+
+
+def kept_graph_bytes(num_layers: int, samples: int, tokens_per_sample: int, hidden_size: int,
+                     ffn_hidden_size: int, kept_unit_parameters: int) -> int:
+    """What a rank holds without recompute beyond the recompute mode's figure (state, the
+    unit buffers and one unit's working set): every block's graph for all its samples, every
+    unit output and one layer of output gradients (kept on the device: the graphs hold
+    them), and the gathered embedding and blocks (`kept_unit_parameters`, fp32), which stay
+    alive from their forward to their backward."""
+    return (num_layers * block_graph_bytes(samples, tokens_per_sample, hidden_size,
+                                           ffn_hidden_size)
+            + (num_layers + 2) * boundary_bytes(samples, tokens_per_sample, hidden_size)
+            + COMM_BYTES_PER_PARAMETER * kept_unit_parameters)

@@ -22,10 +22,52 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 Family = Literal["gpt", "llama", "vit", "bert"]
 TEXT_FAMILIES = ("gpt", "llama", "bert")
+
+
+class RopeScaling(BaseModel):
+    """RoPE frequency scaling of a pretrained Llama (Hugging Face `rope_scaling`), computed
+    as transformers does. ``linear`` divides every inverse frequency by `factor`; ``llama3``
+    (Llama 3.1+) divides only the low frequencies (wavelength > original context /
+    low_freq_factor) by `factor`, keeps the high ones (wavelength < original context /
+    high_freq_factor) and interpolates smoothly in between. Both leave cos/sin unscaled
+    (transformers' attention_scaling is 1). `dynamic`, `yarn` and `longrope` are not
+    supported (dynamic's frequencies depend on the run-time sequence length)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    type: Literal["linear", "llama3"]
+    factor: float = Field(ge=1.0, le=1024.0)
+    low_freq_factor: float | None = Field(default=None, gt=0.0, description="llama3 only")
+    high_freq_factor: float | None = Field(default=None, gt=0.0, description="llama3 only")
+    original_max_position_embeddings: int | None = Field(default=None, ge=1, le=1_048_576,
+                                                         description="llama3 only")
+
+    @model_validator(mode="after")
+    def _check(self) -> RopeScaling:
+        llama3 = (self.low_freq_factor, self.high_freq_factor,
+                  self.original_max_position_embeddings)
+        if self.type == "linear" and any(v is not None for v in llama3):
+            raise ValueError("linear RoPE scaling takes only a factor")
+        if self.type == "llama3":
+            if any(v is None for v in llama3):
+                raise ValueError("llama3 RoPE scaling needs low_freq_factor, high_freq_factor "
+                                 "and original_max_position_embeddings")
+            if self.high_freq_factor <= self.low_freq_factor:  # type: ignore[operator]
+                raise ValueError(f"llama3 RoPE scaling needs high_freq_factor "
+                                 f"{self.high_freq_factor} > low_freq_factor "
+                                 f"{self.low_freq_factor}")
+        return self
 
 
 class ModelConfig(BaseModel):
@@ -50,9 +92,21 @@ class ModelConfig(BaseModel):
     num_classes: int | None = Field(default=None, ge=2, le=4_194_304)
     norm_epsilon: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = Field(default=None, description="llama only")
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict:
+        # Unscaled RoPE is left out, so every config (and the manifests, profile keys and
+        # checkpoint metadata made from its dump) reads exactly as before the field existed.
+        data = handler(self)
+        if data.get("rope_scaling", 0) is None:
+            del data["rope_scaling"]
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
+        if self.rope_scaling is not None and self.family != "llama":
+            raise ValueError(f"ropeScaling applies to llama models only, not {self.family}")
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hiddenSize {self.hidden_size} is not divisible by numHeads {self.num_heads}"

@@ -37,8 +37,16 @@ def _omit_empty(data: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
     return {k: v for k, v in data.items() if k not in keys or v not in (None, [], {})}
 
 
+# Every field a plan carries is declared here (issue 17: nothing is fished back out of
+# `model_extra`). Unknown keys are ignored, so a plan written by a newer or older Cephalo, or
+# by hand, still loads: the trainer needs only the batch and shard fields.
+OPTIONAL_PLAN_FIELDS = ("idle_gpus", "optimality_gap_seconds", "unit_shard_ratios",
+                        "recompute", "pod_ranks", "model", "precision", "memory_fraction",
+                        "state_bytes", "estimated_gpus", "assumptions", "search", "notes")
+
+
 class RankPlan(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="ignore")
 
     rank: int = Field(ge=0)
     gpu: str = "cpu"
@@ -55,16 +63,20 @@ class RankPlan(BaseModel):
     # GPUs in turn). Ranks are numbered over the GPUs the plan uses; with idle GPUs this says
     # which device a rank runs on (`cephalo run` maps ranks to local devices with it).
     gpu_index: int | None = Field(default=None, ge=0)
+    # Activation/working memory of this rank's microbatch (part of predicted_memory_bytes).
+    compute_memory_bytes: int | None = Field(default=None, ge=0)
+    # True: this GPU's times are catalog estimates, not a measured profile.
+    estimated: bool | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unset_index(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _omit_empty(handler(self), ("gpu_index",))
+        return _omit_empty(handler(self), ("gpu_index", "compute_memory_bytes", "estimated"))
 
 
 class IdleGpus(BaseModel):
     """GPUs the plan leaves unused (no rank, no pod) and why."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="ignore")
 
     gpu: str
     pool: str | None = None
@@ -73,15 +85,20 @@ class IdleGpus(BaseModel):
 
 
 class BaselineResult(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="ignore")
 
     predicted_samples_per_second: float | None
     feasible: bool
     reason: str | None = None
+    predicted_step_seconds: float | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_step(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _omit_empty(handler(self), ("predicted_step_seconds",))
 
 
 class Plan(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="ignore")
 
     global_batch_size: int = Field(ge=1)
     world_size: int = Field(ge=1)
@@ -101,11 +118,28 @@ class Plan(BaseModel):
     # or those skewed where memory needs it. Empty (omitted): every unit uses shard_ratio.
     # Validated against the world size where the plan is used (trainer env, `cephalo run`).
     unit_shard_ratios: dict[str, list[float]] = Field(default_factory=dict)
+    # Job-wide (it changes the sequence of collectives, so every rank must agree): false
+    # keeps every block's autograd graph and gathered unit from the forward to the backward
+    # (no recompute, no second gather), chosen by the planner when memory allows it and it
+    # is faster; None (omitted): the engine's default, recompute in the backward.
+    recompute: bool | None = None
+    # Ranks per pod, in rank order (the operator's grouping of a pool's ranks onto nodes,
+    # spec.ranksPerPod); empty: one rank per pod. A grouping that does not add up to the
+    # ranks of one pool per pod is ignored where it is used (operator/podspec.py).
+    pod_ranks: list[int] = Field(default_factory=list)
+    # What the planner assumed, for humans and `cephalo plan` (the trainer ignores them).
+    model: dict[str, Any] | None = None  # the resolved ModelConfig
+    precision: str | None = None
+    memory_fraction: float | None = None
+    state_bytes: int | None = None  # training state of the whole model
+    estimated_gpus: list[str] = Field(default_factory=list)  # timed from the catalog
+    assumptions: dict[str, Any] = Field(default_factory=dict)
+    search: dict[str, Any] = Field(default_factory=dict)  # how the optimum was found
+    notes: list[str] = Field(default_factory=list)
 
     @model_serializer(mode="wrap")
     def _omit_empty_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _omit_empty(handler(self), ("idle_gpus", "optimality_gap_seconds",
-                                           "unit_shard_ratios"))
+        return _omit_empty(handler(self), OPTIONAL_PLAN_FIELDS)
 
     @model_validator(mode="after")
     def _invariants(self) -> Plan:

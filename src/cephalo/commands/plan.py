@@ -9,14 +9,12 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from cephalo.api import ClusterSpec, GpuGroup, GpuProfile, Plan, load_job, parse_job
+from cephalo.api import ClusterSpec, GpuGroup, GpuProfile, load_job, parse_job
 from cephalo.api.cluster import MAX_GPUS_PER_GROUP
 from cephalo.api.job import CephaloJobSpec, format_validation_error
-from cephalo.api.plan import SHARD_RATIO_TOLERANCE
 from cephalo.api.safeyaml import YamlError, read_text_file
 from cephalo.cli import UserError
-
-GIB = 1024**3
+from cephalo.planner.report import format_plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -135,77 +133,3 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_plan(plan, spec.model.preset or spec.model.family or "model"))
     return 0
-
-
-def format_plan(plan: Plan, model_name: str) -> str:
-    """The human-readable table: one row per rank, totals, baselines side by side."""
-    extra = plan.model_extra or {}
-    lines = [f"Plan for {model_name}: global batch {plan.global_batch_size} on "
-             f"{plan.world_size} GPUs (memory fraction {extra.get('memory_fraction', 0.8):.0%})",
-             ""]
-    header = f"{'rank':>4}  {'GPU':<10} {'batch':>5}  {'micro x n':>9}  {'shard':>6}  " \
-             f"{'memory used / cap':>19}  {'step s':>8}"
-    lines += [header, "-" * len(header)]
-    smallest = min((r.memory_capacity_bytes or GIB) for r in plan.ranks)
-    unit, scale = ("GiB", GIB) if smallest >= GIB else ("MiB", 1024**2)
-    for r in plan.ranks:
-        est = "*" if (r.model_extra or {}).get("estimated") else " "
-        mem = (f"{(r.predicted_memory_bytes or 0) / scale:7.1f} / "
-               f"{(r.memory_capacity_bytes or 0) / scale:5.1f} {unit}")
-        micro = f"{r.micro_batch_size}x{r.num_micro_batches}" if r.batch_size else "state"
-        seconds = r.predicted_step_seconds or 0.0
-        lines.append(f"{r.rank:>4}  {r.gpu:<10} {r.batch_size:>5}  {micro:>9}  "
-                     f"{r.shard_ratio:>6.1%}  {mem:>19}  {seconds:>8.3f}{est}")
-    lines.append("-" * len(header))
-    if plan.predicted_step_seconds and plan.predicted_samples_per_second:
-        lines.append(f"predicted step {plan.predicted_step_seconds:.3f} s, "
-                     f"{plan.predicted_samples_per_second:.2f} samples/s")
-    else:
-        lines.append("no prediction (a plan given by hand)")
-    if plan.unit_shard_ratios:
-        lines.append(unit_sharding_line(plan))
-    for idle in plan.idle_gpus:
-        lines.append(f"idle: {idle.count} x {idle.gpu} (pool {idle.pool}): {idle.reason}")
-    if plan.optimality_gap_seconds:
-        lines.append(f"optimality gap: at most {plan.optimality_gap_seconds:.4g} s per step "
-                     "above the cost model's optimum (proven bound)")
-    if plan.baselines:
-        lines += ["", f"{'baseline':<22} {'samples/s':>10}  {'Cephalo is':>10}"]
-    for name, base in plan.baselines.items():
-        if base.feasible and base.predicted_samples_per_second:
-            ratio = (plan.predicted_samples_per_second or 0) / base.predicted_samples_per_second
-            lines.append(f"{name:<22} {base.predicted_samples_per_second:>10.2f}  {ratio:>9.2f}x")
-        else:
-            lines.append(f"{name:<22} {'does not fit':>10}  ({base.reason})")
-    notes = extra.get("notes") or []
-    if any((r.model_extra or {}).get("estimated") for r in plan.ranks):
-        notes = [*notes, "* = estimated from the GPU catalog; measure with "
-                         "`python -m cephalo.trainer.profile` and pass --profiles"]
-    if notes:
-        lines += ["", *(f"note: {n}" for n in notes)]
-    return "\n".join(lines)
-
-
-
-
-def unit_sharding_line(plan: Plan) -> str:
-    """How many units are sharded evenly (no uneven-collective overhead) and how many
-    skewed, for a plan with per-unit ratios."""
-    flat = 1.0 / plan.world_size
-
-    def even(ratios: list[float]) -> bool:
-        return all(abs(r - flat) <= SHARD_RATIO_TOLERANCE for r in ratios)
-
-    layers = ((plan.model_extra or {}).get("model") or {}).get("num_layers")
-    listed = plan.unit_shard_ratios
-    listed_even = sum(even(v) for v in listed.values())
-    if isinstance(layers, int):
-        others = layers + 2 - len(listed)
-        rank_even = even([r.shard_ratio for r in plan.ranks])
-        num_even = listed_even + (others if rank_even else 0)
-        return (f"units: {num_even} of {layers + 2} sharded evenly, "
-                f"{layers + 2 - num_even} skewed where memory needs it (only those pay the "
-                f"uneven-collective overhead; 'shard' is for the units not in "
-                f"unit_shard_ratios)")
-    return (f"units: {len(listed)} with their own ratios (unit_shard_ratios), "
-            f"{listed_even} of them even")

@@ -169,7 +169,7 @@ def check_plan_fits_job(plan: Plan, spec: CephaloJobSpec, source: str) -> None:
         raise RunError(f"{source} is for global batch {plan.global_batch_size} but the job's "
                        f"globalBatchSize is {spec.global_batch_size}; re-plan for the job")
     units = spec.model.resolve().num_units
-    overrides = getattr(plan, "unit_shard_ratios", None) or {}  # a declared Plan field
+    overrides = plan.unit_shard_ratios
     if not isinstance(overrides, dict):
         raise RunError(f"{source}: unit_shard_ratios must map unit indices to lists of ratios")
     for unit, ratios in overrides.items():

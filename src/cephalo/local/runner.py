@@ -18,7 +18,6 @@ from cephalo.api.job import CephaloJob, load_job
 from cephalo.api.plan import Plan, PlanError, load_plan
 from cephalo.api.profile import GpuProfile
 from cephalo.api.trainer_env import TrainerVars, to_environ
-from cephalo.commands.plan import format_plan
 from cephalo.local.checks import (
     RunError,
     RunOptions,
@@ -30,9 +29,10 @@ from cephalo.local.checks import (
 )
 from cephalo.local.devices import DeviceError, LocalDevice, select_devices
 from cephalo.local.emulate import Emulation, emulated_profile, plan_emulation
-from cephalo.local.launcher import RankEnv, launch
+from cephalo.local.ranks import RankEnv, launch
 from cephalo.local.report import Progress, format_summary, summarize, write_plots
 from cephalo.planner import solve
+from cephalo.planner.report import format_plan
 
 # Collectives between local processes: gloo over loopback, or NCCL over PCIe.
 LOOPBACK_BANDWIDTH_BYTES_PER_SECOND = 2e9

@@ -24,10 +24,16 @@ depend on the partition chosen after it) and the step ends with two small all-re
 (gradient norm + loss, and the per-rank timings the trainer logs).
 A GPU with ℓ = 0 (state only) still takes part in every collective.
 The step time of the job is the maximum over GPUs (collectives synchronise them).
+
+Without recompute (`GpuCostModel.without_recompute`, a plan's `recompute: false`) the
+forward keeps every block's graph and gathered unit for the backward: a block's backward
+costs b - f per microbatch and gathers nothing (u(ℓ·(b - f), RS_block)), the embedding is
+not gathered again, and the memory grows by `cephalo.api.memory.kept_graph_bytes`.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -178,6 +184,10 @@ class GpuCostModel:
         # The engine's own per-step work beyond units and optimizer: what the profiled real
         # step took beyond this model's prediction of it (none measured: none charged).
         self.step_fixed_seconds = 0.0
+        # Recompute mode (the engine's default); `without_recompute` prices the other.
+        self.recompute = True
+        self._kept_bytes_per_sample = 0.0
+        self._kept_fixed_bytes = 0.0
         probe = profile.single_rank_step
         if probe is not None:
             self.step_fixed_seconds = max(0.0, probe.seconds - self.modelled_seconds(probe))
@@ -191,6 +201,19 @@ class GpuCostModel:
         return float(probe.num_blocks * (f + b) + fo + bo + self.optimizer_seconds_fixed +
                      self.optimizer_seconds_per_parameter * probe.parameters)
 
+    def without_recompute(self, model: ModelConfig) -> GpuCostModel:
+        """This GPU priced in the engine's no-recompute mode: its graphs and the gathered
+        embedding and blocks stay alive from forward to backward (memory.kept_graph_bytes,
+        linear in the rank's samples)."""
+        kept = copy.copy(self)
+        kept.recompute = False
+        dims = (model.tokens_per_sample, model.hidden_size, model.ffn_hidden_size)
+        kept._kept_bytes_per_sample = float(memory.kept_graph_bytes(model.num_layers, 1,
+                                                                    *dims, 0))
+        kept._kept_fixed_bytes = float(memory.kept_graph_bytes(
+            model.num_layers, 0, *dims, sum(model.unit_parameters()[:-1])))
+        return kept
+
     def compute_seconds(self, m: np.ndarray) -> np.ndarray:
         """(4, len(m)) array: block fwd, block bwd, other fwd, other bwd seconds per microbatch."""
         m = np.asarray(m, dtype=np.float64)
@@ -201,16 +224,27 @@ class GpuCostModel:
             out[k] = np.where(m > top, self._series[k, -1] + self._slopes[k] * (m - top), inside)
         return out
 
-    def compute_memory_bytes(self, m: np.ndarray) -> np.ndarray:
+    def compute_memory_bytes(self, m: np.ndarray, ell: np.ndarray | int = 1) -> np.ndarray:
         """Peak memory beyond the training state; linear in m (independent of ℓ because
-        boundary activations are offloaded). m = 0 (state only) keeps the fixed part."""
+        boundary activations are offloaded). m = 0 (state only) keeps the fixed part.
+        Without recompute it grows with the rank's ℓ·m samples (ℓ defaults to 1: the least
+        any rank with work holds, a lower bound where only m is known)."""
         m = np.asarray(m, dtype=np.float64)
-        return np.maximum(self.memory_intercept_bytes + self.memory_slope_bytes * m, 0.0)
+        base = np.maximum(self.memory_intercept_bytes + self.memory_slope_bytes * m, 0.0)
+        if self.recompute:
+            return base
+        samples = m * np.asarray(ell, dtype=np.float64)
+        return base + self._kept_fixed_bytes + self._kept_bytes_per_sample * samples
 
     def step_seconds(self, ell: np.ndarray, m: np.ndarray, comm: UnitComm) -> np.ndarray:
         """T(ℓ, m) of the module docstring, vectorised; ℓ = 0 means a state-only GPU."""
         ell = np.asarray(ell, dtype=np.float64)
         f, b, fo, bo = self.compute_seconds(np.maximum(m, 1)) * ell
+        ag_back, ag_first_back = comm.ag_block, comm.ag_first
+        if not self.recompute:
+            # The backward reuses the forward's graphs: no recompute, no second gather.
+            b = np.maximum(b - f, 0.0)
+            ag_back, ag_first_back = 0.0, 0.0
         # A forward pass runs all ℓ microbatches through a unit at once: its fixed part is
         # paid once, not ℓ times (a profile point is one microbatch's whole pass).
         busy = ell > 0
@@ -222,16 +256,17 @@ class GpuCostModel:
             return np.maximum(compute, collective) + (1.0 - hidden) * np.minimum(compute,
                                                                                  collective)
 
-        per_block = unit(f, comm.ag_block) + unit(b, comm.ag_block + comm.rs_block)
+        per_block = unit(f, comm.ag_block) + unit(b, ag_back + comm.rs_block)
         blocks = self.num_layers * per_block
         if comm.even_blocks:  # a mixed per-unit plan: some blocks skip the uneven overhead
+            ag_even_back = comm.ag_block_even if self.recompute else 0.0
             per_even = unit(f, comm.ag_block_even) + \
-                unit(b, comm.ag_block_even + comm.rs_block_even)
+                unit(b, ag_even_back + comm.rs_block_even)
             blocks = comm.even_blocks * per_even + (self.num_layers - comm.even_blocks) * per_block
         # The embedding's forward hides the first block's gather, the last block's forward
         # the head's: per pass, L + 1 gathers overlap compute. Charging the head's gather
         # to the embedding+head compute keeps the count exact.
-        other = unit(fo, comm.ag_head) + unit(bo, comm.ag_first + comm.rs_other)
+        other = unit(fo, comm.ag_head) + unit(bo, ag_first_back + comm.rs_other)
         fixed = comm.ag_first + comm.all_reduce_seconds + self.optimizer_seconds(comm) + \
             comm.step_overhead_seconds + self.step_fixed_seconds
         return fixed + blocks + other

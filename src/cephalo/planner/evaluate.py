@@ -13,7 +13,13 @@ import numpy as np
 from cephalo.api.cluster import ClusterSpec
 from cephalo.api.job import CephaloJobSpec
 from cephalo.api.profile import GpuProfile
-from cephalo.planner.problem import Problem, build_problem, gib, subset_problem
+from cephalo.planner.problem import (
+    Problem,
+    build_problem,
+    gib,
+    subset_problem,
+    without_recompute,
+)
 from cephalo.planner.unit_shards import EvenUnits, even_state_bytes, fits, mixed_unit_comm
 
 # Floating-point slack when comparing memory to a budget (bytes are ~1e10; this is 1 B/GiB).
@@ -91,10 +97,10 @@ def score(problem: Problem, micro: Sequence[int], ell: Sequence[int],
         idx = np.asarray(cls.slots, dtype=np.int64)
         fn = cls.cost.step_seconds if layered else cls.cost.accumulation_step_seconds
         seconds_arr[idx] = fn(ell_arr[idx], micro_arr[idx], comm)
-        compute_arr[idx] = cls.cost.compute_memory_bytes(micro_arr[idx])
+        compute_arr[idx] = cls.cost.compute_memory_bytes(micro_arr[idx], ell_arr[idx])
     seconds, compute = seconds_arr.tolist(), compute_arr.tolist()
     budgets = [problem.rank_budget(r) for r in range(n)]
-    state = problem.state_bytes
+    state: float = problem.state_bytes
     reason = None
     total_batch = int((micro_arr * ell_arr).sum())
     if total_batch != problem.global_batch_size:
@@ -130,12 +136,31 @@ def evaluate(spec: CephaloJobSpec, cluster: ClusterSpec,
              profiles: Mapping[str, GpuProfile] | None,
              assignment: Sequence[tuple[int, int] | None],
              shard_ratios: Sequence[float] | None = None, *,
-             even_shards: bool = False) -> Evaluation:
+             even_shards: bool = False, recompute: bool | None = None) -> Evaluation:
     """Score a given assignment — one (micro_batch_size, num_micro_batches) per GPU in the
     cluster's order; (0, 0) for a state-only GPU, None for an idle one (no rank) — under
     the planner's cost model. Without `shard_ratios` the state is partitioned as the
-    planner would (`score_best`); given, they are one per GPU used."""
+    planner would (`score_best`); given, they are one per GPU used. `recompute` None scores
+    it as the planner would choose (the faster feasible of both modes); True or False
+    scores that mode only."""
+    if recompute is None:
+        modes = [_evaluate(spec, cluster, profiles, assignment, shard_ratios, even_shards, mode)
+                 for mode in (True, False)]
+        feasible = [ev for ev in modes if ev.feasible]
+        # Ties go to recompute (less memory), as in the solver.
+        return min(feasible, key=lambda ev: ev.step_seconds) if feasible else modes[0]
+    return _evaluate(spec, cluster, profiles, assignment, shard_ratios, even_shards,
+                     recompute)
+
+
+def _evaluate(spec: CephaloJobSpec, cluster: ClusterSpec,
+              profiles: Mapping[str, GpuProfile] | None,
+              assignment: Sequence[tuple[int, int] | None],
+              shard_ratios: Sequence[float] | None, even_shards: bool,
+              recompute: bool) -> Evaluation:
     problem = build_problem(spec, cluster, profiles)
+    if not recompute:
+        problem = without_recompute(problem)
     if len(assignment) != problem.world_size:
         raise ValueError(f"assignment has {len(assignment)} entries for "
                          f"{problem.world_size} GPUs")

@@ -4,6 +4,7 @@ from the job, cluster and profiles; used by the solver, `evaluate` and the basel
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -163,10 +164,14 @@ def class_tables(problem: Problem, *, uneven: bool = True, max_ell: int | None =
         if problem.allow_state_only and cls.cost.compute_memory_bytes(np.zeros(1))[0] <= room:
             micro, ell = np.concatenate([[0], micro]), np.concatenate([[0], ell])
         micro, ell = micro.astype(np.int64), ell.astype(np.int64)
+        memory_bytes = cls.cost.compute_memory_bytes(micro, ell)
+        if not cls.cost.recompute:  # without recompute memory grows with ℓ too
+            fits = memory_bytes <= room
+            micro, ell, memory_bytes = micro[fits], ell[fits], memory_bytes[fits]
         seconds = cls.cost.step_seconds(ell, micro, comm)
         speed = _samples_per_second(cls.cost, comm, batch)
         tables.append(ClassTable(batch=ell * micro, ell=ell, micro=micro, seconds=seconds,
-                                 memory_bytes=cls.cost.compute_memory_bytes(micro),
+                                 memory_bytes=memory_bytes,
                                  count=len(cls.slots), speed_weight=speed))
     return tables
 
@@ -192,7 +197,8 @@ def first_gpus(problem: Problem, counts: list[int]) -> list[int]:
 def subset_problem(problem: Problem, keep: list[int]) -> Problem:
     """The same job on the GPUs of ranks `keep` only (ascending), renumbered 0..len-1."""
     new_index = {old: new for new, old in enumerate(keep)}
-    classes, class_index = [], {}
+    classes: list[GpuClass] = []
+    class_index: dict[int, int] = {}
     for c, cls in enumerate(problem.classes):
         slots = [new_index[s] for s in cls.slots if s in new_index]
         if slots:
@@ -202,3 +208,11 @@ def subset_problem(problem: Problem, keep: list[int]) -> Problem:
                    problem.memory_fraction, problem.allow_state_only, problem.comm_model,
                    [problem.ranks[r] for r in keep], classes,
                    [class_index[problem.rank_class[r]] for r in keep])
+
+
+def without_recompute(problem: Problem) -> Problem:
+    """The same job priced in the engine's no-recompute mode (job-wide: every rank's
+    collectives change with it), GpuCostModel.without_recompute."""
+    classes = [GpuClass(c.gpu, c.cost.without_recompute(problem.model), c.budget_bytes,
+                        list(c.slots)) for c in problem.classes]
+    return dataclasses.replace(problem, classes=classes)

@@ -22,6 +22,7 @@ from cephalo.planner.problem import (
     Problem,
     build_problem,
     gib,
+    without_recompute,
 )
 from cephalo.planner.search import ClassTable, SearchResult
 from cephalo.planner.subset import Choice, idle_counts, search_subsets
@@ -40,18 +41,46 @@ def solve(spec: CephaloJobSpec, cluster: ClusterSpec,
     if choose_gpus is None:
         choose_gpus = spec.planner.choose_gpus
     problem = build_problem(spec, cluster, profiles)
-    if choose_gpus:
-        choice, solved, exhaustive = search_subsets(problem, solve_fixed, _solution_step)
-    else:
-        fixed = solve_fixed(problem)
-        everything = list(range(problem.world_size))
-        choice = Choice([len(c.slots) for c in problem.classes], problem, everything, fixed,
-                        _solution_step(problem, fixed))
-        solved, exhaustive = 1, True  # exact for the GPUs given: no other set was asked
+    # Recompute is job-wide (it changes every rank's collectives): each mode is solved
+    # exactly and the faster kept, so the plan is the optimum over both. Without recompute
+    # is tried only where it can fit; recompute is the fallback (and wins ties: less memory).
+    best = _solve_mode(problem, choose_gpus)
+    try:
+        kept = _solve_mode(without_recompute(problem), choose_gpus)
+    except InfeasibleError:
+        kept = None
+    modes = [best] if kept is None else [best, kept]
+    if kept is not None and kept[0].step_seconds < best[0].step_seconds:
+        best = kept
+    choice, solved, exhaustive = best
     sol: Solution = choice.solution  # type: ignore[assignment]
+    # A proven gap holds over both modes: measured from the least lower bound of either.
+    lower = min(c.step_seconds - (c.gap_seconds if choose_gpus else _gap(c))
+                for c, _, _ in modes)
+    gap = max(0.0, choice.step_seconds - lower)
+    if choose_gpus:
+        choice.gap_seconds = max(choice.gap_seconds, gap)
+    sol.gap_seconds = max(sol.gap_seconds, gap)
     evaluation = score(choice.problem, sol.micro, sol.ell, even_units=sol.even_units)
     assert evaluation.feasible, evaluation.reason
     return _plan(problem, choice, sol, evaluation, solved, exhaustive, choose_gpus)
+
+
+def _gap(choice: Choice) -> float:
+    solution: Solution = choice.solution  # type: ignore[assignment]
+    return solution.gap_seconds
+
+
+def _solve_mode(problem: Problem, choose_gpus: bool) -> tuple[Choice, int, bool]:
+    """The best choice of GPUs and split for `problem`'s recompute mode, how many GPU sets
+    were solved and whether that was all of them."""
+    if choose_gpus:
+        return search_subsets(problem, solve_fixed, _solution_step)
+    fixed = solve_fixed(problem)
+    everything = list(range(problem.world_size))
+    choice = Choice([len(c.slots) for c in problem.classes], problem, everything, fixed,
+                    _solution_step(problem, fixed))
+    return choice, 1, True  # exact for the GPUs given: no other set was asked
 
 
 @dataclass
@@ -254,6 +283,8 @@ def _plan(full: Problem, choice: Choice, sol: Solution, ev: Evaluation, solved: 
                 "gpu_subsets_solved": solved,
                 "gpu_subsets_exhaustive": exhaustive},
         notes=notes,
+        # None (omitted): the engine's default, recompute; plans keep their bytes.
+        recompute=None if problem.rank_cost(0).recompute else False,
     )
 
 

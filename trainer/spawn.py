@@ -1,5 +1,6 @@
-"""Run a function on N local gloo ranks (tests, benchmarks): a free port, a timeout, results
-back by rank, and no process left behind whatever happens."""
+"""Spawn a function on N local gloo ranks, for tests and benchmarks (a job's ranks start
+with `python -m cephalo.trainer`): a free port, a timeout, results back by rank, and no
+process left behind whatever happens."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_local(fn: Callable[..., Any], world_size: int, *args: Any,
+def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
               timeout_seconds: float = 120.0, num_threads: int = 1) -> list[Any]:
     """`fn(rank, world_size, *args)` on `world_size` spawned gloo ranks; results by rank.
 

@@ -1,0 +1,97 @@
+"""The human-readable plan: one row per rank, totals, the choices the planner made, and the
+baselines side by side (`cephalo plan` prints it; `cephalo run` shows it before training)."""
+
+from __future__ import annotations
+
+from cephalo.api import Plan
+from cephalo.api.plan import SHARD_RATIO_TOLERANCE
+
+GIB = 1024**3
+
+
+def format_plan(plan: Plan, model_name: str) -> str:
+    """The human-readable table: one row per rank, totals, baselines side by side."""
+    fraction = plan.memory_fraction if plan.memory_fraction is not None else 0.8
+    lines = [f"Plan for {model_name}: global batch {plan.global_batch_size} on "
+             f"{plan.world_size} GPUs (memory fraction {fraction:.0%})",
+             ""]
+    header = f"{'rank':>4}  {'GPU':<10} {'batch':>5}  {'micro x n':>9}  {'shard':>6}  " \
+             f"{'memory used / cap':>19}  {'step s':>8}"
+    lines += [header, "-" * len(header)]
+    smallest = min((r.memory_capacity_bytes or GIB) for r in plan.ranks)
+    unit, scale = ("GiB", GIB) if smallest >= GIB else ("MiB", 1024**2)
+    for r in plan.ranks:
+        est = "*" if r.estimated else " "
+        mem = (f"{(r.predicted_memory_bytes or 0) / scale:7.1f} / "
+               f"{(r.memory_capacity_bytes or 0) / scale:5.1f} {unit}")
+        micro = f"{r.micro_batch_size}x{r.num_micro_batches}" if r.batch_size else "state"
+        seconds = r.predicted_step_seconds or 0.0
+        lines.append(f"{r.rank:>4}  {r.gpu:<10} {r.batch_size:>5}  {micro:>9}  "
+                     f"{r.shard_ratio:>6.1%}  {mem:>19}  {seconds:>8.3f}{est}")
+    lines.append("-" * len(header))
+    if plan.predicted_step_seconds and plan.predicted_samples_per_second:
+        lines.append(f"predicted step {plan.predicted_step_seconds:.3f} s, "
+                     f"{plan.predicted_samples_per_second:.2f} samples/s")
+    else:
+        lines.append("no prediction (a plan given by hand)")
+    lines.append(activations_line(plan))
+    if plan.unit_shard_ratios:
+        lines.append(unit_sharding_line(plan))
+    for idle in plan.idle_gpus:
+        lines.append(f"idle: {idle.count} x {idle.gpu} (pool {idle.pool}): {idle.reason}")
+    if plan.optimality_gap_seconds:
+        lines.append(f"optimality gap: at most {plan.optimality_gap_seconds:.4g} s per step "
+                     "above the cost model's optimum (proven bound)")
+    if plan.baselines:
+        lines += ["", f"{'baseline':<22} {'samples/s':>10}  {'Cephalo is':>10}"]
+    for name, base in plan.baselines.items():
+        if base.feasible and base.predicted_samples_per_second:
+            ratio = (plan.predicted_samples_per_second or 0) / base.predicted_samples_per_second
+            lines.append(f"{name:<22} {base.predicted_samples_per_second:>10.2f}  {ratio:>9.2f}x")
+        else:
+            lines.append(f"{name:<22} {'does not fit':>10}  ({base.reason})")
+    notes = list(plan.notes)
+    if any(r.estimated for r in plan.ranks):
+        notes = [*notes, "* = estimated from the GPU catalog; measure with "
+                         "`python -m cephalo.trainer.profile` and pass --profiles"]
+    if notes:
+        lines += ["", *(f"note: {n}" for n in notes)]
+    return "\n".join(lines)
+
+
+
+
+def activations_line(plan: Plan) -> str:
+    """The plan's job-wide recompute choice (the planner keeps the activations whenever
+    that fits and is faster; recompute is the paper's memory-saving trick)."""
+    if plan.recompute is False:
+        return "activations: kept (no recompute, no second gather in the backward)"
+    if plan.recompute is True:  # the planner writes false or nothing: set by hand
+        return "activations: recomputed in the backward (set in the plan)"
+    if plan.predicted_step_seconds is None:
+        return "activations: recomputed in the backward (the engine's default)"
+    return "activations: recomputed in the backward (memory: keeping them does not fit " \
+        "or is not faster)"
+
+
+def unit_sharding_line(plan: Plan) -> str:
+    """How many units are sharded evenly (no uneven-collective overhead) and how many
+    skewed, for a plan with per-unit ratios."""
+    flat = 1.0 / plan.world_size
+
+    def even(ratios: list[float]) -> bool:
+        return all(abs(r - flat) <= SHARD_RATIO_TOLERANCE for r in ratios)
+
+    layers = (plan.model or {}).get("num_layers")
+    listed = plan.unit_shard_ratios
+    listed_even = sum(even(v) for v in listed.values())
+    if isinstance(layers, int):
+        others = layers + 2 - len(listed)
+        rank_even = even([r.shard_ratio for r in plan.ranks])
+        num_even = listed_even + (others if rank_even else 0)
+        return (f"units: {num_even} of {layers + 2} sharded evenly, "
+                f"{layers + 2 - num_even} skewed where memory needs it (only those pay the "
+                f"uneven-collective overhead; 'shard' is for the units not in "
+                f"unit_shard_ratios)")
+    return (f"units: {len(listed)} with their own ratios (unit_shard_ratios), "
+            f"{listed_even} of them even")

@@ -1,0 +1,128 @@
+"""Recompute as a plan decision (issue 16 item 1): the planner prices both of the engine's
+modes, keeps activations (no recompute, no second gather) where memory allows it and that
+is faster, recomputes where memory needs it, and the plan and `cephalo plan` say which."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from cephalo.api import ClusterSpec, GpuGroup, GpuProfile, ProfilePoint, load_job, memory
+from cephalo.api.plan import Plan
+from cephalo.api.profile import model_key
+from cephalo.commands.plan import parse_gpus
+from cephalo.planner import InfeasibleError, solve
+from cephalo.planner.evaluate import evaluate, score
+from cephalo.planner.problem import build_problem, without_recompute
+from cephalo.planner.report import format_plan
+from cephalo.planner.solver import solve_fixed
+
+from .planner_instances import MIB, job_spec, random_instance
+
+
+def _mode_step(problem) -> float | None:  # type: ignore[no-untyped-def]
+    try:
+        sol = solve_fixed(problem)
+    except InfeasibleError:
+        return None
+    return score(problem, sol.micro, sol.ell, even_units=sol.even_units).step_seconds
+
+
+def test_ample_memory_keeps_activations_and_the_plan_says_so() -> None:
+    # The quickstart's model and GPUs: a small GPT on 48 + 24 GB.
+    spec = load_job("examples/quickstart.yaml").spec
+    cluster = parse_gpus("1xRTX-A6000,1xP40")
+    plan = solve(spec, cluster, choose_gpus=False)
+    problem = build_problem(spec, cluster)
+    recomputing, kept = _mode_step(problem), _mode_step(without_recompute(problem))
+    assert recomputing is not None and kept is not None
+    # No recompute drops a block forward (≈ a quarter of a block's compute) per microbatch
+    # and the backward's second gather of every unit: faster.
+    assert kept < recomputing
+    assert plan.recompute is False
+    assert plan.predicted_step_seconds == pytest.approx(kept, rel=1e-12)
+    assert json.loads(plan.to_json())["recompute"] is False
+    assert "activations: kept (no recompute" in format_plan(plan, "gpt-small")
+    # It round-trips: the trainer reads the same choice back.
+    assert Plan.model_validate_json(plan.to_json()).recompute is False
+
+
+def test_tight_memory_recomputes_and_the_plan_keeps_its_bytes() -> None:
+    # GPT-2.7B on the README's cluster: keeping every gathered block and graph does not fit.
+    spec = load_job("examples/gpt-2.7b-cluster-a.yaml").spec
+    cluster = parse_gpus("2xL4,1xRTX-A6000,3xP40,2xP100")
+    with pytest.raises(InfeasibleError):
+        solve_fixed(without_recompute(build_problem(spec, cluster)))
+    plan = solve(spec, cluster, choose_gpus=False)
+    assert plan.recompute is None
+    assert "recompute" not in json.loads(plan.to_json())  # plans from before keep their bytes
+    assert "activations: recomputed in the backward (memory" in format_plan(plan, "gpt-2.7b")
+
+
+def test_memory_decides_between_the_modes_for_the_same_model() -> None:
+    # gpt-tiny, 16 samples on 2 GPUs with a measured-style profile (1 MiB + 1/4 MiB per
+    # sample of compute memory): shrink the memory until keeping activations no longer
+    # fits; the planner switches to recompute there, and not before.
+    spec = job_spec(16)
+    model = spec.model.resolve()
+    profile = GpuProfile(
+        product="L4", memory_capacity_bytes=64 * MIB,
+        model_key=model_key(model.architecture_key(), "fp32"),
+        points=[ProfilePoint(micro_batch_size=m, block_forward_seconds=1e-3 * m,
+                             block_backward_seconds=2.5e-3 * m, other_forward_seconds=3e-4 * m,
+                             other_backward_seconds=6e-4 * m,
+                             compute_memory_bytes=MIB + m * MIB // 4) for m in (1, 2, 4, 8)])
+    graph_per_sample = memory.kept_graph_bytes(model.num_layers, 1, model.tokens_per_sample,
+                                               model.hidden_size, model.ffn_hidden_size, 0)
+    choices = []
+    for mib in (64, 16, 8, 6, 4):
+        cluster = ClusterSpec(groups=[GpuGroup(product="L4", count=2, memory_bytes=mib * MIB)])
+        plan = solve(spec, cluster, {"L4": profile}, choose_gpus=False)
+        choices.append(plan.recompute)
+        if plan.recompute is False:
+            # Its prediction holds the graphs of every sample it runs.
+            for r in plan.ranks:
+                assert r.compute_memory_bytes >= graph_per_sample * r.batch_size
+    # Measured here: kept down to 8 MiB (47.5 ms predicted), recompute below (63.5 ms).
+    assert choices == [False, False, False, None, None]
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_plan_is_never_slower_than_either_mode_alone(seed: int) -> None:
+    spec, cluster, profiles = random_instance(seed)
+    problem = build_problem(spec, cluster, profiles)
+    steps = [s for s in (_mode_step(problem), _mode_step(without_recompute(problem)))
+             if s is not None]
+    if not steps:
+        with pytest.raises(InfeasibleError):
+            solve(spec, cluster, profiles, choose_gpus=False)
+        return
+    plan = solve(spec, cluster, profiles, choose_gpus=False)
+    assert plan.predicted_step_seconds == pytest.approx(min(steps), rel=1e-12)
+    # evaluate() scores the plan's assignment in the mode the plan chose.
+    assignment = [(r.micro_batch_size, r.num_micro_batches) for r in plan.ranks]
+    ev = evaluate(spec, cluster, profiles, assignment,
+                  recompute=plan.recompute is not False)
+    assert ev.feasible and ev.step_seconds == pytest.approx(plan.predicted_step_seconds)
+
+
+def test_no_recompute_prices_the_backward_without_the_forward_or_its_gathers() -> None:
+    spec = load_job("examples/quickstart.yaml").spec
+    problem = build_problem(spec, parse_gpus("2xL4"))
+    cost = problem.classes[0].cost
+    kept = cost.without_recompute(problem.model)
+    no_comm = problem.unit_comm(uneven=False)
+    silent = type(no_comm)(0.0, 0.0, 0.0, 0.0, 0.0)
+    ell, m = np.array([3]), np.array([2])
+    f = float(cost.compute_seconds(m)[0, 0])
+    layers = problem.model.num_layers
+    # Compute alone: the recompute mode pays each block's forward once more per microbatch.
+    saved = float(cost.step_seconds(ell, m, silent)[0] - kept.step_seconds(ell, m, silent)[0])
+    assert saved == pytest.approx(layers * 3 * f, rel=1e-9)
+    # Memory: the same m costs more without recompute, and grows with ℓ (recompute: not).
+    assert kept.compute_memory_bytes(m, 3)[0] > kept.compute_memory_bytes(m, 1)[0] > \
+        cost.compute_memory_bytes(m)[0]
+    assert cost.compute_memory_bytes(m, 3)[0] == cost.compute_memory_bytes(m, 1)[0]
+    assert cost.recompute and not kept.recompute  # the original is untouched
