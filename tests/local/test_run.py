@@ -143,7 +143,9 @@ def test_a_crashed_rank_stops_the_others_with_its_error(tmp_path, tiny_job) -> N
 
 
 def test_ctrl_c_stops_cleanly_and_resume_finishes_the_run(tmp_path, tiny_job) -> None:
-    job = tiny_job(steps=30)
+    # enough steps that Ctrl-C lands mid-run: a tiny step takes ~30 ms (the plan keeps
+    # activations), so 30 steps were over before the signal
+    job = tiny_job(steps=200)
     proc = _start(tmp_path, "run", str(job), "--devices", "cpu:2")
     try:
         _wait_for(lambda: _metrics_lines(tmp_path) >= 3)
@@ -162,7 +164,7 @@ def test_ctrl_c_stops_cleanly_and_resume_finishes_the_run(tmp_path, tiny_job) ->
     assert "resumed from" in log
     steps = [json.loads(line)["step"] for line in
              (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps[-1] == 30
+    assert steps[-1] == 200
 
 
 def test_real_text_from_a_token_file(tmp_path) -> None:
