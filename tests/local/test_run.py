@@ -115,9 +115,13 @@ def _wait_for(predicate, timeout: float = 120.0) -> None:
 
 def _start(tmp_path: Path, *args: str) -> subprocess.Popen:
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / ".cache"))
+    # A shell runs background jobs (`.ci/run &`) with SIGINT ignored, and a child inherits
+    # that: Python then never raises KeyboardInterrupt. Ctrl-C is what the tests send, so
+    # the command starts with SIGINT at its default, as in a terminal.
     return subprocess.Popen(cephalo_cmd(*args), cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL)
+                            stdin=subprocess.DEVNULL,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _metrics_lines(tmp_path: Path) -> int:
