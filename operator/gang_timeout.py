@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from cephalo.api import Plan
+from cephalo.operator import metrics
 from cephalo.operator.gang import gang_scheduler
 from cephalo.operator.gpu_usage import PODS
 from cephalo.operator.kube import core_path
@@ -109,7 +110,8 @@ async def _release(ctx: JobContext, plan: Plan, pods: dict[str, dict[str, Any]],
         RANKS_SCHEDULED: ("Unknown", "GangReleased", message),
         PLANNED: ("False", "GangReleased", message)}, launchedAttempt=None)
 
-    async def release() -> None:
+    async def release() -> None:  # only once the status write took effect
+        metrics.GANG_RELEASES.labels(ctx.namespace, ctx.name).inc()
         cm_path = core_path(ctx.namespace, "configmaps")
         await ctx.kube.delete(f"{cm_path}/{plan_config_map_name(ctx.job)}")  # → re-plan
         # pending and running alike: the whole gang lets go

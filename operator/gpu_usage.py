@@ -108,25 +108,27 @@ class GpuClaims:
         self.namespaces.add(key[0])
         self.claims[key] = Claim(uid, {p: n for p, n in sorted(pools.items()) if n > 0})
 
-    def release(self, key: JobKey) -> None:
-        self.claims.pop(key, None)
+    def release(self, key: JobKey) -> bool:
+        """Forget the job's reservation; True when it held GPUs (now free for others)."""
+        claim = self.claims.pop(key, None)
+        return claim is not None and bool(claim.pools)
 
     def observe(self, key: JobKey, uid: str | None, status: Mapping[str, Any],
-                deleted: bool = False) -> None:
+                deleted: bool = False) -> bool:
         """A job event: finished, suspended or deleted jobs hold nothing; a planned job
         (condition Planned True) holds its plan's pools. Otherwise (profiling, planning,
         re-planning, waiting for GPUs) the claim is what the job's own pass decided: its
-        status.plan may be an old plan it no longer holds."""
+        status.plan may be an old plan it no longer holds. True: a reservation ended here."""
         self.namespaces.add(key[0])
         phase = status.get("phase")
         if deleted or phase in TERMINAL_PHASES or phase == JobPhase.SUSPENDED:
-            self.release(key)
-            return
+            return self.release(key)
         planned = any(c.get("type") == PLANNED and c.get("status") == "True"
                       for c in status.get("conditions") or [])
         pools = (status.get("plan") or {}).get("pools")
         if pools and uid and planned and phase not in (JobPhase.PLANNING, JobPhase.PROFILING):
             self.claim(key, uid, {str(p): int(n) for p, n in pools.items()})
+        return False
 
     def others(self, uid: str) -> list[Claim]:
         return [c for c in self.claims.values() if c.uid != uid]
@@ -213,8 +215,7 @@ class PodLister:
         async with self._lock:
             if not self._fresh(wanted):
                 started = self.clock()
-                self._pods = [slim_pod(p) for p in await self._list(kube, wanted)
-                              if holds_gpus(p) and pod_gpu_request(p) > 0]
+                self._pods = await self._list(kube, wanted)
                 self._listed_at, self._listed_namespaces = started, wanted
                 self.num_lists += 1
             return list(self._pods)
@@ -228,12 +229,18 @@ class PodLister:
         query = "?fieldSelector=" + quote(NOT_TERMINAL, safe="")
         if self.clusterwide:
             pods_path = core_path(None, "pods")
-            return await kube.list(f"{pods_path}{query}")
+            return await kube.list(f"{pods_path}{query}", keep=_gpu_pod_slim)
         items: list[dict[str, Any]] = []
         for namespace in sorted(namespaces):
             pods_path = core_path(namespace, "pods")
-            items += await kube.list(f"{pods_path}{query}")
+            items += await kube.list(f"{pods_path}{query}", keep=_gpu_pod_slim)
         return items
+
+
+def _gpu_pod_slim(pod: dict[str, Any]) -> dict[str, Any] | None:
+    """What PodLister keeps of a listed pod: its slim form if it can hold GPUs, else nothing
+    (applied page by page: most of a cluster's pods request no GPU)."""
+    return slim_pod(pod) if holds_gpus(pod) and pod_gpu_request(pod) > 0 else None
 
 
 # The operator's registries (one process, one event loop): fed by handlers and reconcile.

@@ -9,6 +9,12 @@ is a cache of the node watch, see cephalo.operator.nodes).
 Node events are many (1000 nodes) and bursty (a drain, a GFD relabel): each one updates the
 shared node view, and wake-ups are coalesced over `node_debounce_seconds` and sent only to
 jobs whose pools the changed nodes belong to (plus jobs still looking for GPUs).
+
+Jobs waiting for GPUs (condition GpusAvailable False) are also woken, coalesced the same
+way, when a Cephalo job or pod lets GPUs go: a job finishes, fails, is suspended or deleted
+(its reservation ends), or one of the operator's GPU pods ends or is deleted. The shared pod
+LIST is refreshed first so that they see it. GPUs freed by other workloads' pods (not
+watched: the operator watches only its own pods) are seen at the next periodic re-check.
 """
 
 from __future__ import annotations
@@ -23,12 +29,12 @@ import kopf
 from cephalo.api import API_GROUP, API_VERSION, PLURAL
 from cephalo.operator import metrics
 from cephalo.operator.config import OperatorConfig
-from cephalo.operator.gpu_usage import CLAIMS, PODS
+from cephalo.operator.gpu_usage import CLAIMS, PODS, TERMINAL_POD_PHASES, pod_gpu_request
 from cephalo.operator.kube import AsyncKube, Kube, load_api_client
 from cephalo.operator.nodes import NODES
 from cephalo.operator.reconcile import reconcile
 from cephalo.operator.render import LABEL_JOB
-from cephalo.operator.status import TERMINAL_PHASES, JobPhase
+from cephalo.operator.status import GPUS_AVAILABLE, TERMINAL_PHASES, JobPhase
 
 log = logging.getLogger("cephalo.operator")
 # A job with nothing pending (finished, failed, suspended) sleeps until an event wakes it;
@@ -39,6 +45,10 @@ _wakeups: dict[tuple[str, str], asyncio.Event] = {}
 _job_pools: dict[tuple[str, str], dict[str, int] | None] = {}
 _changed_products: set[str] = set()  # node changes not yet sent to the jobs (debounce)
 _node_wake: asyncio.TimerHandle | None = None
+# Jobs whose last status says they wait for GPUs, woken when GPUs are freed (debounced).
+_waiting_for_gpus: set[tuple[str, str]] = set()
+_freed_wake: asyncio.TimerHandle | None = None
+_ended_pods: set[str] = set()  # uids of GPU pods already seen terminal (woken once each)
 
 
 @kopf.on.startup()
@@ -102,8 +112,54 @@ async def _sleep(wakeup: asyncio.Event, stopped: kopf.DaemonStopped, seconds: fl
 
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
-async def pod_changed(meta: kopf.Meta, **_: Any) -> None:
+async def pod_changed(type: str | None, meta: kopf.Meta, event: kopf.RawEvent,
+                      memo: kopf.Memo, **_: Any) -> None:
     _wake(meta.get("namespace"), (meta.get("labels") or {}).get(LABEL_JOB))
+    if pod_frees_gpus(type, event["object"], _ended_pods):
+        _schedule_freed_wake(memo.config.node_debounce_seconds)
+
+
+def pod_frees_gpus(event_type: str | None, pod: dict[str, Any], ended: set[str]) -> bool:
+    """Did this event free the GPUs a pod held? Once per pod: when it is first seen in a
+    terminal phase (the scheduler stops counting it then), or when it is deleted before
+    that. `ended` remembers the uids seen terminal (forgotten on deletion)."""
+    uid = (pod.get("metadata") or {}).get("uid") or ""
+    if pod_gpu_request(pod) <= 0:
+        return False
+    if event_type == "DELETED":
+        if uid in ended:
+            ended.discard(uid)
+            return False
+        return True
+    if (pod.get("status") or {}).get("phase") in TERMINAL_POD_PHASES and uid not in ended:
+        ended.add(uid)
+        return True
+    return False
+
+
+def _schedule_freed_wake(delay_seconds: float) -> None:
+    """One round of waking the jobs waiting for GPUs `delay_seconds` after GPUs were freed."""
+    global _freed_wake
+    if _freed_wake is None:
+        _freed_wake = asyncio.get_running_loop().call_later(delay_seconds, _wake_waiting)
+
+
+def _wake_waiting() -> None:
+    global _freed_wake
+    _freed_wake = None
+    if not _waiting_for_gpus:
+        return
+    PODS.invalidate()  # they must see the pods that let go, not a LIST from before
+    metrics.GPU_WAKEUPS.inc()
+    for key in sorted(_waiting_for_gpus):
+        _wake(*key)
+
+
+def waiting_for_gpus(status: dict[str, Any]) -> bool:
+    """The job's last pass found no GPUs it could use (condition GpusAvailable False)."""
+    return status.get("phase") not in TERMINAL_PHASES and any(
+        c.get("type") == GPUS_AVAILABLE and c.get("status") == "False"
+        for c in status.get("conditions") or [])
 
 
 @kopf.on.event("", "v1", "nodes")
@@ -161,15 +217,21 @@ def pools_in_use(status: dict[str, Any]) -> dict[str, int] | None:
 
 @kopf.on.event(API_GROUP, API_VERSION, PLURAL)
 async def job_changed(type: str | None, meta: kopf.Meta, status: kopf.Status,
-                      **_: Any) -> None:
+                      memo: kopf.Memo, **_: Any) -> None:
     key = (meta.get("namespace") or "", meta.get("name") or "")
+    deleted = type == "DELETED" or bool(meta.get("deletionTimestamp"))
     if type == "DELETED":
         _job_pools.pop(key, None)  # its daemon is gone (or going): nothing left to wake
     else:
         _job_pools[key] = pools_in_use(dict(status))
-    # GPUs the job holds for the others' planning (also after an operator restart).
-    CLAIMS.observe(key, meta.get("uid"), dict(status),
-                   deleted=type == "DELETED" or bool(meta.get("deletionTimestamp")))
+    if not deleted and waiting_for_gpus(dict(status)):
+        _waiting_for_gpus.add(key)
+    else:
+        _waiting_for_gpus.discard(key)
+    # GPUs the job holds for the others' planning (also after an operator restart); a
+    # reservation that ends frees GPUs for the jobs waiting.
+    if CLAIMS.observe(key, meta.get("uid"), dict(status), deleted=deleted):
+        _schedule_freed_wake(memo.config.node_debounce_seconds)
     # Our own status writes leave generation == observedGeneration: no need to wake for them.
     if meta.get("generation") != status.get("observedGeneration") or meta.get(
             "deletionTimestamp"):

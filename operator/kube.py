@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
-from urllib.parse import quote
+from urllib.parse import parse_qsl, quote
 
 import kubernetes
 
@@ -24,6 +24,10 @@ REQUEST_TIMEOUT_SECONDS = 30
 # (cores + 4) keep 100 jobs' reconciles from queueing behind each other.
 IO_THREADS = 32
 MERGE_PATCH = "application/merge-patch+json"
+# LIST in pages (`limit` + `continue`), as kubectl and client-go's pager do: a cluster's
+# pods are tens of thousands, and one unbounded LIST is one huge reply for the API server to
+# build and for the operator to hold.
+LIST_PAGE_SIZE = 500
 T = TypeVar("T")
 
 
@@ -114,9 +118,36 @@ class Kube:
                 return None
             raise
 
-    def list(self, path: str, label_selector: str | None = None) -> list[dict[str, Any]]:
-        query = {"labelSelector": label_selector} if label_selector else None
-        return list(self.request("GET", path, query=query).get("items") or [])
+    def list(self, path: str, label_selector: str | None = None,
+             keep: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None
+             ) -> list[dict[str, Any]]:
+        """Every object at `path` (which may carry its own query, e.g. a fieldSelector), read
+        in pages of LIST_PAGE_SIZE. `keep` maps each object to what the caller keeps (None:
+        drop it), page by page, so a large cluster's objects are never all held at once. A
+        continue token that expired (410 Gone) starts the LIST again, as client-go does."""
+        base, _, query_string = path.partition("?")
+        query = dict(parse_qsl(query_string))
+        if label_selector:
+            query["labelSelector"] = label_selector
+        query["limit"] = str(LIST_PAGE_SIZE)
+        items: list[dict[str, Any]] = []
+        while True:
+            try:
+                page = self.request("GET", base, query=query)
+            except ApiError as err:
+                if err.status != 410 or "continue" not in query:
+                    raise
+                query.pop("continue")
+                items = []
+                continue
+            for obj in page.get("items") or []:
+                kept = obj if keep is None else keep(obj)
+                if kept is not None:
+                    items.append(kept)
+            token = (page.get("metadata") or {}).get("continue")
+            if not token:
+                return items
+            query["continue"] = token
 
     def create(self, path: str, obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         """Create-if-absent: (object, True) when created, (existing, False) on 409."""
@@ -166,8 +197,10 @@ class AsyncKube:
     async def get(self, path: str) -> dict[str, Any] | None:
         return await self._run(self.kube.get, path)
 
-    async def list(self, path: str, label_selector: str | None = None) -> list[dict[str, Any]]:
-        return await self._run(self.kube.list, path, label_selector)
+    async def list(self, path: str, label_selector: str | None = None,
+                   keep: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None
+                   ) -> list[dict[str, Any]]:
+        return await self._run(self.kube.list, path, label_selector, keep)
 
     async def create(self, path: str, obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         return await self._run(self.kube.create, path, obj)

@@ -40,7 +40,15 @@ PREEMPTIONS = Counter("cephalo_operator_preemptions_total",
                       "counted toward backoffLimit", JOB_LABELS)
 REPLANS = Counter("cephalo_operator_replans_total", "Re-plans (spec change, GPUs lost)",
                   JOB_LABELS)
-PER_JOB = (PREDICTED_SAMPLES, MEASURED_SAMPLES, RESTARTS, PREEMPTIONS, REPLANS)
+GANG_RELEASES = Counter("cephalo_operator_gang_releases_total",
+                        "Gangs released because ranks stayed unschedulable past "
+                        "schedulingPolicy.scheduleTimeoutSeconds (re-planned on free GPUs; "
+                        "not counted toward backoffLimit)", JOB_LABELS)
+# Wake-ups of jobs waiting for GPUs because a Cephalo job or pod let GPUs go (instead of
+# waiting for their next periodic re-check).
+GPU_WAKEUPS = Counter("cephalo_operator_freed_gpu_wakeups_total",
+                      "Rounds of waking jobs that wait for GPUs after GPUs were freed")
+PER_JOB = (PREDICTED_SAMPLES, MEASURED_SAMPLES, RESTARTS, PREEMPTIONS, REPLANS, GANG_RELEASES)
 
 _phases: dict[tuple[str, str], str] = {}
 

@@ -40,7 +40,7 @@ import attrs
 import kmock
 from kmock._internal import rendering
 from kube_faults import Faults, FaultVerbs, injected_error, server_time
-from kube_selectors import ObjKey, match_fields, match_labels
+from kube_selectors import ObjKey, match_fields, match_labels, paginate
 from kube_selectors import api_error as _error
 from kube_writes import WriteVerbs
 
@@ -342,10 +342,12 @@ class ApiEmulator(FaultVerbs, WriteVerbs, kmock.KubernetesEmulator):
         items = [copy.deepcopy(o) for (g, p, n, _), o in self._store.items()
                  if (g, p) == (group, plural) and (ns is None or n == ns)
                  and self._selected(request, o)]
+        items, more = paginate(items, request.params.get("limit"),
+                               request.params.get("continue"))
         version = request.resource.version
         return {"apiVersion": f"{group}/{version}" if group else version,
-                "kind": f"{info.kind}List", "metadata": {"resourceVersion": str(self._rv)},
-                "items": items}
+                "kind": f"{info.kind}List",
+                "metadata": {"resourceVersion": str(self._rv), **more}, "items": items}
 
     def _selected(self, request: rendering.Request, obj: dict[str, Any]) -> bool:
         try:

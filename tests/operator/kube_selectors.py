@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import copy
+import json
 import re
 from typing import Any
 
@@ -124,3 +126,28 @@ def strategic_merge(target: Any, patch: Any) -> Any:
     if not isinstance(patch, dict):
         return copy.deepcopy(patch)
     return _merge_objects(target, patch, strategic_merge)
+
+
+def paginate(items: list[dict[str, Any]], limit: str | None, token: str | None
+             ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A LIST page as the kube-apiserver serves one with `limit` and `continue`: objects in
+    storage-key order (namespace, then name), at most `limit` of them, and, when more remain,
+    an opaque `continue` token and `remainingItemCount` in the list's metadata. (The real
+    server pages one consistent snapshot; this one continues from the last key over the
+    current objects, which a client cannot tell apart from objects changed after its LIST.)"""
+    items = sorted(items, key=lambda o: (o["metadata"].get("namespace") or "",
+                                         o["metadata"]["name"]))
+    if token:
+        try:
+            after = tuple(json.loads(base64.urlsafe_b64decode(token.encode())))
+        except ValueError:
+            raise api_error(400, "BadRequest", "continue key is not valid") from None
+        items = [o for o in items if (o["metadata"].get("namespace") or "",
+                                      o["metadata"]["name"]) > after]
+    if not limit or int(limit) <= 0 or len(items) <= int(limit):
+        return items, {}
+    page = items[:int(limit)]
+    last = page[-1]["metadata"]
+    token = base64.urlsafe_b64encode(json.dumps(
+        [last.get("namespace") or "", last["name"]]).encode()).decode()
+    return page, {"continue": token, "remainingItemCount": len(items) - len(page)}

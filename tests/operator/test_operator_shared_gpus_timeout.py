@@ -7,7 +7,10 @@ PodScheduled=False, reason Unschedulable."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
+from aiohttp import ClientSession
 from kube_fixtures import job_body
 from kubelet import apply_job, call, finish_profilers, job_status, pods, set_pod, wait_for
 from shared_gpus_harness import NS, Cluster, cluster_fixture, plan_pools
@@ -27,7 +30,7 @@ def _events(cluster: Cluster, name: str) -> list[tuple[str, str]]:
 
 async def test_pending_timeout_releases_the_gang_and_replans_on_free_gpus(
         cluster: Cluster) -> None:
-    cluster.start_operator()
+    proc = cluster.start_operator()
     body = job_body("gang", globalBatchSize=BATCH, schedulingPolicy={"scheduleTimeoutSeconds": 2})
     await apply_job(cluster.api, body)
     await finish_profilers(cluster.api, NS, body, count=2, timeout=WAIT_SECONDS)
@@ -54,6 +57,8 @@ async def test_pending_timeout_releases_the_gang_and_replans_on_free_gpus(
     scheduled = [c for c in status["conditions"] if c["type"] == "RanksScheduled"]
     assert scheduled and scheduled[0]["status"] == "True"
     cluster.assert_not_overcommitted()
+    assert 'cephalo_operator_gang_releases_total{cephalo_job="gang",cephalo_namespace=' \
+        '"default"} 1.0' in await _metrics(proc.metrics_port)
 
 
 async def test_tainted_gpu_nodes_only_with_a_matching_toleration(cluster: Cluster) -> None:
@@ -84,3 +89,43 @@ async def test_tainted_gpu_nodes_only_with_a_matching_toleration(cluster: Cluste
     assert not cluster.ever_unschedulable("tolerant")
     assert {p["spec"]["nodeName"] for p in pods(cluster.api, NS, "trainer", "tolerant")} == {
         "a10g-0", "a10g-1", "t4-0", "t4-1"}
+
+
+async def test_a_job_waiting_for_gpus_starts_when_another_job_lets_them_go(
+        cluster: Cluster) -> None:
+    cluster.scheduler.resume()
+    # A re-check period far beyond this test's waits: only the wake-up on freed GPUs can
+    # start the second job in time (before it existed, this test timed out).
+    proc = cluster.start_operator(CEPHALO_RECHECK_SECONDS="600")
+    first = job_body("first", globalBatchSize=BATCH)
+    await apply_job(cluster.api, first)
+    await finish_profilers(cluster.api, NS, first, count=2, timeout=WAIT_SECONDS)
+    await wait_for("first Running", lambda: job_status(cluster.api, NS, "first").get(
+        "phase") == "Running", WAIT_SECONDS)
+    # Past the node view's first debounced wake-up round (node_debounce_seconds 1): no node
+    # event is left to wake the second job by chance.
+    await asyncio.sleep(2.0)
+    await apply_job(cluster.api, job_body("second", globalBatchSize=BATCH))
+    await wait_for("second waits for GPUs", lambda: _gpus_available(cluster, "second") == "False",
+                   WAIT_SECONDS)
+    for pod in pods(cluster.api, NS, "trainer", "first"):
+        await set_pod(cluster.api, NS, pod["metadata"]["name"], "Succeeded")
+    await wait_for("first Succeeded", lambda: job_status(cluster.api, NS, "first").get(
+        "phase") == "Succeeded", WAIT_SECONDS)
+    await wait_for("second finds GPUs", lambda: _gpus_available(cluster, "second") == "True",
+                   WAIT_SECONDS)
+    woken = [line for line in (await _metrics(proc.metrics_port)).splitlines()
+             if line.startswith("cephalo_operator_freed_gpu_wakeups_total ")]
+    assert woken and float(woken[0].split()[1]) >= 1, woken
+
+
+async def _metrics(port: int) -> str:
+    async with ClientSession() as http, http.get(f"http://127.0.0.1:{port}/metrics") as resp:
+        return await resp.text()
+
+
+def _gpus_available(cluster: Cluster, name: str) -> str | None:
+    for c in job_status(cluster.api, NS, name).get("conditions") or []:
+        if c["type"] == "GpusAvailable":
+            return str(c["status"])
+    return None

@@ -27,6 +27,7 @@ from cephalo.operator.gpu_usage import (
     pod_gpu_request,
     slim_pod,
 )
+from cephalo.operator.handlers import pod_frees_gpus, waiting_for_gpus
 
 GPU = "nvidia.com/gpu"
 
@@ -129,10 +130,35 @@ def test_claims_follow_the_job_status() -> None:
     assert ("ns", "c") not in claims.claims
     for status in ({"phase": "Succeeded"}, {"phase": "Failed"}, {"phase": "Suspended"}):
         claims.claim(("ns", "a"), "uid-a", {"NVIDIA-A10G": 2})
-        claims.observe(("ns", "a"), "uid-a", status)
+        assert claims.observe(("ns", "a"), "uid-a", status)  # GPUs freed: wake the waiting
         assert ("ns", "a") not in claims.claims
-    claims.observe(("ns", "b"), "uid-b", {"phase": "Running"}, deleted=True)
+        assert not claims.observe(("ns", "a"), "uid-a", status)  # nothing held any more
+    assert claims.observe(("ns", "b"), "uid-b", {"phase": "Running"}, deleted=True)
     assert claims.claims == {} and claims.namespaces == {"ns"}
+
+
+def _gpu_pod(uid: str, gpus: int, phase: str) -> dict[str, Any]:
+    return {"metadata": {"uid": uid}, "status": {"phase": phase},
+            "spec": {"containers": [{"resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}]}}
+
+
+def test_a_gpu_pod_frees_its_gpus_once() -> None:
+    ended: set[str] = set()
+    assert not pod_frees_gpus("MODIFIED", _gpu_pod("a", 1, "Running"), ended)
+    assert pod_frees_gpus("MODIFIED", _gpu_pod("a", 1, "Succeeded"), ended)
+    assert not pod_frees_gpus("MODIFIED", _gpu_pod("a", 1, "Succeeded"), ended)  # once
+    assert not pod_frees_gpus("DELETED", _gpu_pod("a", 1, "Succeeded"), ended)  # already
+    assert ended == set()
+    assert pod_frees_gpus("DELETED", _gpu_pod("b", 2, "Running"), ended)  # deleted running
+    assert not pod_frees_gpus("MODIFIED", _gpu_pod("c", 0, "Failed"), ended)  # no GPUs
+
+
+def test_waiting_for_gpus_reads_the_condition() -> None:
+    no = [{"type": "GpusAvailable", "status": "False"}]
+    assert waiting_for_gpus({"phase": "Pending", "conditions": no})
+    assert not waiting_for_gpus({"phase": "Failed", "conditions": no})
+    assert not waiting_for_gpus({"phase": "Pending", "conditions": [
+        {"type": "GpusAvailable", "status": "True"}]})
 
 
 # ---- taints and tolerations -------------------------------------------------------------------
@@ -225,9 +251,11 @@ class _Kube:
     def __init__(self, items: list[dict]) -> None:
         self.items, self.paths = items, []
 
-    async def list(self, path: str, label_selector: str | None = None) -> list[dict]:
+    async def list(self, path: str, label_selector: str | None = None,
+                   keep: Any = None) -> list[dict]:
         self.paths.append(path)
-        return self.items
+        kept = [keep(i) if keep else i for i in self.items]
+        return [i for i in kept if i is not None]
 
 
 @pytest.mark.asyncio
@@ -271,3 +299,4 @@ def test_pending_timeout_only_without_a_gang_scheduler() -> None:
     assert not unscheduled({**pending, "spec": {"nodeName": "n"}})  # bound, not yet running
     assert not unscheduled({**pending, "metadata": {"deletionTimestamp": "x"}})
     assert not unscheduled({**pending, "status": {"phase": "Running"}})
+
