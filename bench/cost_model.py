@@ -13,6 +13,9 @@ the trainer's per-step logging collective). Profiling and training then sample t
 drift, and the error compares the median predicted with the median measured step over all
 rounds; the per-round spread is printed beside it.
 
+Planned runs run as the plan says, activations included: its recompute mode (keep-all, or
+recompute with the blocks each rank keeps, `kept_blocks`), predicted and run alike.
+
 Targets: step time within 15%, memory within 10%. Run: python bench/cost_model.py
 (about 13 minutes; --quick: fewer rounds and cases, no off-plan settings; --device cuda:
 the same on GPUs, one rank each).
@@ -66,8 +69,12 @@ def profile_sizes(setting: list[tuple[int, int]]) -> list[int]:
 
 # ---- worker: one rank of one setting, under torchrun -----------------------------------
 
+# A plan's activation choice: {"recompute": bool, "kept": kept blocks per rank}.
+RECOMPUTE_ALL = {"recompute": True, "kept": []}
+
+
 def worker(preset: str, setting: list[tuple[int, int]], ratios: list[float], rounds: int,
-           output: Path, device_kind: str) -> None:
+           output: Path, device_kind: str, mode: dict) -> None:
     import torch.distributed as dist
 
     from cephalo.trainer.data import DataSource
@@ -89,8 +96,9 @@ def worker(preset: str, setting: list[tuple[int, int]], ratios: list[float], rou
     spec = job_spec(preset, batch)
     config = spec.model.resolve()
     layout = Layout(batch_sizes=[m * n for m, n in setting],
-                    micro_batch_sizes=[m for m, _ in setting], shard_ratios=ratios)
-    engine = Engine(config, spec.training, layout, device=device)
+                    micro_batch_sizes=[m for m, _ in setting], shard_ratios=ratios,
+                    kept_blocks=list(mode["kept"]) if any(mode["kept"]) else [])
+    engine = Engine(config, spec.training, layout, device=device, recompute=mode["recompute"])
     data = DataSource(config, spec.data, spec.training.seed)
     start, end = layout.sample_range(rank)
     micro = layout.micro_batch_sizes[rank]
@@ -162,23 +170,27 @@ def local_cluster(profile: GpuProfile, ranks: int, memory_bytes: int):
 
 
 def predict(preset: str, setting: list[tuple[int, int]], profile: GpuProfile,
-            with_problem: bool = False):
-    """The planner's score of this setting (step seconds and shard ratios)."""
+            with_problem: bool = False, mode: dict = RECOMPUTE_ALL):
+    """The planner's score of this setting (step seconds and shard ratios) in `mode`."""
     from cephalo.local.runner import slowed
     from cephalo.planner.evaluate import score
-    from cephalo.planner.problem import build_problem
+    from cephalo.planner.problem import build_problem, without_recompute
 
     spec = job_spec(preset, sum(m * n for m, n in setting))
     cluster, contention = local_cluster(profile, len(setting), profile.memory_capacity_bytes)
     problem = build_problem(spec, cluster, {profile.product: slowed(profile, contention)})
-    ev = score(problem, [m for m, _ in setting], [n for _, n in setting])
+    if not mode["recompute"]:
+        problem = without_recompute(problem)
+    ev = score(problem, [m for m, _ in setting], [n for _, n in setting],
+               kept=mode["kept"] or None)
     return (ev, problem) if with_problem else ev
 
 
 def plan_case(preset: str, ranks: int, batch: int, max_micro: int, device: torch.device
-              ) -> tuple[list[tuple[int, int]], list[float]]:
-    """The planner's (m, ℓ) per rank and shard ratios, from a first profile (as `cephalo
-    run` plans), on ranks whose memory holds microbatches of at most `max_micro`."""
+              ) -> tuple[list[tuple[int, int]], list[float], dict]:
+    """The planner's (m, ℓ) per rank, shard ratios and activation mode, from a first
+    profile (as `cephalo run` plans), on ranks whose memory holds microbatches of at most
+    `max_micro`."""
     from cephalo.local.runner import slowed
     from cephalo.planner import solve
     from cephalo.planner.catalog import lookup_gpu
@@ -197,11 +209,14 @@ def plan_case(preset: str, ranks: int, batch: int, max_micro: int, device: torch
                                         int(room / spec.planner.memory_fraction))
     plan = solve(spec, cluster, {profile.product: slowed(profile, contention)})
     return ([(r.micro_batch_size, r.num_micro_batches) for r in plan.ranks],
-            [r.shard_ratio for r in plan.ranks])
+            [r.shard_ratio for r in plan.ranks],
+            {"recompute": plan.recompute is not False,
+             "kept": [r.kept_blocks for r in plan.ranks]})
 
 
 def run_setting(preset: str, setting: list[tuple[int, int]], rounds: int, work: Path,
-                device: torch.device, verbose: bool = False, ratios: list[float] | None = None
+                device: torch.device, verbose: bool = False, ratios: list[float] | None = None,
+                mode: dict = RECOMPUTE_ALL
                 ) -> tuple[list[float], list[list[float]], CollectiveProfile | None]:
     """Launch the ranks; per round (predicted step seconds, measured step seconds)."""
     from cephalo.trainer.profile import profile_job
@@ -209,14 +224,15 @@ def run_setting(preset: str, setting: list[tuple[int, int]], rounds: int, work: 
     if ratios is None:  # the shard ratios the planner gives this setting
         first = profile_job(job_spec(preset, 8), device=device,
                             micro_batch_sizes=profile_sizes(setting), repeats=3, warmup=1)
-        ratios = predict(preset, setting, first).shard_ratios
+        ratios = predict(preset, setting, first, mode=mode).shard_ratios
     output = work / "rounds.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
          f"--nproc-per-node={len(setting)}", str(Path(__file__).resolve()), "--worker",
          "--preset", preset, "--setting", json.dumps(setting), "--ratios", json.dumps(ratios),
-         "--rounds", str(rounds), "--output", str(output), "--device", device.type],
+         "--rounds", str(rounds), "--output", str(output), "--device", device.type,
+         "--mode", json.dumps(mode)],
         cwd=work, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"ranks failed:\n{proc.stderr[-3000:]}")
@@ -226,7 +242,7 @@ def run_setting(preset: str, setting: list[tuple[int, int]], rounds: int, work: 
                        if record["collectives"] else None)
         profile = GpuProfile.model_validate(record["profile"]).model_copy(
             update={"collectives": collectives})
-        predicted.append(predict(preset, setting, profile).step_seconds)
+        predicted.append(predict(preset, setting, profile, mode=mode).step_seconds)
         measured.append(record["step_seconds"])
         if verbose:
             p = profile.points
@@ -239,7 +255,7 @@ def run_setting(preset: str, setting: list[tuple[int, int]], rounds: int, work: 
                   f"block f/b at m={p[0].micro_batch_size}: "
                   f"{p[0].block_forward_seconds * 1e3:.2f}/"
                   f"{p[0].block_backward_seconds * 1e3:.2f} ms; {comm}")
-            ev, problem = predict(preset, setting, profile, with_problem=True)
+            ev, problem = predict(preset, setting, profile, with_problem=True, mode=mode)
             print(f"      step overhead {problem.comm_model.step_overhead_seconds * 1e3:.2f} ms;"
                   f" predicted per rank {[round(t * 1e3, 1) for t in ev.rank_seconds]} ms; "
                   "measured waits per rank (ms): " + "; ".join(
@@ -268,17 +284,20 @@ def memory_check(preset: str, device: torch.device) -> tuple[int, int]:
 
 
 def report(preset: str, setting: list[tuple[int, int]], rounds: int, args: argparse.Namespace,
-           ratios: list[float] | None = None) -> float:
+           ratios: list[float] | None = None, mode: dict = RECOMPUTE_ALL) -> float:
     """Run one setting, print its line, return its error."""
     with tempfile.TemporaryDirectory() as tmp:
         predicted, measured, comm = run_setting(preset, setting, rounds, Path(tmp),
-                                                torch.device(args.device), args.verbose, ratios)
+                                                torch.device(args.device), args.verbose, ratios,
+                                                mode)
     p = statistics.median(predicted)
     m = statistics.median(s for steps in measured for s in steps)
     error = m / p - 1
     per_round = [statistics.median(s) / q - 1 for s, q in zip(measured, predicted, strict=True)]
     spread = f"{min(per_round):+.0%}..{max(per_round):+.0%}"
-    label = ", ".join(f"{mb}x{n}" for mb, n in setting)
+    label = ", ".join(f"{mb}x{n}" for mb, n in setting) + (
+        " keep-all" if not mode["recompute"] else
+        f" kept {mode['kept']}" if any(mode["kept"]) else "")
     links = (f"{comm.bandwidth_bytes_per_second / 1e6:.0f} MB/s, "
              f"{comm.latency_seconds * 1e3:.2f} ms, overlap "
              f"{comm.overlap_fraction:.2f}") if comm else ""
@@ -310,8 +329,8 @@ def main(args: argparse.Namespace) -> int:
         print("planned (ranks, global batch, largest microbatch that fits):")
         print(header)
         for ranks, batch, max_micro in cases:
-            setting, ratios = plan_case(preset, ranks, batch, max_micro, device)
-            error = report(preset, setting, rounds, args, ratios)
+            setting, ratios, mode = plan_case(preset, ranks, batch, max_micro, device)
+            error = report(preset, setting, rounds, args, ratios, mode)
             worst_time = max(worst_time, abs(error))
             planned_errors.append(abs(error))
         if off_plan:
@@ -349,9 +368,11 @@ if __name__ == "__main__":
     parser.add_argument("--setting", type=json.loads, help=argparse.SUPPRESS)
     parser.add_argument("--ratios", type=json.loads, help=argparse.SUPPRESS)
     parser.add_argument("--output", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--mode", type=json.loads, default=RECOMPUTE_ALL,
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.preset, [tuple(s) for s in args.setting], args.ratios, args.rounds,
-               args.output, args.device)
+               args.output, args.device, args.mode)
         sys.exit(0)
     sys.exit(main(args))

@@ -11,8 +11,10 @@ returned) and trains the same job under that plan and under plans it rejected:
 - baselines on every GPU: the even split (B/N each, even shards) and compute-proportional
   batches with even shards (Whale-like);
 - perturbations close to the choice: one sample moved from the slowest rank to the fastest
-  and back, the other recompute mode (its best plan on the same GPUs), the other sharding
-  (all-even against the chosen) and, if the planner left a GPU idle, its plan on all GPUs.
+  and back, one kept block more on the slowest rank and one fewer on the rank keeping the
+  most, every block recomputed, the other recompute mode (its best plan on the same GPUs),
+  the other sharding (all-even against the chosen) and, if the planner left a GPU idle, its
+  plan on all GPUs.
 
 Contenders alternate in rounds (A B C, B C A, ...: drift on a shared machine hits them all
 alike). Each launch's first steps are warm-up; the rest are pooled per contender. Printed:
@@ -38,17 +40,31 @@ from pathlib import Path
 
 import yaml
 
-from cephalo.api import Plan, RankPlan, parse_job
+from cephalo.api import Plan, parse_job
 from cephalo.local.devices import LocalDevice, select_devices
 from cephalo.local.emulate import emulated_profile, plan_emulation
 from cephalo.local.ranks import RankEnv, launch
 from cephalo.local.runner import build_cluster, contention_factor, profile_devices
 from cephalo.planner import solve
 from cephalo.planner.baselines import even_assignment, proportional_assignment
-from cephalo.planner.evaluate import score
-from cephalo.planner.problem import Problem, build_problem, subset_problem, without_recompute
+from cephalo.planner.problem import build_problem
 from cephalo.planner.solver import solve_fixed
-from cephalo.planner.unit_shards import EvenUnits, unit_shard_ratios
+from cephalo.planner.unit_shards import EvenUnits
+
+# The candidates live beside this file (run as a script or loaded from its path).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hetero_candidates import (
+    Candidate,
+    chosen_candidate,
+    even_units_of,
+    kept_variants,
+    mode_problem,
+    moved_sample,
+    other_microbatching,
+    to_plan,
+)
+
+__all__ = ["Candidate", "chosen_candidate", "even_units_of", "mode_problem", "to_plan"]
 
 # Cluster A's GPU types, fastest and slowest first, so any prefix spans the heterogeneity.
 CLUSTER_A_TYPES = ["RTX-A6000", "P100", "L4", "P40"]
@@ -79,21 +95,6 @@ def job_data(preset: str, batch: int, steps: int, micro_sizes: list[int],
 
 
 @dataclass
-class Candidate:
-    """One assignment on GPUs `keep` (indices into the devices) in one recompute mode."""
-
-    problem: Problem  # on the kept GPUs, priced in this candidate's recompute mode
-    keep: list[int]
-    micro: list[int]
-    ell: list[int]
-    even: EvenUnits
-    recompute: bool
-
-    def key(self) -> tuple:
-        return (tuple(self.keep), tuple(self.micro), tuple(self.ell), self.even, self.recompute)
-
-
-@dataclass
 class Contender:
     name: str
     plan: Plan
@@ -107,103 +108,6 @@ class Contender:
             f"r{r} {statistics.median(self.rank_compute[r]):.3f}/"
             f"{p.predicted_step_seconds or 0:.3f}" for r, p in enumerate(self.plan.ranks)
             if self.rank_compute.get(r))
-
-
-def mode_problem(full: Problem, keep: list[int], recompute: bool) -> Problem:
-    problem = full if keep == list(range(full.world_size)) else subset_problem(full, keep)
-    return problem if recompute else without_recompute(problem)
-
-
-def even_units_of(plan: Plan, num_layers: int) -> EvenUnits:
-    """The units a plan shards evenly (1/N), read back from its ratios and overrides."""
-    n = plan.world_size
-
-    def flat(ratios: list[float]) -> bool:
-        return all(abs(x - 1.0 / n) < 1e-12 for x in ratios)
-
-    default_even = flat([r.shard_ratio for r in plan.ranks])
-    even = {u for u in range(num_layers + 2)
-            if (flat(plan.unit_shard_ratios[str(u)]) if str(u) in plan.unit_shard_ratios
-                else default_even)}
-    return EvenUnits(0 in even, num_layers + 1 in even,
-                     sum(1 for u in range(1, num_layers + 1) if u in even))
-
-
-def chosen_candidate(full: Problem, plan: Plan) -> Candidate:
-    keep = [r.gpu_index if r.gpu_index is not None else r.rank for r in plan.ranks]
-    recompute = plan.recompute is not False
-    return Candidate(mode_problem(full, keep, recompute), keep,
-                     [r.micro_batch_size for r in plan.ranks],
-                     [r.num_micro_batches for r in plan.ranks],
-                     even_units_of(plan, full.model.num_layers), recompute)
-
-
-def to_plan(c: Candidate) -> Plan | str:
-    """The plan the engine runs for a candidate, or why it does not fit."""
-    ev = score(c.problem, c.micro, c.ell, even_units=c.even)
-    if not ev.feasible:
-        return ev.reason or "infeasible"
-    layers, n = c.problem.model.num_layers, c.problem.world_size
-    ratios, per_unit = unit_shard_ratios(c.even, layers, n, ev.shard_ratios)
-    return Plan(global_batch_size=c.problem.global_batch_size, world_size=n,
-                predicted_step_seconds=ev.step_seconds,
-                predicted_samples_per_second=ev.samples_per_second,
-                unit_shard_ratios=per_unit, recompute=None if c.recompute else False,
-                ranks=[RankPlan(rank=r, gpu=c.problem.ranks[r][0], batch_size=m * count,
-                                micro_batch_size=m, num_micro_batches=count,
-                                shard_ratio=ratios[r], gpu_index=c.keep[r],
-                                predicted_step_seconds=ev.rank_seconds[r])
-                       for r, (m, count) in enumerate(zip(c.micro, c.ell, strict=True))])
-
-
-def moved_sample(c: Candidate, src: int, dst: int) -> Candidate | None:
-    """`c` with one sample moved from rank `src` to `dst`, each of the two given the
-    microbatching of its new batch that the cost model prices fastest."""
-    batch = [m * count for m, count in zip(c.micro, c.ell, strict=True)]
-    if batch[src] == 0:
-        return None
-    batch[src] -= 1
-    batch[dst] += 1
-    best: Candidate | None = None
-    best_seconds = float("inf")
-    for m_src in _divisors(batch[src]):
-        for m_dst in _divisors(batch[dst]):
-            micro, ell = list(c.micro), list(c.ell)
-            micro[src], ell[src] = m_src, batch[src] // m_src if m_src else 0
-            micro[dst], ell[dst] = m_dst, batch[dst] // m_dst
-            trial = Candidate(c.problem, c.keep, micro, ell, c.even, c.recompute)
-            try:
-                ev = score(c.problem, micro, ell, even_units=c.even)
-            except (ValueError, IndexError, KeyError):  # microbatch outside the profile
-                continue
-            if ev.feasible and ev.step_seconds < best_seconds:
-                best, best_seconds = trial, ev.step_seconds
-    return best
-
-
-def other_microbatching(c: Candidate, rank: int) -> Candidate | None:
-    """`c` with rank `rank`'s batch split into microbatches the next-best way (the one
-    microbatch size the cost model prices fastest after the chosen one)."""
-    batch = c.micro[rank] * c.ell[rank]
-    best: Candidate | None = None
-    best_seconds = float("inf")
-    for m in _divisors(batch):
-        if m in (0, c.micro[rank]):
-            continue
-        micro, ell = list(c.micro), list(c.ell)
-        micro[rank], ell[rank] = m, batch // m
-        try:
-            ev = score(c.problem, micro, ell, even_units=c.even)
-        except (ValueError, IndexError, KeyError):  # microbatch outside the profile
-            continue
-        if ev.feasible and ev.step_seconds < best_seconds:
-            best = Candidate(c.problem, c.keep, micro, ell, c.even, c.recompute)
-            best_seconds = ev.step_seconds
-    return best
-
-
-def _divisors(b: int) -> list[int]:
-    return [0] if b == 0 else [m for m in range(1, b + 1) if b % m == 0]
 
 
 def contenders(spec, cluster, profiles, devices: list[LocalDevice],
@@ -225,19 +129,20 @@ def contenders(spec, cluster, profiles, devices: list[LocalDevice],
                          ("compute-proportional", proportional_assignment(full))):
         found.append((name, Candidate(full, everything, *assign,
                                       EvenUnits.all(full.model.num_layers), True)))
-    secs = score(chosen.problem, chosen.micro, chosen.ell, even_units=chosen.even).rank_seconds
+    secs = chosen.scored().rank_seconds
     slow = max(range(len(secs)), key=lambda r: secs[r])
     fast = min(range(len(secs)), key=lambda r: secs[r])
     if slow != fast:
         found.append(("1 sample slowest->fastest", moved_sample(chosen, slow, fast)))
         found.append(("1 sample fastest->slowest", moved_sample(chosen, fast, slow)))
     found.append((f"next microbatching, rank {slow}", other_microbatching(chosen, slow)))
+    found.extend(kept_variants(chosen, slow))
     other = mode_problem(full, chosen.keep, not chosen.recompute)
     try:
         sol = solve_fixed(other)
         found.append((f"recompute={'off' if chosen.recompute else 'on'} (its best)",
                       Candidate(other, chosen.keep, sol.micro, sol.ell, sol.even_units,
-                                not chosen.recompute)))
+                                not chosen.recompute, sol.kept or [])))
     except Exception as exc:  # the other mode may not fit: say so, go on
         notes.append(f"other recompute mode skipped: {exc}")
     layers = full.model.num_layers
@@ -245,7 +150,8 @@ def contenders(spec, cluster, profiles, devices: list[LocalDevice],
     if len(chosen.keep) > 1:  # one rank holds everything: no sharding to vary
         found.append(("all-skewed shards" if flipped == EvenUnits.none() else
                       "all-even shards", Candidate(chosen.problem, chosen.keep, chosen.micro,
-                                                   chosen.ell, flipped, chosen.recompute)))
+                                                   chosen.ell, flipped, chosen.recompute,
+                                                   chosen.kept)))
     if chosen_plan.idle_gpus:
         all_plan = solve(spec, cluster, profiles, choose_gpus=False)
         found.append(("planner on all GPUs", chosen_candidate(full, all_plan)))
@@ -309,7 +215,9 @@ def describe(plan: Plan) -> str:
         f"mixed({len(plan.unit_shard_ratios)} units listed)" if plan.unit_shard_ratios
         else "skewed")
     batches = "/".join(f"{r.micro_batch_size}x{r.num_micro_batches}" for r in plan.ranks)
-    return f"{batches} {shards}{' norecomp' if plan.recompute is False else ''}"
+    kept = "" if not any(r.kept_blocks for r in plan.ranks) else \
+        " kept " + "/".join(str(r.kept_blocks) for r in plan.ranks)
+    return f"{batches} {shards}{' norecomp' if plan.recompute is False else kept}"
 
 
 def report(field_: list[Contender]) -> list[str]:

@@ -12,15 +12,14 @@ It prints Cephalo's predicted speed-up over each baseline next to what the paper
   shard, the L4s about half of it, the P40s a larger shard than the P100s.
 
 Predictions are the cost model's (communication overlapped as the engine does); the paper's
-figures are measurements of the authors' system. Needs the authors' data
-(`shared/reference/authors-measured/`, or CEPHALO_AUTHORS_MEASURED). Run:
+figures are measurements of the authors' system, whose data is vendored in
+`bench/reference/authors_measured/`. Run:
 python bench/paper_figures.py   (about a minute on one core)
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,9 +32,8 @@ from cephalo.planner.authors_profiles import AUTHORS_GPUS, AUTHORS_MODELS, autho
 from cephalo.planner.evaluate import score
 from cephalo.planner.problem import InfeasibleError, build_problem
 
-REFERENCE = Path(os.environ.get(
-    "CEPHALO_AUTHORS_MEASURED",
-    Path(__file__).resolve().parents[2] / "shared" / "reference" / "authors-measured"))
+# The authors' data, vendored with its licence (bench/reference/authors_measured/README.md).
+REFERENCE = Path(__file__).resolve().parent / "reference" / "authors_measured"
 GBIT = 1e9 / 8
 CLUSTER_A = {"l4": 2, "a6000": 1, "p40": 3, "p100": 2}  # 50 Gbit/s
 CLUSTER_B = {"v100x16": 16, "a10g": 16, "t4": 32}  # 100 Gbit/s

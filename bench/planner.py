@@ -87,7 +87,8 @@ def spec(preset: str | dict, batch: int, memory_fraction: float = 0.8):
 def scale_cases(quick: bool) -> None:
     print()
     print(f"{'case':<9}{'model':<10}{'B':>6}{'GPUs':>6}{'used':>6}{'wall s':>9}"
-          f"{'step s':>12}{'gap used':>10}{'gap all':>10}  memory binding  subsets")
+          f"{'step s':>12}{'gap used':>10}{'gap all':>10}  memory binding  subsets"
+          "  ranks keeping blocks")
     print("gap used: proven distance to the optimum on the GPUs used; gap all: over every "
           "subset of the cluster (0: exact)")
     for name, cluster, model, batch, fraction in SCALE_CASES:
@@ -104,11 +105,17 @@ def scale_cases(quick: bool) -> None:
         search = plan.search
         subsets = (f"{search['gpu_subsets_solved']} solved, "
                    f"{'exhaustive' if search['gpu_subsets_exhaustive'] else 'candidates'}")
+        # Recompute mode: ranks keeping some blocks' graphs (keep-all: every rank keeps all).
+        keeping = "keep-all" if plan.recompute is False else str(
+            sum(1 for r in plan.ranks if r.kept_blocks))
+        if "kept_blocks_candidates" in search:
+            keeping += " (kept counts: a subset)"
         print(f"{name:<9}{label:<10}{batch:>6}{cluster.num_gpus:>6}{plan.world_size:>6}"
               f"{wall:>9.2f}{plan.predicted_step_seconds:>12.5g}"
               f"{search['used_gpus_gap_seconds']:>10.3g}"
               f"{plan.optimality_gap_seconds or 0.0:>10.3g}  "
-              f"{search['aggregate_memory_constraint_binding']!s:<15} {subsets}", flush=True)
+              f"{search['aggregate_memory_constraint_binding']!s:<15} {subsets:<22}{keeping}",
+              flush=True)
 
 
 def main() -> None:

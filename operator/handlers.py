@@ -115,7 +115,7 @@ async def _sleep(wakeup: asyncio.Event, stopped: kopf.DaemonStopped, seconds: fl
 async def pod_changed(type: str | None, meta: kopf.Meta, event: kopf.RawEvent,
                       memo: kopf.Memo, **_: Any) -> None:
     _wake(meta.get("namespace"), (meta.get("labels") or {}).get(LABEL_JOB))
-    if pod_frees_gpus(type, event["object"], _ended_pods):
+    if pod_frees_gpus(type, dict(event["object"]), _ended_pods):
         _schedule_freed_wake(memo.config.node_debounce_seconds)
 
 

@@ -7,11 +7,14 @@ Modules:
 * `flat`              one flat buffer per unit, contiguous per-rank shards.
 * `collectives`       uneven AllGather / ReduceScatter (gloo and NCCL), async, counted.
 * `unit_ops`          the per-unit compute (checkpointed forward, recompute + backward,
-  fused head), activation offload, `run_unit_for_profile` for the profiler.
-* `engine`            the layered schedule, exact loss weighting, sharded AdamW step.
+  fused head, freeing and refilling a kept block's parameters), activation offload,
+  `run_unit_for_profile` for the profiler.
+* `engine`            the step (layered schedule, exact loss weighting, sharded AdamW step);
+  `passes` its forward/backward passes: recompute, kept blocks (a rank plan's
+  `kept_blocks`), keep everything (`recompute: false`), and the evaluation forward.
 * `checkpoint`, `checkpoint_write`, `storage`  sharded checkpoints on a shared folder or
   object storage (fsspec): asynchronous upload, marker written last, per-rank verification.
 * `optim`, `data`, `metrics`, `env`, `run`  the rest of a training run;
   `python -m cephalo.trainer` is `run.main` (SIGTERM: checkpoint at the agreed step, exit 143).
-* `launch`            N local gloo ranks for tests and benchmarks.
+* `spawn`             N local gloo ranks for tests and benchmarks.
 """

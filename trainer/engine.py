@@ -9,8 +9,9 @@ head):
 2. **Head**: forward and backward at once per microbatch (nothing to recompute), weighted
    by 1/B; the head's gradient is reduce-scattered right away.
 3. **Backward**, units in reverse: gather, recompute + backward every microbatch (the
-   parameter gradient accumulates in the flat buffer), reduce-scatter the unit's gradient
-   asynchronously (overlapping the next unit's backward), free.
+   parameter gradient accumulates in the flat buffer; a kept block's graphs instead, below),
+   reduce-scatter the unit's gradient asynchronously (overlapping the next unit's backward),
+   free.
 4. **Optimizer**: one all-reduce of [Σ grad², Σ loss, every rank's compute and wait
    seconds so far, the caller's votes]; global-norm clipping; AdamW on the fp32 master
    shards. The trainer's logs and its stop vote ride on this all-reduce, so the loop around
@@ -18,8 +19,15 @@ head):
 
 So each unit is gathered once per pass (the head once per step) and reduce-scattered once
 per step, whatever ℓ_i. A rank with no batch runs the same collectives on empty work.
-With ``recompute=False`` the forward keeps autograd graphs instead (more memory, no
-recompute, no second gather).
+
+Between recomputing everything and keeping everything, a rank may keep the autograd graphs
+of its last k blocks (`Layout.kept_blocks`, a plan's `kept_blocks`): their forward runs
+with autograd and their backward needs no recompute, but their gathered parameters are
+still freed after the forward (the graphs keep views of a buffer whose storage is resized
+to zero) and gathered again for the backward, so every rank issues the same collectives
+whatever it keeps. With ``recompute=False`` the forward keeps every graph and every gathered
+unit instead (more memory, no recompute, no second gather). The passes themselves are in
+`cephalo.trainer.passes`.
 """
 
 from __future__ import annotations
@@ -36,19 +44,12 @@ import torch.distributed as dist
 from cephalo.api import memory
 from cephalo.api.job import TrainingSpec
 from cephalo.api.models import ModelConfig
+from cephalo.trainer import passes
 from cephalo.trainer.collectives import Pending, UnevenCollectives
 from cephalo.trainer.flat import FlatUnit
 from cephalo.trainer.models import build_unit
 from cephalo.trainer.optim import OptimizerState, ShardedAdamW, learning_rate
-from cephalo.trainer.unit_ops import (
-    ActivationStore,
-    BlockTiming,
-    autocast,
-    backward_unit,
-    forward_unit,
-    head_forward_backward,
-    run_unit_for_profile,
-)
+from cephalo.trainer.unit_ops import ActivationStore, BlockTiming, run_unit_for_profile
 
 __all__ = ["BlockTiming", "Engine", "Layout", "StepResult", "run_unit_for_profile"]
 
@@ -62,12 +63,15 @@ class Layout:
     `unit_shard_ratios` optionally overrides the ratios of single units (unit index ->
     one ratio per rank): the paper shards some units evenly and others skewed when that
     saves uneven collectives. A plan carries it as ``"unit_shard_ratios": {"0": [...]}``.
+    `kept_blocks`: how many of its last blocks each rank keeps the graphs of in recompute
+    mode (a plan's ``ranks[i].kept_blocks``); empty = none on every rank.
     """
 
     batch_sizes: list[int]
     micro_batch_sizes: list[int]
     shard_ratios: list[float]
     unit_shard_ratios: dict[int, list[float]] = field(default_factory=dict)
+    kept_blocks: list[int] = field(default_factory=list)
 
     def ratios_for(self, unit: int) -> list[float]:
         return self.unit_shard_ratios.get(unit, self.shard_ratios)
@@ -113,6 +117,7 @@ class Engine:
                  group: dist.ProcessGroup | None = None, device: torch.device | None = None,
                  precision: str = "fp32", recompute: bool = True,
                  offload: bool | None = None, time_dilation: float = 1.0,
+                 graph_bytes_per_sample: float | None = None,
                  standalone: bool = False) -> None:
         # standalone: a single rank that needs no process group (see UnevenCollectives).
         self.comm = UnevenCollectives(group, standalone=standalone)
@@ -124,12 +129,27 @@ class Engine:
             if len(ratios) != layout.world_size or abs(sum(ratios) - 1) > 1e-9:
                 raise ValueError(f"unit_shard_ratios[{unit}] needs {layout.world_size} ratios "
                                  f"summing to 1, got {ratios}")
+        if layout.kept_blocks:
+            if len(layout.kept_blocks) != layout.world_size:
+                raise ValueError(f"kept_blocks needs one count per rank ({layout.world_size}), "
+                                 f"got {layout.kept_blocks}")
+            if any(not 0 <= k <= config.num_layers for k in layout.kept_blocks):
+                raise ValueError(f"kept_blocks must be between 0 and the {config.num_layers} "
+                                 f"blocks, got {layout.kept_blocks}")
+            if not recompute and any(layout.kept_blocks):
+                raise ValueError(f"kept_blocks {layout.kept_blocks} is for recompute mode; "
+                                 "recompute=False keeps every block's graph already")
         self.config = config
         self.training = training
         self.layout = layout
         self.device = device or torch.device("cpu")
         self.precision = precision
         self.recompute = recompute
+        # Blocks L-k+1..L (engine units) keep their graphs from forward to backward.
+        self.kept_blocks = layout.kept_blocks[self.rank] if layout.kept_blocks else 0
+        # What one sample's block graph holds, as the plan priced it (the profile's
+        # measurement; None: cephalo.api.memory's estimate from the dimensions).
+        self.graph_bytes_per_sample = graph_bytes_per_sample
         if time_dilation < 1.0:
             raise ValueError(f"time_dilation must be >= 1, got {time_dilation}")
         # Emulating a slower device (`cephalo run --emulate`): every unit's compute is
@@ -187,26 +207,7 @@ class Engine:
         needs less memory than its training step."""
         xs = [x.to(self.device, non_blocking=True) for x, _ in micro_batches]
         targets = [t.to(self.device, non_blocking=True) for _, t in micro_batches]
-        last = len(self.units) - 1
-        pending = self._gather(0)
-        for u in range(last):
-            full = pending.wait()
-            pending = self._gather(u + 1)
-            with self._dilated():
-                xs = forward_unit(self.units[u], full, xs, self.device, self.precision)
-            del full
-        head = self.units[last]
-        full = pending.wait()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        head.bind(full)
-        with torch.no_grad(), autocast(self.device, self.precision), self._dilated():
-            for x, t in zip(xs, targets, strict=True):
-                loss_sum += head.module(x, t).double().sum()
-        head.unbind()
-        count = torch.tensor(float(sum(int(t.shape[0]) for t in targets)),
-                             dtype=torch.float64, device=self.device)
-        totals = self.comm.all_reduce_sum(torch.stack([loss_sum, count])).cpu().tolist()
-        return float(totals[0]), round(totals[1])
+        return passes.evaluate(self, xs, targets)
 
     # ---- one step ------------------------------------------------------------------
     def step(self, micro_batches: list[MicroBatch],
@@ -225,31 +226,13 @@ class Engine:
         inputs = [x.to(self.device, non_blocking=True) for x, _ in micro_batches]
         targets = [t.to(self.device, non_blocking=True) for _, t in micro_batches]
         if self.recompute:
-            loss_sum, grads = self._forward_backward_recompute(inputs, targets)
+            loss_sum, grads = passes.forward_backward_recompute(self, inputs, targets)
         else:
-            loss_sum, grads = self._forward_backward_keep(inputs, targets)
+            loss_sum, grads = passes.forward_backward_keep(self, inputs, targets)
         result = self._optimizer_step(loss_sum, grads, started, wait_before, votes)
         result.step_seconds = time.perf_counter() - started
         result.collective_wait_seconds = sum(self.comm.stats.wait_seconds.values()) - wait_before
         return result
-
-    def _head(self, full: torch.Tensor, targets: list[torch.Tensor]
-              ) -> tuple[torch.Tensor, Pending]:
-        """Fused head forward+backward; puts input gradients in the store; issues its RS."""
-        head = self.units[-1]
-        last = len(self.units) - 1
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        weight = 1.0 / self.layout.global_batch_size
-        for mb, t in enumerate(targets):
-            x = self.store.get((last, mb))
-            with self._dilated():
-                losses, grad_x = head_forward_backward(head, full, x, t, weight, self.device,
-                                                       self.precision)
-            loss_sum += losses.float()
-            self.store.drop((last, mb))
-            self.store.put(("grad", last, mb), grad_x)
-            self.store.evict(("grad", last, mb))
-        return loss_sum, self.comm.reduce_scatter(self._grad_of(full), head.bounds, last)
 
     @contextlib.contextmanager
     def _dilated(self) -> Iterator[None]:
@@ -272,14 +255,18 @@ class Engine:
     def memory_estimate_bytes(self) -> int:
         """Device bytes this rank needs at least (cephalo.api.memory, the planner's model
         too): the training state of its shards, the gathered unit buffers at the peak, and
-        the boundary activations kept for backward when not offloaded; without recompute,
-        every block's graph and the gathered units kept alive instead (kept_graph_bytes).
-        The working set inside one unit's compute comes on top."""
+        the boundary activations kept for backward when not offloaded and the graphs of
+        the blocks this rank keeps (kept_blocks_bytes); without recompute, every block's
+        graph and the gathered units kept alive instead (kept_graph_bytes). The working
+        set inside one unit's compute comes on top."""
         samples = self.layout.batch_sizes[self.rank]
         c = self.config
         if self.recompute:
             kept = memory.kept_boundary_bytes(c.num_layers, samples, c.tokens_per_sample,
                                               c.hidden_size, self.store.offload)
+            kept += memory.kept_blocks_bytes(self.kept_blocks, samples, c.tokens_per_sample,
+                                             c.hidden_size, c.ffn_hidden_size,
+                                             self.graph_bytes_per_sample)
         else:
             kept = memory.kept_graph_bytes(c.num_layers, samples, c.tokens_per_sample,
                                            c.hidden_size, c.ffn_hidden_size,
@@ -287,104 +274,16 @@ class Engine:
         return int(memory.state_bytes(sum(u.shard_numel for u in self.units), self.precision)
                    + memory.unit_buffer_bytes(max(u.numel for u in self.units)) + kept)
 
-    def _grad_of(self, full: torch.Tensor) -> torch.Tensor:
-        # A rank with no batch contributes zeros (it still takes part in the collective).
-        return full.grad if full.grad is not None else torch.zeros_like(full)
-
     def _forward_backward_recompute(self, inputs: list[torch.Tensor],
                                     targets: list[torch.Tensor]
                                     ) -> tuple[torch.Tensor, list[Pending]]:
-        units, store = self.units, self.store
-        last = len(units) - 1
-        num_mb = len(inputs)
-        pending = self._gather(0)
-        for u in range(last):
-            full = pending.wait()
-            pending = self._gather(u + 1)  # prefetch while this unit computes
-            xs = inputs if u == 0 else [store.get((u, mb)) for mb in range(num_mb)]
-            with self._dilated():
-                ys = forward_unit(units[u], full, xs, self.device, self.precision)
-            for mb, y in enumerate(ys):
-                if u > 0:
-                    store.evict((u, mb))  # consumed; needed again only in backward
-                store.put((u + 1, mb), y)
-            del full
-        full = pending.wait()
-        if last >= 1:
-            pending = self._gather(last - 1)  # first unit of the backward pass
-        loss_sum, head_rs = self._head(full, targets)
-        scatters: list[Pending] = [head_rs]
-        del full
-        for u in range(last - 1, -1, -1):
-            full = pending.wait()
-            if u >= 1:
-                pending = self._gather(u - 1)
-            self._prefetch_backward(u, 0, num_mb)
-            for mb in range(num_mb):
-                # Bring the next microbatch's tensors back while this one computes.
-                self._prefetch_backward(u, mb + 1, num_mb)
-                x = inputs[mb] if u == 0 else store.get((u, mb))
-                grad_y = store.get(("grad", u + 1, mb))
-                with self._dilated():
-                    grad_x = backward_unit(units[u], full, x, grad_y, self.device,
-                                           self.precision, needs_input_grad=u > 0)
-                store.drop(("grad", u + 1, mb))
-                store.drop((u, mb))
-                if grad_x is not None:
-                    store.put(("grad", u, mb), grad_x)
-                    store.evict(("grad", u, mb))
-            # At most one reduce-scatter in flight, each holding a full unit gradient (one of
-            # the memory model's unit buffers, cephalo.api.memory): the previous unit's has
-            # had this unit's backward to finish, as the cost model assumes.
-            scatters[-1].wait()
-            scatters.append(self.comm.reduce_scatter(self._grad_of(full), units[u].bounds, u))
-            del full
-        store.clear()
-        return loss_sum, scatters[::-1]
+        """One recompute-mode pass without the optimizer step (bench/layered_accumulation)."""
+        return passes.forward_backward_recompute(self, inputs, targets)
 
     def _prefetch_backward(self, u: int, mb: int, num_mb: int) -> None:
         if mb < num_mb:
             self.store.prefetch((u, mb))
             self.store.prefetch(("grad", u + 1, mb))
-
-    def _forward_backward_keep(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]
-                               ) -> tuple[torch.Tensor, list[Pending]]:
-        """Layered accumulation without recompute: graphs and gathered units stay alive."""
-        units, store = self.units, self.store
-        last = len(units) - 1
-        num_mb = len(inputs)
-        graphs: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-        fulls: list[torch.Tensor] = []
-        pending = self._gather(0)
-        for u in range(last):
-            full = pending.wait().requires_grad_(True)
-            pending = self._gather(u + 1)
-            units[u].bind(full)
-            unit_graphs = []
-            with torch.enable_grad(), autocast(self.device, self.precision), self._dilated():
-                for mb in range(num_mb):
-                    x = inputs[mb] if u == 0 else store.get((u, mb)).requires_grad_(True)
-                    y = units[u].module(x)
-                    unit_graphs.append((x, y))
-                    store.put((u + 1, mb), y.detach())
-            units[u].unbind()
-            graphs.append(unit_graphs)
-            fulls.append(full)
-        loss_sum, head_rs = self._head(pending.wait(), targets)
-        scatters = [head_rs]
-        for u in range(last - 1, -1, -1):
-            for mb, (x, y) in enumerate(graphs[u]):
-                with self._dilated():
-                    torch.autograd.backward(y, store.get(("grad", u + 1, mb)))
-                store.drop(("grad", u + 1, mb))
-                if u > 0:
-                    store.put(("grad", u, mb), x.grad)
-            graphs[u] = []
-            scatters.append(self.comm.reduce_scatter(self._grad_of(fulls[u]), units[u].bounds,
-                                                     u))
-            fulls[u] = torch.empty(0)
-        store.clear()
-        return loss_sum, scatters[::-1]
 
     def _optimizer_step(self, loss_sum: torch.Tensor, scatters: list[Pending],
                         started: float | None = None, wait_before: float = 0.0,

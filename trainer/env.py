@@ -64,7 +64,8 @@ def layout_from_plan(plan: Plan) -> Layout:
     return Layout(batch_sizes=[r.batch_size for r in plan.ranks],
                   micro_batch_sizes=[r.micro_batch_size for r in plan.ranks],
                   shard_ratios=[r.shard_ratio for r in plan.ranks],
-                  unit_shard_ratios=unit_ratios)
+                  unit_shard_ratios=unit_ratios,
+                  kept_blocks=[r.kept_blocks for r in plan.ranks])
 
 
 def read_env(env: Mapping[str, str] | None = None) -> TrainerEnv:
@@ -115,6 +116,7 @@ def read_env(env: Mapping[str, str] | None = None) -> TrainerEnv:
             raise EnvError(f"plan rank {r.rank} has batch_size {r.batch_size} but "
                            f"micro_batch_size 0")
     layout_from_plan(plan)  # validates per-unit ratio overrides before any rank starts
+    _check_kept_blocks(plan, job)
     try:  # a missing or unusable token file fails here, on every rank, before any collective
         DataSource(job.model.resolve(), job.data, job.training.seed)
     except ValueError as err:
@@ -130,6 +132,18 @@ def read_env(env: Mapping[str, str] | None = None) -> TrainerEnv:
         metrics_file=_metrics_file(raw.metrics_file, checkpoint_dir),
         timeout_seconds=raw.collective_timeout_seconds or DEFAULT_COLLECTIVE_TIMEOUT_SECONDS,
         stop_after_step=raw.stop_after_step)
+
+
+def _check_kept_blocks(plan: Plan, job: CephaloJobSpec) -> None:
+    """The engine's checks of the ranks' `kept_blocks`, on every rank before any collective."""
+    kept = [r.kept_blocks for r in plan.ranks]
+    if plan.recompute is False and any(kept):
+        raise EnvError(f"the plan has recompute false (every block's graph kept) and "
+                       f"kept_blocks {kept}, which is for recompute mode; re-plan")
+    layers = job.model.resolve().num_layers
+    if max(kept, default=0) > layers:
+        raise EnvError(f"the plan's kept_blocks {kept} exceed the model's {layers} blocks; "
+                       "re-plan for this model")
 
 
 def _metrics_file(explicit: str | None, checkpoint_dir: str | None) -> Path | None:

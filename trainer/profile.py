@@ -12,6 +12,9 @@ model (paper: "The profiler…", "Compute Latency Model", "Memory Utilization Mo
 * compute memory per m: on GPU the allocator's peak beyond what was allocated before (the
   training state), on CPU the bytes a step really holds — tensors saved by autograd during the
   recompute, plus the boundary tensors and the gathered unit buffers — counted exactly;
+* what keeping one block's autograd graph (instead of recomputing it) holds per sample:
+  the distinct storages autograd saves in one block's forward, the block's parameters left
+  out, counted at the smallest microbatch size and twice it (`block_graph_bytes_per_sample`);
 * the AdamW step (per parameter and fixed), and one real single-rank training step with one
   sample, kept as measured (`single_rank_step`): what it takes beyond the cost model's
   prediction from the above is the engine's own per-step work (inputs, buffers, logging),
@@ -52,6 +55,7 @@ from cephalo.api.profile import (
 )
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.device_info import DeviceFacts, device_facts
+from cephalo.trainer.host_link import measure_host_link_bytes_per_second
 from cephalo.trainer.optim import ShardedAdamW
 from cephalo.trainer.profile_units import UnitProfiler
 
@@ -154,7 +158,9 @@ def profile_device(config: ModelConfig, precision: str, micro_batch_sizes: Seque
                       block_forward_fixed_seconds=measured.block_forward_fixed_seconds,
                       other_forward_fixed_seconds=measured.other_forward_fixed_seconds,
                       optimizer_seconds_per_parameter=per_parameter,
-                      optimizer_seconds_fixed=fixed, single_rank_step=step)
+                      optimizer_seconds_fixed=fixed, single_rank_step=step,
+                      block_graph_bytes_per_sample=measured.block_graph_bytes_per_sample,
+                      host_link_bytes_per_second=measure_host_link_bytes_per_second(device))
 
 
 def cache_path(cache_dir: Path, product: str, config: ModelConfig, precision: str) -> Path:

@@ -18,6 +18,7 @@ from cephalo.trainer.data import DataSource
 from cephalo.trainer.flat import FlatUnit
 from cephalo.trainer.models import build_model
 from cephalo.trainer.unit_ops import (
+    autocast,
     backward_unit,
     forward_unit,
     head_forward_backward,
@@ -49,6 +50,40 @@ class SavedBytes:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
 
+def saved_graph_bytes(unit: FlatUnit, full: torch.Tensor, x: torch.Tensor,
+                      device: torch.device, precision: str) -> int:
+    """Bytes of the distinct storages on `device` that autograd saves for the backward of
+    one forward of `unit` over the microbatch `x`, the unit's own parameters and buffers not
+    counted.
+
+    Run as the engine runs a block whose graph it keeps (`unit.bind` of the flat buffer with
+    autograd on, the input a leaf that needs its gradient): the parameters are views of the
+    flat buffer, which the engine holds (or frees and gathers again) whatever the graph
+    keeps, so its storage is left out. The input is counted when the graph saves it (it does:
+    a norm's input): a kept graph holds it on the device, offloaded or not. Storages are told
+    apart by address while the graph, and so every saved tensor, is alive."""
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type == device.type:  # e.g. a CUDA kernel's host-side RNG state
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    flat = full.detach().requires_grad_(True)  # same storage, a leaf as the engine's
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        unit.bind(flat)
+        with autocast(device, precision):
+            output = unit.module(x.detach().requires_grad_(True))
+        unit.unbind()
+    # The module's buffers (e.g. RoPE tables) stay with the module whatever the graph keeps.
+    for own in (flat, *unit.module.buffers()):
+        seen.pop(own.untyped_storage().data_ptr(), None)
+    total = sum(seen.values())
+    del output  # the graph, and the storages it saved, only now
+    return total
+
+
 def _nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -62,6 +97,7 @@ class Measured:
     block_forward_fixed_seconds: float
     other_forward_fixed_seconds: float
     extra_seconds: dict[str, float]  # median of each extra run (see `measure`)
+    block_graph_bytes_per_sample: float  # UnitProfiler.block_graph_bytes_per_sample
 
 
 class UnitProfiler:
@@ -165,8 +201,35 @@ class UnitProfiler:
             compute_memory_bytes=self.compute_memory_bytes(m, cases[m][0][0], cases[m][1][0],
                                                            cases[m][2][0]))
             for m in cases]
+        smallest = min(cases)
         return Measured(points, _once_per_pass(med, "bf", cases), _once_per_pass(med, "of", cases),
-                        {name: med[name, 0] for name in extra or {}})
+                        {name: med[name, 0] for name in extra or {}},
+                        self.block_graph_bytes_per_sample(smallest, cases[smallest][2]))
+
+    def block_graph_bytes_per_sample(self, m: int, hiddens: Sequence[torch.Tensor] | None = None
+                                     ) -> float:
+        """What keeping one block's autograd graph costs per sample at microbatch size m
+        (`saved_graph_bytes` over a microbatch of m and one of 2m samples).
+
+        The per-sample slope is the activations. What a microbatch holds whatever its size
+        comes on top: under bf16 autocast the graph saves a bf16 copy of each weight matrix,
+        made by every forward call, so each microbatch's graph holds one (2 bytes per element
+        of the block's matrices; fp32 saves no parameter copy). The engine runs a rank's
+        microbatches through a block one forward call each, so the figure is the slope plus
+        that part shared by the m samples: exact at m, an overstatement at larger
+        microbatches, never less than a kept graph holds at m or above. `hiddens`: two
+        microbatches of m block inputs (made from the data when not given)."""
+        if hiddens is None:
+            inputs, _ = self.data.batch(0, 0, 2 * m)
+            inputs = inputs.to(self.device)
+            hiddens = forward_unit(self.units[0], self.fulls[0], [inputs[:m], inputs[m:]],
+                                   self.device, self.precision)
+        block, full = self.units[1], self.fulls[1]
+        one = saved_graph_bytes(block, full, hiddens[0], self.device, self.precision)
+        two = saved_graph_bytes(block, full, torch.cat(list(hiddens[:2])), self.device,
+                                self.precision)
+        slope = (two - one) / m
+        return max(slope, one / m)  # one / m = slope + (per-microbatch part) / m
 
     def compute_memory_bytes(self, m: int, inputs: torch.Tensor, targets: torch.Tensor,
                              hidden: torch.Tensor) -> int:

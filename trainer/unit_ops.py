@@ -7,7 +7,9 @@ times the very same two functions, so profiled times are the engine's times;
 
 Activation checkpointing is at unit boundaries: forward runs without autograd and keeps
 only each unit's inputs (one tensor per microbatch); backward re-runs the unit with
-autograd, one microbatch at a time, and back-propagates the boundary gradient.
+autograd, one microbatch at a time, and back-propagates the boundary gradient. A rank may
+keep some blocks' graphs instead (`free_storage` / `restore_storage`: their parameters are
+freed after the forward and gathered again for the backward all the same).
 """
 
 from __future__ import annotations
@@ -137,6 +139,29 @@ def backward_unit(unit: FlatUnit, full: torch.Tensor, x: torch.Tensor,
         torch.autograd.backward(y, grad_output)
     unit.unbind()
     return x.grad if needs_input_grad else None
+
+
+def free_storage(full: torch.Tensor) -> None:
+    """Free a gathered unit buffer whose views a kept autograd graph still holds (FSDP1 frees
+    its unsharded flat parameter the same way): the graph keeps the tensor's metadata, the
+    memory goes. `restore_storage` brings the values back before the graph's backward."""
+    full.untyped_storage().resize_(0)
+
+
+def restore_storage(full: torch.Tensor, regathered: torch.Tensor) -> None:
+    """Refill `full`'s freed storage from a fresh gather of the same unit.
+
+    A storage-level copy: it leaves the version counter that autograd checks on saved
+    tensors untouched, where ``full.copy_`` would bump it and make the kept graph's backward
+    raise (tests/trainer/test_kept_blocks.py shows both)."""
+    source = regathered.untyped_storage()
+    # Both are whole fresh gathers of the unit (collectives.py): same layout, byte for byte.
+    if (regathered.storage_offset(), regathered.dtype, source.nbytes()) != (
+            full.storage_offset(), full.dtype, full.numel() * full.element_size()):
+        raise RuntimeError("a kept unit's buffer and its re-gather differ in layout")
+    storage = full.untyped_storage()
+    storage.resize_(source.nbytes())
+    storage.copy_(source)
 
 
 def head_forward_backward(unit: FlatUnit, full: torch.Tensor, x: torch.Tensor,

@@ -130,7 +130,11 @@ def _metrics_lines(tmp_path: Path) -> int:
 
 
 def test_a_crashed_rank_stops_the_others_with_its_error(tmp_path, tiny_job) -> None:
-    proc = _start(tmp_path, "run", str(tiny_job(steps=400)), "--devices", "cpu:2")
+    # A given plan: profiling (a torchrun of its own, ~15 s) is not what this test is about
+    # (test_run_trains_and_leaves_a_complete_run_directory profiles).
+    plan = _plan_file(tmp_path, [("cpu", 3), ("cpu", 3)])
+    proc = _start(tmp_path, "run", str(tiny_job(steps=400)), "--plan", str(plan),
+                  "--devices", "cpu:2")
     try:
         _wait_for(lambda: _metrics_lines(tmp_path) >= 1)
         victims = [p for p in trainer_pids(str(tmp_path))
@@ -147,12 +151,18 @@ def test_a_crashed_rank_stops_the_others_with_its_error(tmp_path, tiny_job) -> N
 
 
 def test_ctrl_c_stops_cleanly_and_resume_finishes_the_run(tmp_path, tiny_job) -> None:
-    # enough steps that Ctrl-C lands mid-run: a tiny step takes ~30 ms (the plan keeps
-    # activations), so 30 steps were over before the signal
+    # enough steps that Ctrl-C lands mid-run: a tiny step takes ~30-40 ms, so 30 steps were
+    # over before the signal. A checkpoint every 10 steps, not 2: the resumed run saves ~19
+    # instead of ~95 (~25 ms each).
     job = tiny_job(steps=200)
-    proc = _start(tmp_path, "run", str(job), "--devices", "cpu:2")
+    job.write_text(job.read_text().replace("intervalSteps: 2}", "intervalSteps: 10}"))
+    # A given plan for both launches: what is tested is the stop and the resume, and each
+    # profiling would be a torchrun of its own (~15 s; the first test here profiles).
+    plan = str(_plan_file(tmp_path, [("cpu", 3), ("cpu", 3)]))
+    proc = _start(tmp_path, "run", str(job), "--plan", plan, "--devices", "cpu:2")
     try:
-        _wait_for(lambda: _metrics_lines(tmp_path) >= 3)
+        # Once a checkpoint is complete (what `--resume` needs; cephalo.local.checks).
+        _wait_for(lambda: any((tmp_path / "runs").glob("*/*/checkpoints/step-*/COMPLETE")))
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -161,7 +171,8 @@ def test_ctrl_c_stops_cleanly_and_resume_finishes_the_run(tmp_path, tiny_job) ->
     assert "--resume" in out
     _wait_for(lambda: trainer_pids(str(tmp_path)) == [], timeout=10)
     run_dir = _run_dir(tmp_path, "tiny")
-    done = run_cephalo(tmp_path, "run", str(job), "--devices", "cpu:2", "--resume")
+    done = run_cephalo(tmp_path, "run", str(job), "--plan", plan, "--devices", "cpu:2",
+                       "--resume")
     assert done.returncode == 0, done.stdout + done.stderr
     assert _run_dir(tmp_path, "tiny") == run_dir  # continued the same run
     log = (run_dir / "logs" / "rank-0.log").read_text()
@@ -181,8 +192,12 @@ def test_real_text_from_a_token_file(tmp_path) -> None:
     job = tmp_path / "text.yaml"
     job.write_text((repo / "examples" / "local-text.yaml").read_text()
                    .replace("steps: 40", "steps: 3"))
-    done = run_cephalo(tmp_path, "run", str(job), "--devices", "cpu:2")
+    # The example's batch on a given plan: the data path is tested, not profiling (a torchrun
+    # of its own, ~15 s; test_run_trains_and_leaves_a_complete_run_directory profiles).
+    plan = _plan_file(tmp_path, [("cpu", 12), ("cpu", 12)])
+    done = run_cephalo(tmp_path, "run", str(job), "--plan", str(plan), "--devices", "cpu:2")
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "loss" in done.stdout and "over 3 steps" in done.stdout
     written = (_run_dir(tmp_path, "local-text") / "job.yaml").read_text()
     assert str(tokens) in written  # the relative path was made absolute for the ranks
 

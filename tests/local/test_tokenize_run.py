@@ -42,8 +42,15 @@ def _setup(tmp_path: Path, vocab: int = 320, path: str = "corpus/",
 @pytest.mark.slow
 def test_run_tokenizes_once_and_trains(tmp_path: Path) -> None:
     job = _setup(tmp_path)
-    done = run_cephalo(tmp_path, "run", str(job), "--devices", "cpu:1")
+    # A given plan: the data path is tested, not the profiler (which reads synthetic data
+    # and would add a process of its own; tests/local/test_run.py profiles).
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"global_batch_size": 4, "world_size": 1, "ranks": [
+        {"rank": 0, "gpu": "cpu", "batch_size": 4, "micro_batch_size": 2,
+         "num_micro_batches": 2, "shard_ratio": 1.0}]}))
+    done = run_cephalo(tmp_path, "run", str(job), "--plan", str(plan), "--devices", "cpu:1")
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "Profiling" not in done.stdout
     (run_dir,) = (tmp_path / "runs" / "text").iterdir()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]

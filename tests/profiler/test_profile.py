@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from cephalo.api import ClusterSpec, GpuGroup, GpuProfile, parse_job, preset
+from cephalo.api import ClusterSpec, GpuGroup, GpuProfile, memory, parse_job, preset
 from cephalo.api.profile import (
     TERMINATION_MESSAGE_LIMIT_BYTES,
     CollectiveProfile,
@@ -80,16 +80,42 @@ def test_memory_is_linear_within_ten_percent(tiny_profile: GpuProfile) -> None:
     assert np.all(np.abs(intercept + slope * m - mem) <= 0.10 * mem)
 
 
-def test_cpu_memory_counts_the_real_activations() -> None:
-    """Doubling the microbatch adds the same activation bytes each time (exact counting)."""
+@pytest.fixture(scope="module")
+def llama_profile() -> GpuProfile:
     torch.set_num_threads(1)
-    p = profiler.profile_job(_spec("llama-tiny"), device=torch.device("cpu"),
-                             micro_batch_sizes=[1, 2, 3], repeats=1, warmup=0)
-    mem = [q.compute_memory_bytes for q in p.points]
+    return profiler.profile_job(_spec("llama-tiny"), device=torch.device("cpu"),
+                                micro_batch_sizes=[1, 2, 3], repeats=1, warmup=0)
+
+
+def test_cpu_memory_counts_the_real_activations(llama_profile: GpuProfile) -> None:
+    """Doubling the microbatch adds the same activation bytes each time (exact counting)."""
+    mem = [q.compute_memory_bytes for q in llama_profile.points]
     config = preset("llama-tiny")
     hidden_bytes = config.sequence_length * config.hidden_size * 4
     assert mem[2] - mem[1] == mem[1] - mem[0]
     assert mem[1] - mem[0] > 3 * hidden_bytes  # at least input, output and their gradients
+
+
+@pytest.mark.parametrize("which", ["tiny_profile", "llama_profile"])
+def test_block_graph_is_measured_below_the_dimension_estimate(
+        which: str, request: pytest.FixtureRequest) -> None:
+    """The measured graph of one block (tests/profiler/test_block_graph.py holds it against
+    the engine) is below the estimate from the dimensions, which the planner uses without a
+    profile and which must not understate."""
+    profile: GpuProfile = request.getfixturevalue(which)
+    config = preset("gpt-tiny" if which == "tiny_profile" else "llama-tiny")
+    per_sample = profile.block_graph_bytes_per_sample
+    assert per_sample is not None
+    # At least the block's input and output and the MLP's wide activation, per sample.
+    assert per_sample > config.tokens_per_sample * (2 * config.hidden_size
+                                                    + config.ffn_hidden_size) * 4
+    estimate = memory.block_graph_bytes(1, config.tokens_per_sample, config.hidden_size,
+                                        config.ffn_hidden_size)
+    print(f"{which}: measured {per_sample:.0f} B per sample, estimate {estimate} B "
+          f"(measured / estimate {per_sample / estimate:.3f})")
+    assert per_sample < estimate
+    assert memory.block_graph_bytes(3, config.tokens_per_sample, config.hidden_size,
+                                    config.ffn_hidden_size, per_sample) == round(3 * per_sample)
 
 
 def test_profile_round_trips_through_the_planner(tiny_profile: GpuProfile) -> None:
@@ -111,6 +137,7 @@ def test_largest_preset_profile_fits_a_termination_message(tmp_path: Path) -> No
         "torch_version": "2.13.0+cu130",
         "block_forward_fixed_seconds": 1.23456789e-05,
         "other_forward_fixed_seconds": 1.23456789e-05,
+        "block_graph_bytes_per_sample": 1.2345678901234567e12,
         "single_rank_step": SingleRankStep(seconds=12.3456789012345, num_blocks=123,
                                            parameters=123_456_789_012),
         "collectives": CollectiveProfile(

@@ -28,7 +28,16 @@ def test_quick_bench_runs_every_contender_to_equal_losses() -> None:
         assert {"cephalo recompute", "cephalo keep", "fsdp2 per-microbatch", "fsdp2 no-sync",
                 "fsdp2 no-sync+keep", "fsdp2 one-microbatch"} <= set(medians)
         assert all(v > 0 for v in medians.values())
-        assert len(regime["ratios"]) == 8
+        layers = regime["model"]["num_layers"]
+        assert {f"cephalo keep {k}/{layers}" for k in range(1, layers + 1)} <= set(medians)
+        # Each multi-microbatch Cephalo contender (recompute, keep k/L, keep) against each of
+        # the three FSDP2 variants, and the two one-microbatch pairs.
+        assert len(regime["ratios"]) == 3 * (layers + 2) + 2
         assert all(0 < r["min"] <= r["median"] <= r["max"] for r in regime["ratios"].values())
         assert set(regime["peak_rss_mib"]) == set(medians)
         assert all(v > 0 for v in regime["peak_rss_mib"].values())
+        # Equal memory budget: for each FSDP2 variant, a Cephalo contender within its memory.
+        assert set(regime["equal_memory"]) == {n for n in medians if n.startswith("fsdp2")}
+        for e in regime["equal_memory"].values():
+            assert e["cephalo"] is None or (
+                e["cephalo_peak_rss_mib"] <= e["fsdp2_peak_rss_mib"] and e["ratio"]["median"] > 0)

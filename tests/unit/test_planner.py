@@ -52,7 +52,9 @@ def test_every_plan_meets_the_invariants_or_is_infeasible(seed: int) -> None:
     for r in plan.ranks:
         assignment[r.gpu_index] = (r.micro_batch_size, r.num_micro_batches)
     assert sum(a is None for a in assignment) == sum(i.count for i in plan.idle_gpus)
-    ev = evaluate(spec, cluster, profiles, assignment)
+    # Ranks are the used GPUs in cluster order: their kept blocks in the same order.
+    ev = evaluate(spec, cluster, profiles, assignment,
+                  kept_blocks=[r.kept_blocks for r in plan.ranks])
     assert ev.feasible and ev.step_seconds == pytest.approx(plan.predicted_step_seconds)
 
 
@@ -69,9 +71,15 @@ def test_cluster_a_paper_models(preset: str, batch: int) -> None:
     # estimate is nearly flat in the microbatch size (as the authors measured), so the
     # A6000 may spend its memory on one large microbatch instead of state: a P40 may then
     # hold a slightly larger shard at the same predicted step time.
+    # Llama-3B: the A6000 now spends that memory keeping 5 block graphs instead (no
+    # recompute for them; 26.6 s predicted instead of 27.7 s), which the paper's always-
+    # recomputing system could not: its shard is the largest only when it keeps none.
     assert a6000.batch_size == max(r.batch_size for r in plan.ranks)
-    if preset in ("vit-g", "llama-3b"):
+    if preset in ("vit-g", "llama-3b") and not a6000.kept_blocks:
         assert a6000.shard_ratio == max(r.shard_ratio for r in plan.ranks)
+    if preset == "llama-3b":
+        assert a6000.kept_blocks > 0 and a6000.predicted_memory_bytes == max(
+            r.predicted_memory_bytes for r in plan.ranks)
     assert plan.search["exact"] is True
     assert set(plan.baselines) == {"even_fsdp", "fsdp_grad_accum", "compute_proportional",
                                    "compute_balance_only", "memory_balance_only"}

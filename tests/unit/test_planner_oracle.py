@@ -1,12 +1,11 @@
 """The solver against brute force: on many small random instances, the fixed-GPU solver's
 predicted step time equals the exhaustive optimum of the planner's scoring over every
-assignment, and `solve`'s equals the least of those over every subset of the GPUs (the
-planner chooses which GPUs to use)."""
+assignment (kept-block counts included), and `solve`'s equals the least of those over every
+subset of the GPUs (the planner chooses which GPUs to use)."""
 
 from __future__ import annotations
 
 import itertools
-import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,23 +16,15 @@ from cephalo.planner import InfeasibleError, solve
 from cephalo.planner.evaluate import score
 from cephalo.planner.problem import build_problem, without_recompute
 from cephalo.planner.solver import solve_fixed
-from cephalo.planner.unit_shards import EvenUnits
 
+from .planner_brute import brute_force_seconds
 from .planner_instances import random_instance
 
 
-def _options(batch: int, allow_zero: bool) -> dict[int, list[tuple[int, int]]]:
-    """For each per-GPU batch b, every (m, ℓ) with m·ℓ = b."""
-    out: dict[int, list[tuple[int, int]]] = {0: [(0, 0)]} if allow_zero else {}
-    for b in range(1, batch + 1):
-        out[b] = [(m, b // m) for m in range(1, b + 1) if b % m == 0]
-    return out
-
-
 def brute_force(spec, cluster, profiles) -> float | None:
-    """Least step time over all assignments, every choice of which units are sharded
-    evenly (the rest skewed) and both recompute modes (job-wide), using `score` as the
-    truth."""
+    """Least step time over all assignments (with every kept-block count per rank in
+    recompute mode), every choice of which units are sharded evenly (the rest skewed) and
+    both recompute modes (job-wide), with `score` as the truth (planner_brute.py)."""
     recomputing = build_problem(spec, cluster, profiles)
     found = [_brute_force_mode(problem) for problem in (recomputing,
                                                         without_recompute(recomputing))]
@@ -42,25 +33,7 @@ def brute_force(spec, cluster, profiles) -> float | None:
 
 
 def _brute_force_mode(problem) -> float | None:
-    n, batch = problem.world_size, problem.global_batch_size
-    options = _options(batch, problem.allow_state_only)
-    layers = problem.model.num_layers
-    # Every subset of the units, as what the cost model sees of it (blocks are identical).
-    even_sets = {EvenUnits(0 in s, layers + 1 in s, sum(1 for u in s if 1 <= u <= layers))
-                 for k in range(layers + 3)
-                 for s in itertools.combinations(range(layers + 2), k)}
-    best = math.inf
-    for split in itertools.product(sorted(options), repeat=n):
-        if sum(split) != batch:
-            continue
-        for choice in itertools.product(*(options[b] for b in split)):
-            micro = [m for m, _ in choice]
-            ell = [count for _, count in choice]
-            for even in even_sets:
-                ev = score(problem, micro, ell, even_units=even)
-                if ev.feasible:
-                    best = min(best, ev.step_seconds)
-    return None if math.isinf(best) else best
+    return brute_force_seconds(problem)
 
 
 def sub_clusters(cluster: ClusterSpec):
@@ -90,7 +63,8 @@ def _check_against_brute_force(seed: int, max_gpus: int, max_batch: int) -> None
                 solve_fixed(problem)
         else:
             sol = solve_fixed(problem)
-            got = score(problem, sol.micro, sol.ell, even_units=sol.even_units).step_seconds
+            got = score(problem, sol.micro, sol.ell, even_units=sol.even_units,
+                        kept=sol.kept).step_seconds
             assert got == pytest.approx(expected, rel=1e-12)
     # The planner's choice of GPUs: the optimum over every subset.
     best = brute_force_subsets(spec, cluster, profiles)

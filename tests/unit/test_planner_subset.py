@@ -63,7 +63,8 @@ def test_collective_latency_leaves_gpus_idle_and_says_why() -> None:
     plan = solve(spec, many, choose_gpus=True)
     recomputing = build_problem(spec, many)
     all_used = min(  # the planner's choice: the faster recompute mode
-        score(everything, sol.micro, sol.ell, even_units=sol.even_units).step_seconds
+        score(everything, sol.micro, sol.ell, even_units=sol.even_units,
+              kept=sol.kept).step_seconds
         for everything in (recomputing, without_recompute(recomputing))
         for sol in [solve_fixed(everything)])
     four = solve(spec, ClusterSpec(groups=[GpuGroup(product="L4", count=4)]), choose_gpus=True)

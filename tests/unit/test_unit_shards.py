@@ -121,7 +121,7 @@ def test_branch_and_bound_matches_every_even_set(seed: int) -> None:
     even = sol.even_units
     assert 0 < even.count() < problem.model.num_layers + 2  # a mixed plan
     # Mixed beats both of the old partitions (all even, all skewed).
-    step = score(problem, sol.micro, sol.ell, even_units=even).step_seconds
+    step = score(problem, sol.micro, sol.ell, even_units=even, kept=sol.kept).step_seconds
     for flat in (True, False):
         try:
             layers = problem.model.num_layers

@@ -83,10 +83,31 @@ _GRAPH_HIDDEN_TENSORS = 14
 
 
 def block_graph_bytes(samples: int, tokens_per_sample: int, hidden_size: int,
-                      ffn_hidden_size: int) -> int:
-    """What one block's forward keeps for its backward, for `samples` samples."""
+                      ffn_hidden_size: int, measured_bytes_per_sample: float | None = None
+                      ) -> int:
+    """What one block's forward keeps for its backward, for `samples` samples: the
+    profiler's measurement (`GpuProfile.block_graph_bytes_per_sample`) when there is one,
+    else the estimate from the dimensions."""
+    if measured_bytes_per_sample is not None:
+        return round(samples * measured_bytes_per_sample)
     per_token = _GRAPH_WIDE_TENSORS * ffn_hidden_size + _GRAPH_HIDDEN_TENSORS * hidden_size
     return samples * tokens_per_sample * per_token * FP32_BYTES
+
+
+# ---- kept blocks in recompute mode (a rank plan's `kept_blocks`) --------------------------
+# A rank may keep the autograd graphs of its last k blocks from their forward to their
+# backward instead of recomputing them. Their gathered parameters are freed after the
+# forward and gathered again for the backward, as for a recomputed block, so the sequence
+# of collectives does not change and each rank chooses its own k. Beyond the recompute
+# mode's figure the rank holds k block graphs for all its samples (layered accumulation runs
+# every microbatch through a unit before the next unit, so all ℓ·m samples' graphs are alive
+# at the start of the backward). The boundary activations are counted already.
+def kept_blocks_bytes(kept_blocks: int, samples: int, tokens_per_sample: int,
+                      hidden_size: int, ffn_hidden_size: int,
+                      measured_bytes_per_sample: float | None = None) -> int:
+    """What keeping `kept_blocks` block graphs adds to a recompute-mode rank's memory."""
+    return kept_blocks * block_graph_bytes(samples, tokens_per_sample, hidden_size,
+                                           ffn_hidden_size, measured_bytes_per_sample)
 
 
 def kept_graph_bytes(num_layers: int, samples: int, tokens_per_sample: int, hidden_size: int,

@@ -67,10 +67,32 @@ class RankPlan(BaseModel):
     compute_memory_bytes: int | None = Field(default=None, ge=0)
     # True: this GPU's times are catalog estimates, not a measured profile.
     estimated: bool | None = None
+    # Recompute mode only (the plan's `recompute` not false): this rank keeps the autograd
+    # graphs of its last `kept_blocks` blocks (units L-k+1..L) from forward to backward and
+    # recomputes the others. Their parameters are still gathered again for the backward, so
+    # the collectives are the same on every rank whatever each one keeps
+    # (cephalo.api.memory.kept_blocks_bytes). 0 (omitted): recompute every block.
+    kept_blocks: int = Field(default=0, ge=0)
+    # The per-sample graph size the planner priced `kept_blocks` with (the profile's
+    # measurement for this GPU, GpuProfile.block_graph_bytes_per_sample); the trainer's
+    # memory check uses the same figure. None (omitted): the estimate from the dimensions.
+    block_graph_bytes_per_sample: float | None = Field(default=None, ge=0)
+    # Where this rank keeps its boundary activations (each unit's output per microbatch, and
+    # their gradients) between forward and backward: True offloads them to host memory over
+    # PCIe on a side stream (the paper's activation offloading), False keeps them on the
+    # device. None (omitted): the engine's default, offload on CUDA devices. The planner
+    # offloads only where the device cannot hold them (a per-rank choice: collectives do
+    # not change).
+    offload_activations: bool | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unset_index(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _omit_empty(handler(self), ("gpu_index", "compute_memory_bytes", "estimated"))
+        data = _omit_empty(handler(self), ("gpu_index", "compute_memory_bytes", "estimated",
+                                           "offload_activations",
+                                           "block_graph_bytes_per_sample"))
+        if not data.get("kept_blocks"):
+            data.pop("kept_blocks", None)
+        return data
 
 
 class IdleGpus(BaseModel):

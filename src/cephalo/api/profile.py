@@ -106,6 +106,19 @@ class GpuProfile(BaseModel):
     optimizer_seconds_fixed: float | None = Field(
         default=None, ge=0, description="AdamW + gradient-norm time per step for all units, "
                                         "independent of their sizes (launch/Python overhead)")
+    block_graph_bytes_per_sample: float | None = Field(
+        default=None, ge=0, description=(
+            "bytes autograd saves for one block's backward per sample (its saved tensors "
+            "and its input, the block's own parameters not counted), measured at the "
+            "smallest profiled microbatch, so never understated at larger ones (under bf16 "
+            "each microbatch's graph also holds a bf16 copy of the weights); what keeping a "
+            "block's graph instead of recomputing it costs "
+            "(cephalo.api.memory.block_graph_bytes)"))
+    host_link_bytes_per_second: float | None = Field(
+        default=None, gt=0, description=(
+            "pinned host<->device copy bandwidth, the slower direction, measured "
+            "(cephalo.trainer.host_link); what offloading boundary activations costs "
+            "(cephalo.planner.offload); absent: the catalog's figure for the board"))
 
     @model_validator(mode="before")
     @classmethod

@@ -1,12 +1,13 @@
 """The Cephalo authors' measured per-layer data as this project's GpuProfiles (pure).
 
-The authors' repository (`data/model_latencies.json`, `data/model_memory.json`; copied
-under `shared/reference/authors-measured/`) holds real measurements on the paper's GPUs.
+The authors' repository (`data/model_latencies.json`, `data/model_memory.json`; vendored
+with its MIT licence in `bench/reference/authors_measured/`) holds real measurements on the
+paper's GPUs.
 This module turns one (model, GPU) entry into a `GpuProfile`, so that the planner can plan
 the paper's clusters from what was actually measured, and so that the catalog's estimates can
 be checked against it. It takes the parsed JSON (dicts), never reads files itself.
 
-Conversions (the authors' format is described in the reference folder's README):
+Conversions (the authors' format is described in that folder's README):
 
 * times are ms per transformer layer for microbatch m; a value is either two linear fits
   `[[slope_f, icpt_f], [slope_b, icpt_b]]` or `[fit_f, fit_b, per_m_f, per_m_b]` with

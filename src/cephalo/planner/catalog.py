@@ -38,6 +38,9 @@ class GpuType:
     fp32_efficiency: float = 0.6
     bf16_efficiency: float = 0.45
     in_catalog: bool = True  # False: known only by its label; speed must come from a profile
+    # Usable host<->device copy bandwidth (GB/s) of the board's PCIe link, for activation
+    # offload (planner/offload.py); None: unknown (the planner assumes PCIe 3.0 x16).
+    host_link_gbps: float | None = None
 
     def peak_flops(self, precision: str) -> float:
         """Peak FLOP/s the engine can use: fp32 runs on CUDA cores (TF32 is off by default in
@@ -54,8 +57,15 @@ class GpuType:
 
 
 def _gpu(name: str, mib: int, fp32: float, bf16: float | None, fp16: float, bw: float,
-         eff: tuple[float, float], *labels: str) -> GpuType:
-    return GpuType(name, mib * MIB, fp32, bf16, fp16, bw, labels, eff[0], eff[1])
+         eff: tuple[float, float], *labels: str, link: float | None = None) -> GpuType:
+    return GpuType(name, mib * MIB, fp32, bf16, fp16, bw, labels, eff[0], eff[1],
+                   host_link_gbps=link)
+
+
+# Usable pinned-memory copy bandwidth of an x16 link, about 3/4 of the raw per-direction
+# rate (PCIe 3.0: 15.75 GB/s raw, 4.0: 31.5, 5.0: 63). SXM boards (V100 SXM2, A100 SXM4,
+# H100 SXM5, H200) talk to other GPUs over NVLink but to the host over the same PCIe x16.
+_PCIE3, _PCIE4, _PCIE5 = 12.0, 24.0, 48.0
 
 
 # (fp32, bf16) efficiencies, fitted per GPU to the authors' per-layer times of the paper's
@@ -70,38 +80,44 @@ _ADA_L4, _ADA_L40S = (0.29, 0.33), (0.36, 0.33)  # Ada's fp32 peak counts dual-i
 _HOPPER = (0.67, 0.43)  # H100 NVL measured; SXM/PCIe/H200 share the architecture
 
 GPU_CATALOG: dict[str, GpuType] = {g.name: g for g in (
-    _gpu("P40", 24576, 11.76, None, 0.18, 346, _PASCAL_P40, "Tesla-P40", "NVIDIA-Tesla-P40"),
+    _gpu("P40", 24576, 11.76, None, 0.18, 346, _PASCAL_P40, "Tesla-P40", "NVIDIA-Tesla-P40",
+         link=_PCIE3),
     # The paper's Cluster A P100s are PCIe boards (a workstation): "P100" is the PCIe SKU.
     _gpu("P100", 16384, 9.3, None, 18.7, 732, _PASCAL_P100, "Tesla-P100-PCIE-16GB",
-         "P100-16GB", "P100-PCIe-16GB"),
-    _gpu("P100-12GB", 12288, 9.3, None, 18.7, 549, _PASCAL_P100, "Tesla-P100-PCIE-12GB"),
-    _gpu("P100-SXM2", 16384, 10.6, None, 21.2, 732, _PASCAL_P100, "Tesla-P100-SXM2-16GB"),
+         "P100-16GB", "P100-PCIe-16GB", link=_PCIE3),
+    _gpu("P100-12GB", 12288, 9.3, None, 18.7, 549, _PASCAL_P100, "Tesla-P100-PCIE-12GB",
+         link=_PCIE3),
+    _gpu("P100-SXM2", 16384, 10.6, None, 21.2, 732, _PASCAL_P100, "Tesla-P100-SXM2-16GB",
+         link=_PCIE3),
     # "V100-16GB"/"V100-32GB" are the SXM2 boards (AWS p3, DGX-1: the paper's Cluster B).
     _gpu("V100-16GB", 16384, 15.7, None, 125.0, 900, _VOLTA_SXM2, "Tesla-V100-SXM2-16GB", "V100",
-         "V100-SXM2-16GB"),
+         "V100-SXM2-16GB", link=_PCIE3),
     _gpu("V100-32GB", 32768, 15.7, None, 125.0, 900, _VOLTA_SXM2, "Tesla-V100-SXM2-32GB",
-         "V100-SXM2-32GB"),
-    _gpu("V100-PCIe-16GB", 16384, 14.0, None, 112.0, 900, _VOLTA_PCIE, "Tesla-V100-PCIE-16GB"),
-    _gpu("V100-PCIe-32GB", 32768, 14.0, None, 112.0, 900, _VOLTA_PCIE, "Tesla-V100-PCIE-32GB"),
-    _gpu("V100S-32GB", 32768, 16.4, None, 130.0, 1134, _VOLTA_SXM2, "Tesla-V100S-PCIE-32GB"),
-    _gpu("T4", 15360, 8.1, None, 65.0, 320, _TURING, "Tesla-T4", "NVIDIA-T4"),
-    _gpu("A10G", 23028, 31.2, 70.0, 70.0, 600, _AMPERE_A10G, "NVIDIA-A10G"),
-    _gpu("L4", 23034, 30.3, 121.0, 121.0, 300, _ADA_L4, "NVIDIA-L4"),
+         "V100-SXM2-32GB", link=_PCIE3),
+    _gpu("V100-PCIe-16GB", 16384, 14.0, None, 112.0, 900, _VOLTA_PCIE, "Tesla-V100-PCIE-16GB",
+         link=_PCIE3),
+    _gpu("V100-PCIe-32GB", 32768, 14.0, None, 112.0, 900, _VOLTA_PCIE, "Tesla-V100-PCIE-32GB",
+         link=_PCIE3),
+    _gpu("V100S-32GB", 32768, 16.4, None, 130.0, 1134, _VOLTA_SXM2, "Tesla-V100S-PCIE-32GB",
+         link=_PCIE3),
+    _gpu("T4", 15360, 8.1, None, 65.0, 320, _TURING, "Tesla-T4", "NVIDIA-T4", link=_PCIE3),
+    _gpu("A10G", 23028, 31.2, 70.0, 70.0, 600, _AMPERE_A10G, "NVIDIA-A10G", link=_PCIE4),
+    _gpu("L4", 23034, 30.3, 121.0, 121.0, 300, _ADA_L4, "NVIDIA-L4", link=_PCIE4),
     _gpu("RTX-A6000", 49140, 38.7, 154.8, 154.8, 768, _AMPERE_A6000, "NVIDIA-RTX-A6000",
-         "A6000", "RTXA6000"),
+         "A6000", "RTXA6000", link=_PCIE4),
     _gpu("A100-40GB", 40960, 19.5, 312.0, 312.0, 1555, _AMPERE_A100, "NVIDIA-A100-SXM4-40GB",
-         "NVIDIA-A100-PCIE-40GB", "A100"),
+         "NVIDIA-A100-PCIE-40GB", "A100", link=_PCIE4),
     _gpu("A100-80GB", 81920, 19.5, 312.0, 312.0, 2039, _AMPERE_A100, "NVIDIA-A100-SXM4-80GB",
-         "NVIDIA-A100-80GB-PCIe"),
+         "NVIDIA-A100-80GB-PCIe", link=_PCIE4),
     # "H100" is the SXM5 board; the PCIe and NVL boards have their own clocks and memory.
     _gpu("H100", 81559, 67.0, 989.0, 989.0, 3350, _HOPPER, "NVIDIA-H100-80GB-HBM3",
-         "NVIDIA-H100-SXM5-80GB", "H100-80GB", "H100-SXM"),
+         "NVIDIA-H100-SXM5-80GB", "H100-80GB", "H100-SXM", link=_PCIE5),
     _gpu("H100-PCIe", 81559, 51.0, 756.0, 756.0, 2000, _HOPPER, "NVIDIA-H100-PCIe",
-         "NVIDIA-H100-PCIE-80GB"),
-    _gpu("H100-NVL", 95830, 60.0, 835.0, 835.0, 3900, _HOPPER, "NVIDIA-H100-NVL"),
+         "NVIDIA-H100-PCIE-80GB", link=_PCIE5),
+    _gpu("H100-NVL", 95830, 60.0, 835.0, 835.0, 3900, _HOPPER, "NVIDIA-H100-NVL", link=_PCIE5),
     _gpu("H200", 143771, 67.0, 989.0, 989.0, 4800, _HOPPER, "NVIDIA-H200",
-         "NVIDIA-H200-141GB-HBM3e"),
-    _gpu("L40S", 46068, 91.6, 362.0, 362.0, 864, _ADA_L40S, "NVIDIA-L40S"),
+         "NVIDIA-H200-141GB-HBM3e", link=_PCIE5),
+    _gpu("L40S", 46068, 91.6, 362.0, 362.0, 864, _ADA_L40S, "NVIDIA-L40S", link=_PCIE4),
     # The host CPU for `cephalo run --devices cpu:N`; always replaced by a measured profile.
     _gpu("cpu", 16384, 0.2, None, 0.2, 20, (0.6, 0.45), "CPU"),
 )}

@@ -29,6 +29,13 @@ Without recompute (`GpuCostModel.without_recompute`, a plan's `recompute: false`
 forward keeps every block's graph and gathered unit for the backward: a block's backward
 costs b - f per microbatch and gathers nothing (u(ℓ·(b - f), RS_block)), the embedding is
 not gathered again, and the memory grows by `cephalo.api.memory.kept_graph_bytes`.
+
+In recompute mode a rank may keep the graphs of its last k blocks (a rank plan's
+`kept_blocks`): such a block's backward costs b - f per microbatch but still gathers
+(u(ℓ·(b - f), AG_block + RS_block)), and the rank's memory grows by
+`cephalo.api.memory.kept_blocks_bytes` for its ℓ·m samples. The first e blocks of a
+per-unit plan are sharded evenly, so max(0, e + k - L) blocks are both kept and even: the
+step prices the four kinds (even or skewed, kept or recomputed) by their counts.
 """
 
 from __future__ import annotations
@@ -46,8 +53,11 @@ from cephalo.api import memory
 from cephalo.api.memory import COMM_BYTES_PER_PARAMETER
 from cephalo.api.memory import STATE_BYTES_PER_PARAMETER as STATE_BYTES_PER_PARAMETER
 from cephalo.api.models import ModelConfig
-from cephalo.api.profile import GpuProfile, ProfilePoint, SingleRankStep, model_key
-from cephalo.planner.catalog import GpuType, UnknownGpuError
+from cephalo.api.profile import GpuProfile, SingleRankStep
+from cephalo.planner.catalog import GpuType
+
+# The catalog estimate moved to its own module; importable from here as before.
+from cephalo.planner.estimate import estimate_profile as estimate_profile
 
 # The paper measured uneven collectives at most 15% slower than even ones.
 UNEVEN_COLLECTIVE_OVERHEAD = 0.15
@@ -161,7 +171,7 @@ class GpuCostModel:
     the points, as the paper does (GPUs are saturated there)."""
 
     def __init__(self, gpu: GpuType | None, profile: GpuProfile, memory_capacity_bytes: int,
-                 num_layers: int):
+                 num_layers: int, model: ModelConfig | None = None):
         self.gpu = gpu
         self.profile = profile
         self.estimated = profile.source == "estimated"
@@ -188,6 +198,16 @@ class GpuCostModel:
         self.recompute = True
         self._kept_bytes_per_sample = 0.0
         self._kept_fixed_bytes = 0.0
+        # One kept block's graph per sample (recompute mode's `kept_blocks`): the profile's
+        # measurement, else the estimate from the model's dimensions (None: no model given,
+        # no block can be kept). Measured figures are rounded per rank as the API does.
+        self._graph_measured = profile.block_graph_bytes_per_sample
+        self._graph_bytes_per_sample: float | None = None
+        if self._graph_measured is not None:
+            self._graph_bytes_per_sample = float(self._graph_measured)
+        elif model is not None:
+            self._graph_bytes_per_sample = float(memory.block_graph_bytes(
+                1, model.tokens_per_sample, model.hidden_size, model.ffn_hidden_size))
         probe = profile.single_rank_step
         if probe is not None:
             self.step_fixed_seconds = max(0.0, probe.seconds - self.modelled_seconds(probe))
@@ -224,26 +244,77 @@ class GpuCostModel:
             out[k] = np.where(m > top, self._series[k, -1] + self._slopes[k] * (m - top), inside)
         return out
 
-    def compute_memory_bytes(self, m: np.ndarray, ell: np.ndarray | int = 1) -> np.ndarray:
+    def compute_memory_bytes(self, m: np.ndarray, ell: np.ndarray | int = 1,
+                             kept: np.ndarray | None = None) -> np.ndarray:
         """Peak memory beyond the training state; linear in m (independent of ℓ because
         boundary activations are offloaded). m = 0 (state only) keeps the fixed part.
         Without recompute it grows with the rank's ℓ·m samples (ℓ defaults to 1: the least
-        any rank with work holds, a lower bound where only m is known)."""
+        any rank with work holds, a lower bound where only m is known). `kept` (recompute
+        mode): the blocks whose graphs each candidate keeps, for all its ℓ·m samples."""
         m = np.asarray(m, dtype=np.float64)
         base = np.maximum(self.memory_intercept_bytes + self.memory_slope_bytes * m, 0.0)
         if self.recompute:
-            return base
+            if kept is None:
+                return base
+            return base + self.kept_blocks_bytes(kept, m * np.asarray(ell, dtype=np.float64))
         samples = m * np.asarray(ell, dtype=np.float64)
         return base + self._kept_fixed_bytes + self._kept_bytes_per_sample * samples
 
-    def step_seconds(self, ell: np.ndarray, m: np.ndarray, comm: UnitComm) -> np.ndarray:
-        """T(ℓ, m) of the module docstring, vectorised; ℓ = 0 means a state-only GPU."""
+    @property
+    def can_keep_blocks(self) -> bool:
+        """Whether this model prices kept blocks (recompute mode, graph bytes known)."""
+        return self.recompute and self._graph_bytes_per_sample is not None \
+            and self.num_layers > 0
+
+    def block_graph_bytes(self, samples: np.ndarray) -> np.ndarray:
+        """One block's kept graph for `samples` samples (memory.block_graph_bytes)."""
+        samples = np.asarray(samples, dtype=np.float64)
+        if self._graph_bytes_per_sample is None:
+            return np.full(samples.shape, np.inf)
+        per = samples * self._graph_bytes_per_sample
+        return np.round(per) if self._graph_measured is not None else per
+
+    def kept_blocks_bytes(self, kept: np.ndarray, samples: np.ndarray) -> np.ndarray:
+        """memory.kept_blocks_bytes, vectorised: `kept` block graphs for `samples` samples."""
+        kept = np.asarray(kept, dtype=np.float64)
+        return np.where(kept > 0, kept * self.block_graph_bytes(samples), 0.0)
+
+    def max_kept_blocks(self, m: np.ndarray, ell: np.ndarray, room_bytes: float,
+                        base_bytes: np.ndarray | None = None) -> np.ndarray:
+        """Per candidate, the most blocks (≤ L) whose graphs fit in `room_bytes` next to its
+        compute memory (`base_bytes`, compute_memory_bytes(m), when the caller has it; 0
+        where none fits, for a state-only rank, or outside recompute)."""
+        m = np.asarray(m, dtype=np.float64)
+        if not self.can_keep_blocks:
+            return np.zeros(m.shape, dtype=np.int64)
+        per = self.block_graph_bytes(m * np.asarray(ell, dtype=np.float64))
+        base = self.compute_memory_bytes(m) if base_bytes is None else base_bytes
+        with np.errstate(divide="ignore", invalid="ignore"):
+            most = np.floor((room_bytes - base) / per)  # no samples: 0/0 or x/0, cleared
+        most = np.clip(np.where(per > 0, most, 0.0), 0, self.num_layers)
+        # Floating point: the count must fit by the same sum compute_memory_bytes makes.
+        most -= (base + most * per > room_bytes) & (most > 0)
+        return most.astype(np.int64)
+
+    def step_seconds(self, ell: np.ndarray, m: np.ndarray, comm: UnitComm,
+                     kept: np.ndarray | None = None,
+                     per_micro: np.ndarray | None = None) -> np.ndarray:
+        """T(ℓ, m) of the module docstring, vectorised; ℓ = 0 means a state-only GPU.
+        `kept` (recompute mode): per candidate, how many of the last blocks keep their
+        graphs (their backward skips the recompute, not the gather). `per_micro`:
+        compute_seconds(max(m, 1)) when the caller has it (a bisection over ℓ)."""
         ell = np.asarray(ell, dtype=np.float64)
-        f, b, fo, bo = self.compute_seconds(np.maximum(m, 1)) * ell
+        if per_micro is None:
+            per_micro = self.compute_seconds(np.maximum(m, 1))
+        f, b, fo, bo = per_micro * ell
         ag_back, ag_first_back = comm.ag_block, comm.ag_first
+        b_kept = np.maximum(b - f, 0.0)  # a kept block's backward: no recompute
+        if kept is not None and not np.any(kept):
+            kept = None  # k = 0 everywhere: the same sums without the kept terms
         if not self.recompute:
+            kept = None
             # The backward reuses the forward's graphs: no recompute, no second gather.
-            b = np.maximum(b - f, 0.0)
+            b = b_kept
             ag_back, ag_first_back = 0.0, 0.0
         # A forward pass runs all ℓ microbatches through a unit at once: its fixed part is
         # paid once, not ℓ times (a profile point is one microbatch's whole pass).
@@ -256,13 +327,23 @@ class GpuCostModel:
             return np.maximum(compute, collective) + (1.0 - hidden) * np.minimum(compute,
                                                                                  collective)
 
+        layers, even = self.num_layers, comm.even_blocks
+        # Kept blocks are the last k, even ones the first e: `both` are kept and even.
+        k = 0.0 if kept is None else np.asarray(kept, dtype=np.float64)
+        both = np.maximum(0.0, even + k - layers) if even else 0.0
         per_block = unit(f, comm.ag_block) + unit(b, ag_back + comm.rs_block)
-        blocks = self.num_layers * per_block
-        if comm.even_blocks:  # a mixed per-unit plan: some blocks skip the uneven overhead
+        blocks = (layers - k) * per_block
+        if even:  # a mixed per-unit plan: some blocks skip the uneven overhead
             ag_even_back = comm.ag_block_even if self.recompute else 0.0
             per_even = unit(f, comm.ag_block_even) + \
                 unit(b, ag_even_back + comm.rs_block_even)
-            blocks = comm.even_blocks * per_even + (self.num_layers - comm.even_blocks) * per_block
+            blocks = (even - both) * per_even + (layers - even - (k - both)) * per_block
+        if kept is not None:  # (k = 0 adds exact zeros: the same sums as without `kept`)
+            blocks = blocks + (k - both) * (unit(f, comm.ag_block) +
+                                            unit(b_kept, comm.ag_block + comm.rs_block))
+            if even:
+                blocks = blocks + both * (unit(f, comm.ag_block_even) +
+                                          unit(b_kept, comm.ag_block_even + comm.rs_block_even))
         # The embedding's forward hides the first block's gather, the last block's forward
         # the head's: per pass, L + 1 gathers overlap compute. Charging the head's gather
         # to the embedding+head compute keeps the count exact.
@@ -318,63 +399,3 @@ def _upper_slope(x: np.ndarray, y: np.ndarray) -> float:
     if slope == 0.0 and x.size >= 1 and x[-1] > 0:
         slope = float(y[-1] / x[-1])  # a flat tail would be free compute: assume proportional
     return slope
-
-
-# ---- analytic estimate when no profile was measured ------------------------------------
-
-# Rows (tokens) per microbatch at which a block reaches half its large-batch efficiency. On
-# CUDA cores (fp32) a 512-token sample already fills the GPU: the authors measured per-sample
-# time at m = 1 within ~5 % of m = 8 (V100, GPT-6.7B: 17.3 vs 17.4 ms). Tensor cores (bf16)
-# need bigger tiles: their per-sample time at m = 1 is 1.3-1.9x that at m = 8.
-_HALF_EFFICIENCY_TOKENS = {"fp32": 16.0, "bf16": 512.0}
-_KERNEL_LAUNCH_SECONDS = 12 * 10e-6  # ~12 kernels per block pass at ~10 µs each
-_WORKSPACE_BYTES = 256 * 1024**2
-# Activations one block keeps per token for its recompute + backward, in units of
-# (2 x ffn width + 4 x hidden width) elements: the MLP's wide tensors (input of the
-# activation and its output) and the hidden-width ones (norms, attention output, residual).
-# Attention scores are not materialised: SDPA's fused kernels keep them on chip. Calibrated
-# on the authors' measured compute memory (ViT-e: 0.108 GiB per sample vs 0.11 estimated).
-_BLOCK_ACTIVATION_FACTOR = 1.5
-# The loss keeps three logits-sized fp32 tensors per token (logits, softmax, their gradient).
-_HEAD_LOGIT_COPIES = 3
-
-
-def estimate_profile(gpu: GpuType, model: ModelConfig, precision: str,
-                     micro_batch_sizes: Iterable[int] = range(1, 9)) -> GpuProfile:
-    """A GpuProfile from the catalog's measured efficiency and the model's FLOPs (marked
-    `estimated`). A GPU outside the catalog has no figures to estimate from: it must be
-    profiled (UnknownGpuError says how)."""
-    if not gpu.in_catalog:
-        raise UnknownGpuError(
-            f"GPU {gpu.name!r} is not in the catalog, so its speed cannot be estimated: "
-            "measure a profile of it (the operator profiles every GPU product; locally run "
-            "`python -m cephalo.trainer.profile` on it) and pass the folder with --profiles")
-    achieved = gpu.achieved_flops(precision)
-    half = _HALF_EFFICIENCY_TOKENS.get(precision, _HALF_EFFICIENCY_TOKENS["fp32"])
-    elem_bytes = 2 if precision == "bf16" else 4
-    tokens = model.tokens_per_sample
-    h, f = model.hidden_size, model.ffn_hidden_size
-    block_act = _BLOCK_ACTIVATION_FACTOR * tokens * (2 * f + 4 * h) * elem_bytes
-    head_act = _HEAD_LOGIT_COPIES * tokens * (model.vocab_size or 0) * 4
-    # Two boundary activations in flight to / from host memory (fp32 in both precisions).
-    boundary = 2 * memory.boundary_bytes(1, tokens, h)
-    fixed = memory.unit_buffer_bytes(max(model.unit_parameters())) + _WORKSPACE_BYTES
-    weight_read = model.block_parameters() * elem_bytes / (gpu.memory_bandwidth_gbps * 1e9)
-    points = []
-    for m in sorted(set(micro_batch_sizes)):
-        fill = m * tokens / (m * tokens + half)
-        # Roofline: a pass is bound by its FLOPs or by reading the block's weights, whichever
-        # is slower (large models: FLOPs at any m, so per-sample time is flat in m).
-        fwd = max(model.block_forward_flops() * m / (achieved * fill), weight_read) + \
-            _KERNEL_LAUNCH_SECONDS
-        other = model.other_forward_flops() * m / (achieved * fill) + 4 * _KERNEL_LAUNCH_SECONDS
-        points.append(ProfilePoint(
-            micro_batch_size=m, block_forward_seconds=fwd, block_backward_seconds=3 * fwd,
-            other_forward_seconds=other, other_backward_seconds=2 * other,
-            compute_memory_bytes=int(fixed + m * (block_act + head_act + boundary))))
-    # AdamW reads and writes parameter, gradient and two moments: memory-bound.
-    adam = 2 * memory.state_bytes_per_parameter(precision) / (gpu.memory_bandwidth_gbps * 1e9)
-    return GpuProfile(product=gpu.name, memory_capacity_bytes=gpu.memory_bytes,
-                      source="estimated", model_key=model_key(model.architecture_key(), precision),
-                      precision=precision, points=points,  # type: ignore[arg-type]
-                      optimizer_seconds_per_parameter=adam)

@@ -72,12 +72,14 @@ def water_fill(compute_bytes: Sequence[float], budgets: Sequence[float],
 
 def score(problem: Problem, micro: Sequence[int], ell: Sequence[int],
           shard_ratios: Sequence[float] | None = None, *, even_shards: bool = False,
-          layered: bool = True, even_units: EvenUnits | None = None) -> Evaluation:
+          layered: bool = True, even_units: EvenUnits | None = None,
+          kept: Sequence[int] | None = None) -> Evaluation:
     """Step time and memory of one assignment (per rank: microbatch size m and count ℓ).
 
     `even_units` shards those units evenly and the rest by `shard_ratios` (default:
     water-filled over the memory the even units leave); all or none of the units is the
-    same as `even_shards` True or False."""
+    same as `even_shards` True or False. `kept` (recompute mode): per rank, how many of the
+    last blocks keep their graphs (RankPlan.kept_blocks); None: none."""
     n = problem.world_size
     layers = problem.model.num_layers
     if even_units is not None and (n == 1 or even_units.is_all(layers)):
@@ -86,6 +88,7 @@ def score(problem: Problem, micro: Sequence[int], ell: Sequence[int],
         even_units, even_shards = None, False
     micro_arr = np.asarray(micro, dtype=np.int64)
     ell_arr = np.asarray(ell, dtype=np.int64)
+    kept_arr = None if kept is None or not any(kept) else np.asarray(kept, dtype=np.int64)
     if even_units is not None:
         comm = mixed_unit_comm(problem.model, problem.comm_model, n, even_units)
     else:
@@ -95,9 +98,15 @@ def score(problem: Problem, micro: Sequence[int], ell: Sequence[int],
     seconds_arr, compute_arr = np.empty(n), np.empty(n)
     for cls in problem.classes:
         idx = np.asarray(cls.slots, dtype=np.int64)
-        fn = cls.cost.step_seconds if layered else cls.cost.accumulation_step_seconds
-        seconds_arr[idx] = fn(ell_arr[idx], micro_arr[idx], comm)
-        compute_arr[idx] = cls.cost.compute_memory_bytes(micro_arr[idx], ell_arr[idx])
+        if kept_arr is None or not layered:
+            fn = cls.cost.step_seconds if layered else cls.cost.accumulation_step_seconds
+            seconds_arr[idx] = fn(ell_arr[idx], micro_arr[idx], comm)
+            compute_arr[idx] = cls.cost.compute_memory_bytes(micro_arr[idx], ell_arr[idx])
+        else:
+            seconds_arr[idx] = cls.cost.step_seconds(ell_arr[idx], micro_arr[idx], comm,
+                                                     kept_arr[idx])
+            compute_arr[idx] = cls.cost.compute_memory_bytes(micro_arr[idx], ell_arr[idx],
+                                                             kept_arr[idx])
     seconds, compute = seconds_arr.tolist(), compute_arr.tolist()
     budgets = [problem.rank_budget(r) for r in range(n)]
     state: float = problem.state_bytes
@@ -105,6 +114,10 @@ def score(problem: Problem, micro: Sequence[int], ell: Sequence[int],
     total_batch = int((micro_arr * ell_arr).sum())
     if total_batch != problem.global_batch_size:
         reason = f"batch sizes sum to {total_batch}, not {problem.global_batch_size}"
+    elif kept_arr is not None and (int(kept_arr.max()) > layers or int(kept_arr.min()) < 0
+                                   or not problem.classes[0].cost.recompute):
+        reason = (f"kept blocks must be 0..{layers} per rank, in recompute mode only; "
+                  f"got {kept_arr.tolist()}")
     over = [r for r in range(n) if compute[r] > budgets[r] * (1 + _MEMORY_RTOL)]
     if even_units is not None:
         even_share = even_state_bytes(problem.model, problem.precision, even_units) / n
@@ -123,9 +136,11 @@ def score(problem: Problem, micro: Sequence[int], ell: Sequence[int],
         for r in range(n):
             if memory[r] > budgets[r] * (1 + _MEMORY_RTOL):
                 gpu = problem.ranks[r][0]
+                keeps = "" if kept_arr is None or not kept_arr[r] else \
+                    f" keeping {kept_arr[r]} block graphs"
                 reason = (f"rank {r} ({gpu}) needs {gib(memory[r])} (training state "
                           f"{gib(ratios[r] * state)} + compute {gib(compute[r])} at microbatch "
-                          f"{micro_arr[r]}), more than its {gib(budgets[r])} at "
+                          f"{micro_arr[r]}{keeps}), more than its {gib(budgets[r])} at "
                           f"{problem.memory_fraction:.0%} of memory")
                 break
     return Evaluation(reason is None, reason, max(seconds), seconds, compute, memory, ratios,
@@ -136,28 +151,31 @@ def evaluate(spec: CephaloJobSpec, cluster: ClusterSpec,
              profiles: Mapping[str, GpuProfile] | None,
              assignment: Sequence[tuple[int, int] | None],
              shard_ratios: Sequence[float] | None = None, *,
-             even_shards: bool = False, recompute: bool | None = None) -> Evaluation:
+             even_shards: bool = False, recompute: bool | None = None,
+             kept_blocks: Sequence[int] | None = None) -> Evaluation:
     """Score a given assignment — one (micro_batch_size, num_micro_batches) per GPU in the
     cluster's order; (0, 0) for a state-only GPU, None for an idle one (no rank) — under
     the planner's cost model. Without `shard_ratios` the state is partitioned as the
     planner would (`score_best`); given, they are one per GPU used. `recompute` None scores
     it as the planner would choose (the faster feasible of both modes); True or False
-    scores that mode only."""
+    scores that mode only. `kept_blocks` (one per GPU used, recompute mode only: None
+    scores the other mode without them) keeps those blocks' graphs per rank."""
     if recompute is None:
-        modes = [_evaluate(spec, cluster, profiles, assignment, shard_ratios, even_shards, mode)
+        modes = [_evaluate(spec, cluster, profiles, assignment, shard_ratios, even_shards, mode,
+                           kept_blocks if mode else None)
                  for mode in (True, False)]
-        feasible = [ev for ev in modes if ev.feasible]
-        # Ties go to recompute (less memory), as in the solver.
+        # Ties go to keeping everything (listed first), as in the solver.
+        feasible = [ev for ev in (modes[1], modes[0]) if ev.feasible]
         return min(feasible, key=lambda ev: ev.step_seconds) if feasible else modes[0]
     return _evaluate(spec, cluster, profiles, assignment, shard_ratios, even_shards,
-                     recompute)
+                     recompute, kept_blocks)
 
 
 def _evaluate(spec: CephaloJobSpec, cluster: ClusterSpec,
               profiles: Mapping[str, GpuProfile] | None,
               assignment: Sequence[tuple[int, int] | None],
               shard_ratios: Sequence[float] | None, even_shards: bool,
-              recompute: bool) -> Evaluation:
+              recompute: bool, kept_blocks: Sequence[int] | None = None) -> Evaluation:
     problem = build_problem(spec, cluster, profiles)
     if not recompute:
         problem = without_recompute(problem)
@@ -172,26 +190,30 @@ def _evaluate(spec: CephaloJobSpec, cluster: ClusterSpec,
         raise ValueError("the assignment leaves every GPU idle")
     micro = [m for m, _ in used]
     ell = [count for _, count in used]
+    if kept_blocks is not None and len(kept_blocks) != len(used):
+        raise ValueError(f"kept_blocks has {len(kept_blocks)} entries for {len(used)} ranks")
     if shard_ratios is not None or even_shards:
-        return score(problem, micro, ell, shard_ratios, even_shards=even_shards)
-    return score_best(problem, micro, ell)
+        return score(problem, micro, ell, shard_ratios, even_shards=even_shards,
+                     kept=kept_blocks)
+    return score_best(problem, micro, ell, kept_blocks)
 
 
-def score_best(problem: Problem, micro: Sequence[int], ell: Sequence[int]) -> Evaluation:
+def score_best(problem: Problem, micro: Sequence[int], ell: Sequence[int],
+               kept: Sequence[int] | None = None) -> Evaluation:
     """The best partition for this assignment: each unit even or skewed (unit_shards.py),
     least step time, ties to more even units.
 
     Exact over every even set: for fixed (m, ℓ) making a unit even never slows a rank
     (its collectives lose the uneven overhead), so for each of the four embedding/head
     choices only the most even blocks that fit need scoring."""
-    even = score(problem, micro, ell, even_shards=True)
-    best = even if even.feasible else score(problem, micro, ell)
+    even = score(problem, micro, ell, even_shards=True, kept=kept)
+    best = even if even.feasible else score(problem, micro, ell, kept=kept)
     if problem.world_size == 1 or not best.feasible or best is even:
         return best
     rooms = [problem.rank_budget(r) - best.rank_compute_bytes[r]
              for r in range(problem.world_size)]
     for option in most_even_options(problem, rooms):
-        ev = score(problem, micro, ell, even_units=option)
+        ev = score(problem, micro, ell, even_units=option, kept=kept)
         if ev.feasible and ev.step_seconds <= best.step_seconds:
             best = ev
     return best

@@ -24,6 +24,7 @@ from cephalo.planner.costmodel import (
     UnitComm,
     estimate_profile,
 )
+from cephalo.planner.kept_blocks import kept_candidates
 from cephalo.planner.search import ClassTable
 
 GIB = 1024**3
@@ -90,7 +91,8 @@ def build_problem(spec: CephaloJobSpec, cluster: ClusterSpec,
         capacity = group.memory_bytes or profile.memory_capacity_bytes or gpu.memory_bytes
         key = (gpu.name, capacity)
         if key not in classes:
-            classes[key] = GpuClass(gpu, GpuCostModel(gpu, profile, capacity, model.num_layers),
+            classes[key] = GpuClass(gpu, GpuCostModel(gpu, profile, capacity, model.num_layers,
+                                                      model),
                                     capacity * spec.planner.memory_fraction)
         index = list(classes).index(key)
         for _ in range(group.count):
@@ -142,12 +144,14 @@ def _comm_model(spec: CephaloJobSpec, cluster: ClusterSpec,
 def class_tables(problem: Problem, *, uneven: bool = True, max_ell: int | None = None,
                  micro_sizes: list[int] | None = None,
                  state_share_bytes: float = 0.0,
-                 comm: UnitComm | None = None) -> list[ClassTable]:
+                 comm: UnitComm | None = None, kept_blocks: bool = False) -> list[ClassTable]:
     """Every (ℓ, m) each class may run within its own memory budget.
 
     `max_ell`/`micro_sizes` restrict the choices (for the baselines); `state_share_bytes`
     reserves a fixed training-state share on every GPU (even sharding, or the even units
-    of a per-unit plan); `comm` overrides the collectives (a per-unit plan's mix)."""
+    of a per-unit plan); `comm` overrides the collectives (a per-unit plan's mix).
+    `kept_blocks` (recompute mode) adds each (ℓ, m) with k = 1 .. kmax kept blocks
+    (kept_blocks.py), after the k = 0 candidates."""
     batch = problem.global_batch_size
     if comm is None:
         comm = problem.unit_comm(uneven)
@@ -170,9 +174,20 @@ def class_tables(problem: Problem, *, uneven: bool = True, max_ell: int | None =
             micro, ell, memory_bytes = micro[fits], ell[fits], memory_bytes[fits]
         seconds = cls.cost.step_seconds(ell, micro, comm)
         speed = _samples_per_second(cls.cost, comm, batch)
+        kept, subset = None, False
+        if kept_blocks and cls.cost.can_keep_blocks:
+            more = kept_candidates(cls.cost, micro, ell, seconds, room, comm)
+            if more.index.size:
+                kept = np.concatenate([np.zeros(micro.size, dtype=np.int64), more.kept])
+                micro = np.concatenate([micro, micro[more.index]])
+                ell = np.concatenate([ell, ell[more.index]])
+                seconds = np.concatenate([seconds, more.seconds])
+                memory_bytes = np.concatenate([memory_bytes, more.memory_bytes])
+            subset = more.subset
         tables.append(ClassTable(batch=ell * micro, ell=ell, micro=micro, seconds=seconds,
                                  memory_bytes=memory_bytes,
-                                 count=len(cls.slots), speed_weight=speed))
+                                 count=len(cls.slots), speed_weight=speed, kept=kept,
+                                 kept_subset=subset))
     return tables
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from cephalo.api import Plan
 from cephalo.api.plan import SHARD_RATIO_TOLERANCE
+from cephalo.planner.offload import boundary_activations_line
 
 GIB = 1024**3
 
@@ -35,6 +36,7 @@ def format_plan(plan: Plan, model_name: str) -> str:
     else:
         lines.append("no prediction (a plan given by hand)")
     lines.append(activations_line(plan))
+    lines.append(boundary_activations_line(plan))
     if plan.unit_shard_ratios:
         lines.append(unit_sharding_line(plan))
     for idle in plan.idle_gpus:
@@ -59,19 +61,43 @@ def format_plan(plan: Plan, model_name: str) -> str:
     return "\n".join(lines)
 
 
-
-
 def activations_line(plan: Plan) -> str:
-    """The plan's job-wide recompute choice (the planner keeps the activations whenever
-    that fits and is faster; recompute is the paper's memory-saving trick)."""
+    """The plan's recompute choice: job-wide keep-all (no recompute), or recompute with the
+    blocks each rank keeps (the planner keeps activations wherever memory allows it and it
+    is faster; recompute is the paper's memory-saving trick)."""
     if plan.recompute is False:
         return "activations: kept (no recompute, no second gather in the backward)"
+    kept = kept_blocks_phrase(plan)
     if plan.recompute is True:  # the planner writes false or nothing: set by hand
-        return "activations: recomputed in the backward (set in the plan)"
+        return f"activations: recomputed in the backward (set in the plan){kept}"
     if plan.predicted_step_seconds is None:
-        return "activations: recomputed in the backward (the engine's default)"
+        return f"activations: recomputed in the backward (the engine's default){kept}"
+    if kept:
+        return f"activations: recomputed in the backward{kept}"
     return "activations: recomputed in the backward (memory: keeping them does not fit " \
         "or is not faster)"
+
+
+def kept_blocks_phrase(plan: Plan) -> str:
+    """'; ranks 0-3 keep the graphs of 4 of 24 blocks, ...' for ranks that keep some blocks'
+    graphs in recompute mode (RankPlan.kept_blocks); empty when none does."""
+    groups: list[tuple[int, int, int]] = []  # (first rank, last rank, kept blocks)
+    for r in plan.ranks:
+        if r.kept_blocks and groups and groups[-1][2] == r.kept_blocks \
+                and groups[-1][1] == r.rank - 1:
+            groups[-1] = (groups[-1][0], r.rank, r.kept_blocks)
+        elif r.kept_blocks:
+            groups.append((r.rank, r.rank, r.kept_blocks))
+    if not groups:
+        return ""
+    layers = (plan.model or {}).get("num_layers")
+    of = f" of {layers}" if isinstance(layers, int) else ""
+    parts = []
+    for first, last, count in groups:
+        who = f"rank {first} keeps" if first == last else f"ranks {first}-{last} keep"
+        parts.append(f"{who} the graphs of {count}{of} blocks")
+    return "; " + ", ".join(parts) + " (their last blocks: no recompute, parameters " \
+        "gathered again)"
 
 
 def unit_sharding_line(plan: Plan) -> str:

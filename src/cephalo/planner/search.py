@@ -52,6 +52,12 @@ class ClassTable:
     memory_bytes: np.ndarray
     count: int  # GPUs in this class
     speed_weight: float  # relative samples/s, only to split batches where the choice is free
+    # Recompute mode: blocks whose graphs each candidate keeps (None: none anywhere).
+    kept: np.ndarray | None = None
+    kept_subset: bool = False  # only some kept counts offered (kept_blocks.py)
+
+    def kept_at(self, index: int) -> int:
+        return 0 if self.kept is None else int(self.kept[index])
 
 
 @dataclass

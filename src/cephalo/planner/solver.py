@@ -17,6 +17,7 @@ from cephalo.api.profile import GpuProfile
 from cephalo.planner.baselines import compute_baselines
 from cephalo.planner.costmodel import UNEVEN_COLLECTIVE_OVERHEAD
 from cephalo.planner.evaluate import Evaluation, score
+from cephalo.planner.offload import offload_plan
 from cephalo.planner.problem import (
     InfeasibleError,
     Problem,
@@ -41,18 +42,24 @@ def solve(spec: CephaloJobSpec, cluster: ClusterSpec,
     if choose_gpus is None:
         choose_gpus = spec.planner.choose_gpus
     problem = build_problem(spec, cluster, profiles)
-    # Recompute is job-wide (it changes every rank's collectives): each mode is solved
-    # exactly and the faster kept, so the plan is the optimum over both. Without recompute
-    # is tried only where it can fit; recompute is the fallback (and wins ties: less memory).
+    # Keeping everything (no recompute) is job-wide (it changes every rank's collectives);
+    # recompute mode chooses per rank how many blocks keep their graphs. Each mode is solved
+    # exactly and the faster kept, so the plan is the optimum over both. Keeping everything
+    # is tried only where it can fit, and wins a tie: recompute mode ties it only by
+    # keeping blocks whose second gather the model hides under compute, which the engine
+    # still issues (bench/hetero_cpu.py measured keep-all faster in such a tie).
     best = _solve_mode(problem, choose_gpus)
     try:
         kept = _solve_mode(without_recompute(problem), choose_gpus)
     except InfeasibleError:
         kept = None
     modes = [best] if kept is None else [best, kept]
-    if kept is not None and kept[0].step_seconds < best[0].step_seconds:
+    if kept is not None and kept[0].step_seconds <= best[0].step_seconds * (1 + 1e-12):
         best = kept
     choice, solved, exhaustive = best
+    # Every GPU's step (the idle GPUs' reason): the faster mode there, whichever won here.
+    full = [c.full_step_seconds for c, _, _ in modes if c.full_step_seconds is not None]
+    choice.full_step_seconds = min(full, default=None)
     sol: Solution = choice.solution  # type: ignore[assignment]
     # A proven gap holds over both modes: measured from the least lower bound of either.
     lower = min(c.step_seconds - (c.gap_seconds if choose_gpus else _gap(c))
@@ -61,9 +68,13 @@ def solve(spec: CephaloJobSpec, cluster: ClusterSpec,
     if choose_gpus:
         choice.gap_seconds = max(choice.gap_seconds, gap)
     sol.gap_seconds = max(sol.gap_seconds, gap)
-    evaluation = score(choice.problem, sol.micro, sol.ell, even_units=sol.even_units)
+    evaluation = score(choice.problem, sol.micro, sol.ell, even_units=sol.even_units,
+                       kept=sol.kept)
     assert evaluation.feasible, evaluation.reason
-    return _plan(problem, choice, sol, evaluation, solved, exhaustive, choose_gpus)
+    plan = _plan(problem, choice, sol, evaluation, solved, exhaustive, choose_gpus)
+    # Last: where each rank keeps its boundary activations (offload only where they do not
+    # fit; per rank, the collectives do not change). `choice.problem`: the GPUs used.
+    return offload_plan(plan, choice.problem)
 
 
 def _gap(choice: Choice) -> float:
@@ -91,6 +102,11 @@ class Solution:
     memory_binding: bool  # the aggregate memory constraint decided the search
     gap_seconds: float  # proven distance to the optimum of this GPU set (0: exact)
     num_layers: int = 0
+    # Per rank, the blocks whose graphs it keeps (recompute mode; RankPlan.kept_blocks).
+    kept: list[int] | None = None
+    # Only some kept-block counts were offered to the search (kept_blocks.py): exact over
+    # those only.
+    kept_subset: bool = False
 
     @property
     def even(self) -> bool:
@@ -99,7 +115,8 @@ class Solution:
 
 
 def _solution_step(problem: Problem, sol: Solution) -> float:
-    return score(problem, sol.micro, sol.ell, even_units=sol.even_units).step_seconds
+    return score(problem, sol.micro, sol.ell, even_units=sol.even_units,
+                 kept=sol.kept).step_seconds
 
 
 def solve_problem(problem: Problem) -> tuple[list[int], list[int], bool, bool]:
@@ -124,17 +141,24 @@ def solve_fixed(problem: Problem) -> Solution:
     if found is None:
         raise InfeasibleError(_no_split_message(problem))
     result = found.result
-    micro, ell = _pick_configs(problem, found.tables, found.room_bytes, result)
+    micro, ell, kept = _pick_configs(problem, found.tables, found.room_bytes, result)
     # The optimum is at least the least lower bound over all even sets.
     gap = max(0.0, result.threshold_seconds - lower)
     return Solution(micro, ell, found.even, result.memory_checked_exactly, gap,
-                    problem.model.num_layers)
+                    problem.model.num_layers, kept,
+                    any(t.kept_subset for t in found.tables))
 
 
 def _pick_configs(problem: Problem, tables: list[ClassTable], room: float,
-                  result: SearchResult) -> tuple[list[int], list[int]]:
+                  result: SearchResult) -> tuple[list[int], list[int], list[int]]:
+    """Per rank (m, ℓ, kept blocks) for the search's batch split: the least memory within
+    the threshold, then, ranks in order, the fastest for the same batch (more kept blocks,
+    a larger microbatch) while the aggregate memory still fits. The slowest ranks go first:
+    the step does not get slower either way, but the ranks nearest the bottleneck are where
+    the speed matters if the cost model is off."""
     micro = [0] * problem.world_size
     ell = [0] * problem.world_size
+    kept = [0] * problem.world_size
     chosen_memory = 0.0
     picks: list[tuple[int, ClassTable, np.ndarray]] = []
     for c, (cls, table) in enumerate(zip(problem.classes, tables, strict=True)):
@@ -145,17 +169,20 @@ def _pick_configs(problem: Problem, tables: list[ClassTable], room: float,
             order = ok[np.lexsort((table.seconds[ok], table.memory_bytes[ok]))]
             picks.append((rank, table, order))
             micro[rank], ell[rank] = int(table.micro[order[0]]), int(table.ell[order[0]])
+            kept[rank] = table.kept_at(order[0])
             chosen_memory += float(table.memory_bytes[order[0]])
     # Spend leftover memory on speed: move each rank to its fastest configuration for the
-    # same batch while the aggregate memory constraint still holds (ranks in order).
-    for rank, table, order in sorted(picks, key=lambda p: p[0]):
+    # same batch while the aggregate memory constraint still holds (slowest ranks first).
+    for rank, table, order in sorted(picks, key=lambda p: (-float(p[1].seconds[p[2][0]]),
+                                                           p[0])):
         fastest = order[np.lexsort((table.memory_bytes[order], table.seconds[order]))][0]
         current = order[0]
         extra = float(table.memory_bytes[fastest] - table.memory_bytes[current])
         if fastest != current and chosen_memory + extra <= room:
             micro[rank], ell[rank] = int(table.micro[fastest]), int(table.ell[fastest])
+            kept[rank] = table.kept_at(fastest)
             chosen_memory += extra
-    return micro, ell
+    return micro, ell, kept
 
 
 def _precheck(problem: Problem) -> None:
@@ -233,6 +260,7 @@ def _plan(full: Problem, choice: Choice, sol: Solution, ev: Evaluation, solved: 
     for r, (gpu, pool) in enumerate(problem.ranks):
         cost = problem.rank_cost(r)
         batch = micro[r] * ell[r]
+        kept = sol.kept[r] if sol.kept and cost.recompute else 0
         ranks.append(RankPlan(
             rank=r, gpu=gpu, pool=pool, node=None, batch_size=batch,
             micro_batch_size=micro[r], num_micro_batches=ell[r],
@@ -240,7 +268,10 @@ def _plan(full: Problem, choice: Choice, sol: Solution, ev: Evaluation, solved: 
             predicted_memory_bytes=int(ev.rank_memory_bytes[r]),
             memory_capacity_bytes=int(cost.memory_capacity_bytes),
             compute_memory_bytes=int(ev.rank_compute_bytes[r]),
-            estimated=cost.estimated, gpu_index=choice.keep[r]))
+            estimated=cost.estimated, gpu_index=choice.keep[r],
+            kept_blocks=kept,
+            block_graph_bytes_per_sample=cost.profile.block_graph_bytes_per_sample if kept
+            else None))
         if batch == 0:
             held = ev.shard_ratios[r] if ev.even_units is None else (
                 ev.rank_memory_bytes[r] - ev.rank_compute_bytes[r]) / problem.state_bytes
@@ -275,17 +306,29 @@ def _plan(full: Problem, choice: Choice, sol: Solution, ev: Evaluation, solved: 
             "network_latency_seconds": comm.latency_seconds,
             "uneven_collective_overhead": UNEVEN_COLLECTIVE_OVERHEAD,
         },
-        search={"exact": (choice.gap_seconds if chose_gpus else sol.gap_seconds) == 0.0,
+        search={"exact": (choice.gap_seconds if chose_gpus else sol.gap_seconds) == 0.0
+                and not sol.kept_subset,
                 "gpu_subsets_chosen": chose_gpus,
                 # The gap on the GPUs used alone (optimality_gap_seconds: over all subsets).
                 "used_gpus_gap_seconds": sol.gap_seconds,
                 "aggregate_memory_constraint_binding": sol.memory_binding,
                 "gpu_subsets_solved": solved,
-                "gpu_subsets_exhaustive": exhaustive},
+                "gpu_subsets_exhaustive": exhaustive,
+                **_kept_search_info(sol)},
         notes=notes,
         # None (omitted): the engine's default, recompute; plans keep their bytes.
         recompute=None if problem.rank_cost(0).recompute else False,
     )
+
+
+def _kept_search_info(sol: Solution) -> dict[str, str]:
+    """Only where the kept-block counts searched were a subset (kept_blocks.py): plans that
+    searched every count keep their bytes."""
+    if not sol.kept_subset:
+        return {}
+    return {"kept_blocks_candidates": "a subset: too many (ℓ, m, k) candidates, so each "
+                                      "(ℓ, m) was offered k in {ceil(kmax/2), kmax} only, "
+                                      "kmax the most blocks that fit; exact over those"}
 
 
 def _idle_gpus(full: Problem, choice: Choice, step_seconds: float) -> list[IdleGpus]:

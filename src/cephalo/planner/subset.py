@@ -102,39 +102,96 @@ def cannot_beat(sub: Problem, step_seconds: float) -> bool:
     """True when no split of B on `sub`'s GPUs finishes below `step_seconds` with either
     sharding: even under even shards' collectives (uneven ones only cost more) and with no
     state share in any GPU's memory (looser than both partitions), the largest batch each
-    GPU finishes in time does not add up to B."""
+    GPU finishes in time does not add up to B (kept blocks: `reachable_samples`)."""
     comm = sub.unit_comm(uneven=False)
-    batch = sub.global_batch_size
-    reach = 0
-    for cls in sub.classes:
-        most = _largest_batch(cls, comm, batch, step_seconds, sub.allow_state_only)
-        if most < 0:
-            return True
-        reach += len(cls.slots) * most
-    return reach < batch
+    counts = [len(cls.slots) for cls in sub.classes]
+    reach = reachable_samples(sub, counts, comm, step_seconds, strict=True)
+    return reach < sub.global_batch_size
+
+
+def reachable_samples(problem: Problem, counts: list[int], comm: UnitComm,
+                      step_seconds: float, strict: bool, may_idle: bool = False) -> float:
+    """An upper bound of the samples `counts[c]` GPUs of each class process within
+    `step_seconds` (-1: a GPU can run nothing in time and, unless `may_idle`, must run).
+    Each GPU's largest batch without kept blocks counts in full. Keeping blocks (recompute
+    mode) lets a GPU go beyond it, up to its largest batch with as many kept blocks as its
+    whole budget holds, but then it holds at least one block graph for that many samples,
+    and all the graphs together fit in the GPUs' budgets less the training state: a
+    fractional knapsack over the classes (most samples per byte first) bounds what they
+    add."""
+    batch = problem.global_batch_size
+    plain = [_largest_batch(cls, comm, batch, step_seconds, problem.allow_state_only, strict)
+             if n else 0 for cls, n in zip(problem.classes, counts, strict=True)]
+    total = float(sum(n * max(most, 0) for n, most in zip(counts, plain, strict=True)))
+    if total >= batch and min(plain) >= 0:
+        return total  # enough without kept blocks: no need to price them
+    gains: list[tuple[float, float, int]] = []  # (samples per byte, bytes per GPU, GPUs)
+    smallest = 0 if problem.allow_state_only else 1
+    for cls, n, most in zip(problem.classes, counts, plain, strict=True):
+        if not n:
+            continue
+        kept = most
+        if cls.cost.can_keep_blocks:
+            kept = max(most, _largest_batch(cls, comm, batch, step_seconds,
+                                            problem.allow_state_only, strict, kept=True))
+        if kept < 0 and not may_idle:
+            return -1.0
+        extra = kept - max(most, 0)
+        if extra > 0:
+            # At least one graph for its samples, and a microbatch's compute memory beyond
+            # the least any used GPU holds (counted in the room below).
+            least, one = cls.cost.compute_memory_bytes(np.array([smallest, 1]))
+            graph = float(cls.cost.block_graph_bytes(np.array([max(most, 0) + 1]))[0]) + \
+                max(0.0, float(one - least))
+            gains.append((extra / graph, graph, n))
+    # What the GPUs leave beyond their least compute memory and the training state (an
+    # idle GPU adds nothing, so none adds less than nothing).
+    room = -float(problem.state_bytes)
+    for cls, n in zip(problem.classes, counts, strict=True):
+        least = float(cls.cost.compute_memory_bytes(np.array([smallest]))[0])
+        room += n * max(0.0, cls.budget_bytes - least)
+    for per_byte, graph, n in sorted(gains, reverse=True):
+        if room <= 0:
+            break
+        gpus = min(float(n), room / graph)
+        total += gpus * graph * per_byte
+        room -= gpus * graph
+    return total
 
 
 def _largest_batch(cls, comm, batch: int, step_seconds: float, state_only: bool,
-                   strict: bool = True) -> int:
-    """max ℓ·m with T(ℓ, m) < step_seconds (≤ unless strict) and m within memory (-1:
-    none). T grows with ℓ, so the largest ℓ for every m at once is a vectorised bisection."""
+                   strict: bool, kept: bool = False) -> int:
+    """max ℓ·m with T(ℓ, m) < step_seconds (≤ unless strict) and m within memory (0: state
+    only; -1: nothing in time). T grows with ℓ, so the largest ℓ for every m at once is a
+    vectorised bisection. `kept`: each (ℓ, m) keeps as many blocks as fit the whole budget
+    (a relaxation: the fastest it can be), only over the sizes that keep one at ℓ = 1 (the
+    count falls as ℓ grows, so T still grows; the others are the plain answer's)."""
     sizes = np.arange(1, batch + 1)
-    sizes = sizes[cls.cost.compute_memory_bytes(sizes) <= cls.budget_bytes]
+    base = cls.cost.compute_memory_bytes(sizes)
+    sizes, base = sizes[base <= cls.budget_bytes], base[base <= cls.budget_bytes]
+    if kept:
+        some = cls.cost.max_kept_blocks(sizes, np.ones_like(sizes), cls.budget_bytes,
+                                        base) > 0
+        sizes, base = sizes[some], base[some]
+    per_micro = cls.cost.compute_seconds(sizes)  # the same for every ℓ: once
     lo = np.zeros(sizes.size, dtype=np.int64)  # largest ℓ known in time (0: none)
     hi = batch // sizes  # largest ℓ that may be
     while np.any(lo < hi):
         mid = (lo + hi + 1) // 2
-        seconds = cls.cost.step_seconds(mid, sizes, comm)
+        most = cls.cost.max_kept_blocks(sizes, mid, cls.budget_bytes, base) if kept else None
+        seconds = cls.cost.step_seconds(mid, sizes, comm, most, per_micro)
         fast = seconds < step_seconds if strict else seconds <= step_seconds
         lo = np.where(fast & (lo < hi), mid, lo)
         hi = np.where(~fast & (lo < hi), mid - 1, hi)
-    most = int((lo * sizes).max(initial=0))
-    if most == 0:
+    largest = int((lo * sizes).max(initial=0))
+    if largest == 0 and kept:
+        return -1  # no size in time even keeping blocks: the plain answer stands
+    if largest == 0:
         zero_fits = state_only and float(cls.cost.compute_memory_bytes(np.zeros(1))[0]) <= \
             cls.budget_bytes and float(cls.cost.step_seconds(
                 np.zeros(1), np.zeros(1), comm)[0]) < step_seconds
         return 0 if zero_fits else -1
-    return most
+    return largest
 
 
 def search_subsets(problem: Problem, solve_fixed, score_step) -> tuple[Choice, int, bool]:
@@ -213,12 +270,10 @@ def subset_lower_bound(problem: Problem, best_seconds: float) -> float:
             continue
 
         def reaches(threshold: float, n2: int = n2, comm: UnitComm = comm) -> bool:
-            total = 0
-            for cls in problem.classes:
-                most = _largest_batch(cls, comm, batch, threshold, problem.allow_state_only,
-                                      strict=False)
-                total += min(len(cls.slots), n2) * max(most, 0)
-            return total >= batch
+            # Every GPU may idle: a class that runs nothing in time adds nothing.
+            counts = [min(len(cls.slots), n2) for cls in problem.classes]
+            return reachable_samples(problem, counts, comm, threshold, strict=False,
+                                     may_idle=True) >= batch
 
         if reaches(bound * (1 - 1e-9)):  # this interval may beat the bound so far
             lo, hi = 0.0, bound

@@ -47,18 +47,20 @@ def even_set_tables(problem: Problem, even: EvenUnits,
                     comm_even: EvenUnits | None = None) -> tuple[list[ClassTable], float]:
     """The configurations each class may run with `even`'s units sharded 1/N, priced with
     the collectives of `comm_even` (default `even`), and the aggregate memory room left for
-    compute (infinite when every unit is even: the per-GPU check then implies it)."""
+    compute (infinite when every unit is even: the per-GPU check then implies it). In
+    recompute mode they include the kept-block counts that fit (kept_blocks.py): more
+    even blocks never make a kept block slower, so the relaxation's bound still holds."""
     n = problem.world_size
     comm_even = comm_even or even
     if n == 1 or even.is_all(problem.model.num_layers):
-        return class_tables(problem, uneven=False,
-                            state_share_bytes=problem.state_bytes / n), float("inf")
+        return class_tables(problem, uneven=False, state_share_bytes=problem.state_bytes / n,
+                            kept_blocks=True), float("inf")
     room = problem.total_budget_bytes - problem.state_bytes
     if even == EvenUnits.none() and comm_even == even:
-        return class_tables(problem, uneven=True), room
+        return class_tables(problem, uneven=True, kept_blocks=True), room
     share = even_state_bytes(problem.model, problem.precision, even) / n
     comm = mixed_unit_comm(problem.model, problem.comm_model, n, comm_even)
-    return class_tables(problem, state_share_bytes=share, comm=comm), room
+    return class_tables(problem, state_share_bytes=share, comm=comm, kept_blocks=True), room
 
 
 def search_even_sets(problem: Problem) -> tuple[EvenSetResult | None, float, int]:
