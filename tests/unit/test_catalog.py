@@ -152,7 +152,7 @@ def test_cli_plans_an_unknown_gpu_from_a_profile_file(tmp_path: Path,
 
 def test_authors_format_converts_to_a_profile() -> None:
     """The converter on a hand-made entry in each of the authors' two shapes (the real data
-    is checked in test_catalog_calibration.py when the reference folder is present)."""
+    is checked in test_catalog_calibration.py against the vendored bench/reference data)."""
     from cephalo.planner.authors_profiles import (
         MissingMeasurement,
         authors_profile,
