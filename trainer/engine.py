@@ -270,7 +270,8 @@ class Engine:
         else:
             kept = memory.kept_graph_bytes(c.num_layers, samples, c.tokens_per_sample,
                                            c.hidden_size, c.ffn_hidden_size,
-                                           sum(u.numel for u in self.units[:-1]))
+                                           sum(u.numel for u in self.units[:-1]),
+                                           self.graph_bytes_per_sample)
         return int(memory.state_bytes(sum(u.shard_numel for u in self.units), self.precision)
                    + memory.unit_buffer_bytes(max(u.numel for u in self.units)) + kept)
 

@@ -141,3 +141,33 @@ def test_no_recompute_prices_the_backward_without_the_forward_or_its_gathers() -
         cost.compute_memory_bytes(m)[0]
     assert cost.compute_memory_bytes(m, 3)[0] == cost.compute_memory_bytes(m, 1)[0]
     assert cost.recompute and not kept.recompute  # the original is untouched
+
+
+def test_keeping_everything_is_priced_with_the_measured_graph_size() -> None:
+    """A profile that measured its block graph (GpuProfile.block_graph_bytes_per_sample)
+    prices `recompute: false` with it, as it does kept blocks, and the plan records the
+    figure so that the trainer's memory check uses the same one."""
+    spec = job_spec(16)
+    model = spec.model.resolve()
+    measured = 1000.0
+    profile = GpuProfile(
+        product="L4", memory_capacity_bytes=64 * MIB,
+        model_key=model_key(model.architecture_key(), "fp32"),
+        points=[ProfilePoint(micro_batch_size=m, block_forward_seconds=1e-3 * m,
+                             block_backward_seconds=2.5e-3 * m, other_forward_seconds=3e-4 * m,
+                             other_backward_seconds=6e-4 * m,
+                             compute_memory_bytes=MIB + m * MIB // 4) for m in (1, 2, 4, 8)],
+        block_graph_bytes_per_sample=measured)
+    cluster = ClusterSpec(groups=[GpuGroup(product="L4", count=2, memory_bytes=64 * MIB)])
+    cost = without_recompute(build_problem(spec, cluster, {"L4": profile})).rank_cost(0)
+    samples = np.array([8.0])
+    extra = cost.compute_memory_bytes(samples, 1) - cost.compute_memory_bytes(samples * 0, 1)
+    dims = (model.tokens_per_sample, model.hidden_size, model.ffn_hidden_size)
+    assert float(extra[0]) == pytest.approx(memory.kept_graph_bytes(
+        model.num_layers, 8, *dims, 0, measured) - memory.kept_graph_bytes(
+        model.num_layers, 0, *dims, 0, measured) + float(cost.memory_slope_bytes) * 8)
+    assert memory.kept_graph_bytes(model.num_layers, 8, *dims, 0, measured) < \
+        memory.kept_graph_bytes(model.num_layers, 8, *dims, 0)  # the estimate is larger here
+    plan = solve(spec, cluster, {"L4": profile}, choose_gpus=False)
+    assert plan.recompute is False  # ample memory: everything kept
+    assert {r.block_graph_bytes_per_sample for r in plan.ranks} == {measured}

@@ -111,13 +111,15 @@ def kept_blocks_bytes(kept_blocks: int, samples: int, tokens_per_sample: int,
 
 
 def kept_graph_bytes(num_layers: int, samples: int, tokens_per_sample: int, hidden_size: int,
-                     ffn_hidden_size: int, kept_unit_parameters: int) -> int:
+                     ffn_hidden_size: int, kept_unit_parameters: int,
+                     measured_bytes_per_sample: float | None = None) -> int:
     """What a rank holds without recompute beyond the recompute mode's figure (state, the
-    unit buffers and one unit's working set): every block's graph for all its samples, every
-    unit output and one layer of output gradients (kept on the device: the graphs hold
-    them), and the gathered embedding and blocks (`kept_unit_parameters`, fp32), which stay
-    alive from their forward to their backward."""
+    unit buffers and one unit's working set): every block's graph for all its samples (the
+    profile's measured size when given, as for kept blocks), every unit output and one layer
+    of output gradients (kept on the device: the graphs hold them), and the gathered
+    embedding and blocks (`kept_unit_parameters`, fp32), which stay alive from their forward
+    to their backward."""
     return (num_layers * block_graph_bytes(samples, tokens_per_sample, hidden_size,
-                                           ffn_hidden_size)
+                                           ffn_hidden_size, measured_bytes_per_sample)
             + (num_layers + 2) * boundary_bytes(samples, tokens_per_sample, hidden_size)
             + COMM_BYTES_PER_PARAMETER * kept_unit_parameters)

@@ -73,9 +73,10 @@ class RankPlan(BaseModel):
     # the collectives are the same on every rank whatever each one keeps
     # (cephalo.api.memory.kept_blocks_bytes). 0 (omitted): recompute every block.
     kept_blocks: int = Field(default=0, ge=0)
-    # The per-sample graph size the planner priced `kept_blocks` with (the profile's
-    # measurement for this GPU, GpuProfile.block_graph_bytes_per_sample); the trainer's
-    # memory check uses the same figure. None (omitted): the estimate from the dimensions.
+    # The per-sample block graph size the planner priced `kept_blocks` (or a plan's
+    # `recompute: false`) with: the profile's measurement for this GPU
+    # (GpuProfile.block_graph_bytes_per_sample). The trainer's memory check uses the same
+    # figure. None (omitted): the estimate from the dimensions.
     block_graph_bytes_per_sample: float | None = Field(default=None, ge=0)
     # Where this rank keeps its boundary activations (each unit's output per microbatch, and
     # their gradients) between forward and backward: True offloads them to host memory over

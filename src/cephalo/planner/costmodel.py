@@ -224,12 +224,15 @@ class GpuCostModel:
     def without_recompute(self, model: ModelConfig) -> GpuCostModel:
         """This GPU priced in the engine's no-recompute mode: its graphs and the gathered
         embedding and blocks stay alive from forward to backward (memory.kept_graph_bytes,
-        linear in the rank's samples)."""
+        linear in the rank's samples; the profile's measured block graph when it has one)."""
         kept = copy.copy(self)
         kept.recompute = False
         dims = (model.tokens_per_sample, model.hidden_size, model.ffn_hidden_size)
-        kept._kept_bytes_per_sample = float(memory.kept_graph_bytes(model.num_layers, 1,
-                                                                    *dims, 0))
+        # Per sample; the measured graph size unrounded (the API rounds per rank's samples).
+        kept._kept_bytes_per_sample = float(memory.kept_graph_bytes(
+            model.num_layers, 1, *dims, 0)) if self._graph_measured is None else (
+            model.num_layers * float(self._graph_measured)
+            + (model.num_layers + 2) * memory.boundary_bytes(1, *dims[:2]))
         kept._kept_fixed_bytes = float(memory.kept_graph_bytes(
             model.num_layers, 0, *dims, sum(model.unit_parameters()[:-1])))
         return kept

@@ -270,8 +270,8 @@ def _plan(full: Problem, choice: Choice, sol: Solution, ev: Evaluation, solved: 
             compute_memory_bytes=int(ev.rank_compute_bytes[r]),
             estimated=cost.estimated, gpu_index=choice.keep[r],
             kept_blocks=kept,
-            block_graph_bytes_per_sample=cost.profile.block_graph_bytes_per_sample if kept
-            else None))
+            block_graph_bytes_per_sample=cost.profile.block_graph_bytes_per_sample
+            if kept or not cost.recompute else None))
         if batch == 0:
             held = ev.shard_ratios[r] if ev.even_units is None else (
                 ev.rank_memory_bytes[r] - ev.rank_compute_bytes[r]) / problem.state_bytes
