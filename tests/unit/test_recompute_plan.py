@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from cephalo.api import ClusterSpec, GpuGroup, GpuProfile, ProfilePoint, load_job, memory
+from cephalo.api.models import ModelConfig
 from cephalo.api.plan import Plan
 from cephalo.api.profile import model_key
 from cephalo.commands.plan import parse_gpus
@@ -29,6 +30,18 @@ def _mode_step(problem) -> float | None:  # type: ignore[no-untyped-def]
         return None
     return score(problem, sol.micro, sol.ell, even_units=sol.even_units,
                  kept=sol.kept).step_seconds
+
+
+def _l4_profile(model: ModelConfig, graph_bytes_per_sample: float | None = None) -> GpuProfile:
+    """A measured-looking L4 profile: linear times, 1 MiB + m/4 MiB of compute memory."""
+    return GpuProfile(
+        product="L4", memory_capacity_bytes=64 * MIB,
+        model_key=model_key(model.architecture_key(), "fp32"),
+        points=[ProfilePoint(micro_batch_size=m, block_forward_seconds=1e-3 * m,
+                             block_backward_seconds=2.5e-3 * m, other_forward_seconds=3e-4 * m,
+                             other_backward_seconds=6e-4 * m,
+                             compute_memory_bytes=MIB + m * MIB // 4) for m in (1, 2, 4, 8)],
+        block_graph_bytes_per_sample=graph_bytes_per_sample)
 
 
 def test_ample_memory_keeps_activations_and_the_plan_says_so() -> None:
@@ -75,13 +88,7 @@ def test_memory_decides_between_the_modes_for_the_same_model() -> None:
     # fits; the planner switches to recompute there, and not before.
     spec = job_spec(16)
     model = spec.model.resolve()
-    profile = GpuProfile(
-        product="L4", memory_capacity_bytes=64 * MIB,
-        model_key=model_key(model.architecture_key(), "fp32"),
-        points=[ProfilePoint(micro_batch_size=m, block_forward_seconds=1e-3 * m,
-                             block_backward_seconds=2.5e-3 * m, other_forward_seconds=3e-4 * m,
-                             other_backward_seconds=6e-4 * m,
-                             compute_memory_bytes=MIB + m * MIB // 4) for m in (1, 2, 4, 8)])
+    profile = _l4_profile(model)
     graph_per_sample = memory.kept_graph_bytes(model.num_layers, 1, model.tokens_per_sample,
                                                model.hidden_size, model.ffn_hidden_size, 0)
     choices = []
@@ -150,14 +157,7 @@ def test_keeping_everything_is_priced_with_the_measured_graph_size() -> None:
     spec = job_spec(16)
     model = spec.model.resolve()
     measured = 1000.0
-    profile = GpuProfile(
-        product="L4", memory_capacity_bytes=64 * MIB,
-        model_key=model_key(model.architecture_key(), "fp32"),
-        points=[ProfilePoint(micro_batch_size=m, block_forward_seconds=1e-3 * m,
-                             block_backward_seconds=2.5e-3 * m, other_forward_seconds=3e-4 * m,
-                             other_backward_seconds=6e-4 * m,
-                             compute_memory_bytes=MIB + m * MIB // 4) for m in (1, 2, 4, 8)],
-        block_graph_bytes_per_sample=measured)
+    profile = _l4_profile(model, measured)
     cluster = ClusterSpec(groups=[GpuGroup(product="L4", count=2, memory_bytes=64 * MIB)])
     cost = without_recompute(build_problem(spec, cluster, {"L4": profile})).rank_cost(0)
     samples = np.array([8.0])
