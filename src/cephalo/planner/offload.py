@@ -25,50 +25,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
 from cephalo.api import memory
+from cephalo.api.models import ModelConfig
 from cephalo.api.plan import Plan, RankPlan
 from cephalo.api.profile import GpuProfile
 from cephalo.planner.catalog import GpuType, gpu_key
+from cephalo.planner.problem import Problem, gib
 
 # PCIe 3.0 x16's usable rate: the slowest link a catalog GPU has, assumed where neither a
 # profile nor the catalog says.
 DEFAULT_HOST_LINK_BYTES_PER_SECOND = 12e9
-_GIB = 1024**3
-
-
-class ModelDims(Protocol):
-    """What the decision needs of a model (cephalo.api.models.ModelConfig has it)."""
-
-    @property
-    def num_layers(self) -> int: ...
-    @property
-    def hidden_size(self) -> int: ...
-    @property
-    def tokens_per_sample(self) -> int: ...
-
-
-class RankCosts(Protocol):
-    """The cost model of a rank's GPU (cephalo.planner.costmodel.GpuCostModel)."""
-
-    gpu: GpuType | None
-    profile: GpuProfile
-
-    def compute_seconds(self, m: np.ndarray) -> np.ndarray: ...
-
-
-class PlanningProblem(Protocol):
-    """What `offload_plan` reads of a problem (cephalo.planner.problem.Problem)."""
-
-    @property
-    def model(self) -> ModelDims: ...
-    @property
-    def world_size(self) -> int: ...
-    def rank_budget(self, rank: int) -> float: ...
-    def rank_cost(self, rank: int) -> RankCosts: ...
 
 
 @dataclass(frozen=True)
@@ -139,7 +108,7 @@ def transfer_extra_seconds(num_layers: int, micro_batch_size: int, num_micro_bat
     return num_micro_batches * forward, num_micro_batches * backward
 
 
-def decide_offload(*, budget_bytes: float, memory_bytes: float, model: ModelDims,
+def decide_offload(*, budget_bytes: float, memory_bytes: float, model: ModelConfig,
                    micro_batch_size: int, num_micro_batches: int,
                    compute_seconds: Sequence[float], bandwidth_bytes_per_second: float,
                    product: str, recompute: bool = True, kept_blocks: int = 0
@@ -161,7 +130,7 @@ def decide_offload(*, budget_bytes: float, memory_bytes: float, model: ModelDims
     return OffloadDecision(True, need, False, forward, backward)
 
 
-def offload_plan(plan: Plan, problem: PlanningProblem) -> Plan:
+def offload_plan(plan: Plan, problem: Problem) -> Plan:
     """`plan` with each rank's offload decision (the solver's last step): rank r of the plan
     is rank r of `problem` (the GPUs the plan uses: the solver's `choice.problem`)."""
     assert problem.world_size == plan.world_size, (problem.world_size, plan.world_size)
@@ -200,13 +169,13 @@ def apply_offload(plan: Plan, decisions: Sequence[OffloadDecision],
             update["predicted_step_seconds"] = r.predicted_step_seconds + d.extra_seconds
             notes.append(
                 f"rank {r.rank} ({r.gpu}) offloads its boundary activations "
-                f"({_size(d.boundary_bytes)} would not fit): the host transfers at "
+                f"({gib(d.boundary_bytes)} would not fit): the host transfers at "
                 f"{link / 1e9:.0f} GB/s add {d.extra_seconds:.4g} s per step beyond the "
                 "compute that hides them")
         if not d.offload and not d.fits:
             notes.append(
                 f"rank {r.rank} ({r.gpu}) keeps its boundary activations "
-                f"({_size(d.boundary_bytes)}) in host memory, beyond its planned budget")
+                f"({gib(d.boundary_bytes)}) in host memory, beyond its planned budget")
         if d.offload:
             offloaded[str(r.rank)] = {"boundary_bytes": d.boundary_bytes,
                                       "host_link_bytes_per_second": link,
@@ -220,12 +189,6 @@ def apply_offload(plan: Plan, decisions: Sequence[OffloadDecision],
     if offloaded:
         update_plan["assumptions"] = {**plan.assumptions, "activation_offload": offloaded}
     return plan.model_copy(update=update_plan)
-
-
-def _size(num_bytes: float) -> str:
-    if num_bytes >= _GIB:
-        return f"{num_bytes / _GIB:.1f} GiB"
-    return f"{num_bytes / 1024**2:.1f} MiB"
 
 
 def _ranges(ranks: Sequence[int]) -> str:
@@ -258,7 +221,7 @@ def boundary_activations_line(plan: Plan) -> str:
         why = ""
         if any(sizes):
             most = max(sizes)
-            why = f": {'' if min(sizes) == most else 'up to '}{_size(most)} would not fit"
+            why = f": {'' if min(sizes) == most else 'up to '}{gib(most)} would not fit"
         text = f"offloaded to host ({_ranges(off)}{why})"
         worst = max(off, key=lambda r: unhidden[r])
         if unhidden[worst] > 0:
