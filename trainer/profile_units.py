@@ -33,18 +33,23 @@ def _once_per_pass(med: dict[tuple[str, int], float], series: str, sizes) -> flo
 
 
 class SavedBytes:
-    """Counts the distinct storage bytes autograd saves for backward (CPU memory model)."""
+    """Counts the distinct storage bytes autograd saves for backward, by storage address
+    (only storages on `device_type` when given: e.g. not a CUDA kernel's host-side RNG
+    state). Read while the graph is alive: a freed address may be reused."""
 
-    def __init__(self) -> None:
-        self.bytes = 0
-        self._seen: set[int] = set()
+    def __init__(self, device_type: str | None = None) -> None:
+        self.device_type = device_type
+        self.storages: dict[int, int] = {}  # address -> bytes
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in self._seen:
-            self._seen.add(storage.data_ptr())
-            self.bytes += storage.nbytes()
+        if self.device_type is None or tensor.device.type == self.device_type:
+            storage = tensor.untyped_storage()
+            self.storages[storage.data_ptr()] = storage.nbytes()
         return tensor
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
@@ -62,24 +67,17 @@ def saved_graph_bytes(unit: FlatUnit, full: torch.Tensor, x: torch.Tensor,
     keeps, so its storage is left out. The input is counted when the graph saves it (it does:
     a norm's input): a kept graph holds it on the device, offloaded or not. Storages are told
     apart by address while the graph, and so every saved tensor, is alive."""
-    seen: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.device.type == device.type:  # e.g. a CUDA kernel's host-side RNG state
-            storage = tensor.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
+    saved = SavedBytes(device.type)
     flat = full.detach().requires_grad_(True)  # same storage, a leaf as the engine's
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.enable_grad(), saved.hooks():
         unit.bind(flat)
         with autocast(device, precision):
             output = unit.module(x.detach().requires_grad_(True))
         unit.unbind()
     # The module's buffers (e.g. RoPE tables) stay with the module whatever the graph keeps.
     for own in (flat, *unit.module.buffers()):
-        seen.pop(own.untyped_storage().data_ptr(), None)
-    total = sum(seen.values())
+        saved.storages.pop(own.untyped_storage().data_ptr(), None)
+    total = saved.bytes
     del output  # the graph, and the storages it saved, only now
     return total
 
