@@ -10,9 +10,11 @@ scale, the norm is not; some norms over the first steps only, see NORM_CHECKED_S
 Contenders, per regime:
 
 * Cephalo, unit-boundary recompute (its default), `keep k/L`: recompute mode with the graphs
-  of the last k of the L blocks kept to the backward (a plan's `kept_blocks`; their
-  parameters are still freed after the forward and gathered again), for every k, and
-  without recompute (`recompute=False`: every graph and every gathered unit kept);
+  of the last k of the L blocks kept to the backward (a plan's `kept_blocks`, the same on
+  both ranks: with several microbatches they run per microbatch with the head, gathered
+  once, `cephalo.api.memory.fused_tail_blocks`; with one, their parameters are freed after
+  the forward and gathered again), for every k, and without recompute (`recompute=False`:
+  every graph and every gathered unit kept);
 * FSDP2 (each block `fully_shard`ed, then the root):
   - `per-microbatch`: forward+backward per microbatch, default resharding (gradients
     reduce-scattered after every microbatch);
@@ -112,6 +114,8 @@ def contenders(num_layers: int) -> list[Contender]:
         Contender("fsdp2 no-sync", "fsdp2", variant="no-sync"),
         Contender("fsdp2 no-sync+keep", "fsdp2", variant="no-sync+keep"),
         Contender("cephalo recompute 1mb", "cephalo", recompute=True, one_microbatch=True),
+        *[Contender(f"{c.name} 1mb", "cephalo", kept_blocks=c.kept_blocks, one_microbatch=True)
+          for c in kept],
         Contender("cephalo keep 1mb", "cephalo", recompute=False, one_microbatch=True),
         Contender("fsdp2 one-microbatch", "fsdp2", variant="per-microbatch",
                   one_microbatch=True),
@@ -122,8 +126,9 @@ def pairs(names: list[str]) -> list[tuple[str, str]]:
     """(Cephalo contender, FSDP2 contender) pairs whose step-time ratio is reported: every
     Cephalo contender against every FSDP2 variant with the same microbatching."""
     cephalo = [n for n in names if n.startswith("cephalo") and not n.endswith("1mb")]
+    one = [n for n in names if n.startswith("cephalo") and n.endswith("1mb")]
     return [(c, f) for f in FSDP2_VARIANTS for c in cephalo] + \
-        [(c, "fsdp2 one-microbatch") for c in ("cephalo recompute 1mb", "cephalo keep 1mb")]
+        [(c, "fsdp2 one-microbatch") for c in one]
 
 # A step: (its index, this rank's microbatches) -> (global mean loss, or this rank's loss
 # sum as a tensor; gradient norm before clipping, or a DTensor): whatever still needs a

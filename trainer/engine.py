@@ -25,9 +25,13 @@ of its last k blocks (`Layout.kept_blocks`, a plan's `kept_blocks`): their forwa
 with autograd and their backward needs no recompute, but their gathered parameters are
 still freed after the forward (the graphs keep views of a buffer whose storage is resized
 to zero) and gathered again for the backward, so every rank issues the same collectives
-whatever it keeps. With ``recompute=False`` the forward keeps every graph and every gathered
-unit instead (more memory, no recompute, no second gather). The passes themselves are in
-`cephalo.trainer.passes`.
+whatever it keeps. The last blocks that every rank keeps run per microbatch with the head
+instead (a "fused tail": forward through them and straight back, one microbatch's graphs
+alive at a time, parameters held from their gather to the end of the tail, no second
+gather on any rank) wherever that needs no more memory than their layered graphs
+(`cephalo.api.memory.fused_tail_blocks`). With ``recompute=False`` the forward keeps every
+graph and every gathered unit instead (more memory, no recompute, no second gather). The
+passes themselves are in `cephalo.trainer.passes`.
 """
 
 from __future__ import annotations
@@ -65,6 +69,9 @@ class Layout:
     saves uneven collectives. A plan carries it as ``"unit_shard_ratios": {"0": [...]}``.
     `kept_blocks`: how many of its last blocks each rank keeps the graphs of in recompute
     mode (a plan's ``ranks[i].kept_blocks``); empty = none on every rank.
+    `graph_bytes_per_sample`: per rank, the block graph size the plan priced its kept blocks
+    with (None or empty: the estimate from the dimensions); every rank reads all of them to
+    agree on the tail they run per microbatch (`cephalo.api.memory.fused_tail_blocks`).
     """
 
     batch_sizes: list[int]
@@ -72,6 +79,7 @@ class Layout:
     shard_ratios: list[float]
     unit_shard_ratios: dict[int, list[float]] = field(default_factory=dict)
     kept_blocks: list[int] = field(default_factory=list)
+    graph_bytes_per_sample: list[float | None] = field(default_factory=list)
 
     def ratios_for(self, unit: int) -> list[float]:
         return self.unit_shard_ratios.get(unit, self.shard_ratios)
@@ -117,7 +125,6 @@ class Engine:
                  group: dist.ProcessGroup | None = None, device: torch.device | None = None,
                  precision: str = "fp32", recompute: bool = True,
                  offload: bool | None = None, time_dilation: float = 1.0,
-                 graph_bytes_per_sample: float | None = None,
                  standalone: bool = False) -> None:
         # standalone: a single rank that needs no process group (see UnevenCollectives).
         self.comm = UnevenCollectives(group, standalone=standalone)
@@ -136,6 +143,10 @@ class Engine:
             if any(not 0 <= k <= config.num_layers for k in layout.kept_blocks):
                 raise ValueError(f"kept_blocks must be between 0 and the {config.num_layers} "
                                  f"blocks, got {layout.kept_blocks}")
+            if layout.graph_bytes_per_sample and \
+                    len(layout.graph_bytes_per_sample) != layout.world_size:
+                raise ValueError(f"graph_bytes_per_sample needs one figure per rank "
+                                 f"({layout.world_size}), got {layout.graph_bytes_per_sample}")
             if not recompute and any(layout.kept_blocks):
                 raise ValueError(f"kept_blocks {layout.kept_blocks} is for recompute mode; "
                                  "recompute=False keeps every block's graph already")
@@ -149,7 +160,16 @@ class Engine:
         self.kept_blocks = layout.kept_blocks[self.rank] if layout.kept_blocks else 0
         # What one sample's block graph holds, as the plan priced it (the profile's
         # measurement; None: cephalo.api.memory's estimate from the dimensions).
-        self.graph_bytes_per_sample = graph_bytes_per_sample
+        self.graph_bytes_per_sample = layout.graph_bytes_per_sample[self.rank] \
+            if layout.graph_bytes_per_sample else None
+        # Of those, the last blocks every rank keeps run per microbatch (passes.py) where
+        # that costs no rank more memory: computed from the layout alone, so every rank
+        # agrees on which gathers they all skip.
+        self.fused_tail = memory.fused_tail_blocks(
+            layout.kept_blocks, layout.batch_sizes, layout.micro_batch_sizes,
+            config.tokens_per_sample, config.hidden_size, config.ffn_hidden_size,
+            config.block_parameters(), layout.graph_bytes_per_sample or None,
+        ) if recompute and layout.kept_blocks else 0
         if time_dilation < 1.0:
             raise ValueError(f"time_dilation must be >= 1, got {time_dilation}")
         # Emulating a slower device (`cephalo run --emulate`): every unit's compute is
@@ -264,9 +284,12 @@ class Engine:
         if self.recompute:
             kept = memory.kept_boundary_bytes(c.num_layers, samples, c.tokens_per_sample,
                                               c.hidden_size, self.store.offload)
-            kept += memory.kept_blocks_bytes(self.kept_blocks, samples, c.tokens_per_sample,
-                                             c.hidden_size, c.ffn_hidden_size,
-                                             self.graph_bytes_per_sample)
+            dims = (c.tokens_per_sample, c.hidden_size, c.ffn_hidden_size)
+            kept += memory.kept_blocks_bytes(self.kept_blocks - self.fused_tail, samples,
+                                             *dims, self.graph_bytes_per_sample)
+            kept += memory.fused_tail_bytes(self.fused_tail,
+                                            self.layout.micro_batch_sizes[self.rank], *dims,
+                                            c.block_parameters(), self.graph_bytes_per_sample)
         else:
             kept = memory.kept_graph_bytes(c.num_layers, samples, c.tokens_per_sample,
                                            c.hidden_size, c.ffn_hidden_size,

@@ -65,7 +65,8 @@ def layout_from_plan(plan: Plan) -> Layout:
                   micro_batch_sizes=[r.micro_batch_size for r in plan.ranks],
                   shard_ratios=[r.shard_ratio for r in plan.ranks],
                   unit_shard_ratios=unit_ratios,
-                  kept_blocks=[r.kept_blocks for r in plan.ranks])
+                  kept_blocks=[r.kept_blocks for r in plan.ranks],
+                  graph_bytes_per_sample=[r.block_graph_bytes_per_sample for r in plan.ranks])
 
 
 def read_env(env: Mapping[str, str] | None = None) -> TrainerEnv:

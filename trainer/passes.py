@@ -9,6 +9,7 @@ store and collectives it drives.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -58,21 +59,101 @@ def evaluate(engine: Engine, xs: list[torch.Tensor], targets: list[torch.Tensor]
 def head(engine: Engine, full: torch.Tensor, targets: list[torch.Tensor]
          ) -> tuple[torch.Tensor, Pending]:
     """Fused head forward+backward; puts input gradients in the store; issues its RS."""
-    store = engine.store
-    unit = engine.units[-1]
-    last = len(engine.units) - 1
+    scatters: list[Pending] = []
+    gathered = Pending([], full, "all_gather", engine.comm.stats, done=True)
+    loss_sum = fused_tail(engine, [gathered], targets, lambda u, grad: scatters.append(
+        engine.comm.reduce_scatter(grad, engine.units[u].bounds, u)))
+    return loss_sum, scatters[0]
+
+
+def fused_tail(engine: Engine, gathers: list[Pending], targets: list[torch.Tensor],
+               issue: Callable[[int, torch.Tensor], None]) -> torch.Tensor:
+    """Run every microbatch forward through the last units (`gathers`: their gathers, the
+    head's last; each waited for where the first microbatch needs it) and straight back: one
+    microbatch's graphs alive at a time, parameter gradients accumulating in the buffers'
+    `.grad`. The gradient of the tail's input goes in the store. `issue(u, gradient)` is
+    called for every tail unit, last first, as soon as its gradient is final: during the last
+    microbatch's backward, so that its reduce-scatter runs under the rest of it (FSDP2 does
+    the same), in the same order on every rank. Returns the sum of per-sample losses."""
+    units, store = engine.units, engine.store
+    last = len(units) - 1
+    first = last - (len(gathers) - 1)
+    fulls: list[torch.Tensor | None] = [None] * len(gathers)
+
+    def gathered(i: int) -> torch.Tensor:
+        if fulls[i] is None:
+            full = gathers[i].wait()
+            if i < len(gathers) - 1:  # a block: views with autograd on, which every
+                full.requires_grad_(True)  # microbatch's graph reaches
+                units[first + i].bind(full)
+            fulls[i] = full
+        return fulls[i]  # type: ignore[return-value]
+
+    issued = _InOrder(last, first, issue)
     loss_sum = torch.zeros((), dtype=torch.float32, device=engine.device)
     weight = 1.0 / engine.layout.global_batch_size
+    num_mb = len(targets)
     for mb, t in enumerate(targets):
-        x = store.get((last, mb))
+        final = mb == num_mb - 1
+        x = store.get((first, mb))
+        hooks = [gathered(i).register_post_accumulate_grad_hook(issued.ready(first + i))
+                 for i in range(len(gathers) - 1)] if final else []
         with engine._dilated():
-            losses, grad_x = head_forward_backward(unit, full, x, t, weight, engine.device,
-                                                   engine.precision)
+            if first < last:
+                x = x.detach().requires_grad_(True)
+                with torch.enable_grad(), autocast(engine.device, engine.precision):
+                    y = x
+                    for i in range(len(gathers) - 1):
+                        gathered(i)
+                        y = units[first + i].module(y)
+            else:
+                y = x
+            losses, grad = head_forward_backward(units[last], gathered(len(gathers) - 1), y,
+                                                 t, weight, engine.device, engine.precision)
+            if final:
+                issued.ready(last)(fulls[-1])  # type: ignore[arg-type]
+            if first < last:
+                torch.autograd.backward(y, grad)
+                assert x.grad is not None
+                grad = x.grad
+        for hook in hooks:
+            hook.remove()
         loss_sum += losses.float()
-        store.drop((last, mb))
-        store.put(("grad", last, mb), grad_x)
-        store.evict(("grad", last, mb))
-    return loss_sum, engine.comm.reduce_scatter(grad_of(full), unit.bounds, last)
+        del x, y  # this microbatch's graphs go now
+        store.drop((first, mb))
+        store.put(("grad", first, mb), grad)
+        store.evict(("grad", first, mb))
+    for i in range(len(gathers)):
+        full = gathered(i)  # a rank without samples takes part all the same
+        if i < len(gathers) - 1:
+            units[first + i].unbind()
+        issued.ready(first + i)(full)
+    issued.check_done()
+    return loss_sum
+
+
+class _InOrder:
+    """Calls `issue(u, gradient)` for units last, last-1, ..., first, each once its gradient
+    is ready: autograd may finish them in another order, the collectives must not differ."""
+
+    def __init__(self, last: int, first: int, issue: Callable[[int, torch.Tensor], None]
+                 ) -> None:
+        self._next, self._first, self._issue = last, first, issue
+        self._ready: dict[int, torch.Tensor] = {}
+
+    def ready(self, u: int) -> Callable[[torch.Tensor], None]:
+        def hook(full: torch.Tensor) -> None:
+            if u <= self._next and u not in self._ready:
+                self._ready[u] = full
+            while self._next >= self._first and self._next in self._ready:
+                issued = self._ready.pop(self._next)
+                self._issue(self._next, grad_of(issued))
+                self._next -= 1
+        return hook
+
+    def check_done(self) -> None:
+        if self._next >= self._first:
+            raise RuntimeError(f"unit {self._next}'s gradient was never issued")
 
 
 def grad_of(full: torch.Tensor) -> torch.Tensor:
@@ -92,18 +173,20 @@ def forward_backward_recompute(engine: Engine, inputs: list[torch.Tensor],
                                targets: list[torch.Tensor]
                                ) -> tuple[torch.Tensor, list[Pending]]:
     """Recompute mode. The rank's last `engine.kept_blocks` blocks keep their autograd graphs
-    to the backward instead (no recompute) but free their gathered parameters after the
-    forward and refill them from the backward's gather, so the collectives are the same
-    whatever each rank keeps."""
+    to the backward instead (no recompute). Of those, the last `engine.fused_tail` (the same
+    on every rank) run per microbatch with the head and are gathered once; the others free
+    their gathered parameters after the forward and refill them from the backward's gather,
+    so the collectives are the same whatever each rank keeps beyond the common tail."""
     units, store = engine.units, engine.store
     last = len(units) - 1
     num_mb = len(inputs)
-    first_kept = last - engine.kept_blocks  # units first_kept..last-1 keep their graphs
+    first_fused = last - engine.fused_tail  # units first_fused..last run per microbatch
+    first_kept = last - engine.kept_blocks  # first_kept..first_fused-1 keep layered graphs
     graphs: dict[int, list[Graph]] = {}
     kept: dict[int, torch.Tensor] = {}  # a kept unit's gathered buffer
     freed: set[int] = set()  # kept units whose buffer's storage was freed (all but aliases)
     pending = engine._gather(0)
-    for u in range(last):
+    for u in range(first_fused):
         full = pending.wait()
         pending = engine._gather(u + 1)  # prefetch while this unit computes
         if u >= first_kept:
@@ -122,13 +205,25 @@ def forward_backward_recompute(engine: Engine, inputs: list[torch.Tensor],
                 store.evict((u, mb))  # consumed; needed again only in backward
             store.put((u + 1, mb), y)
         del full
-    full = pending.wait()
-    if last >= 1:
-        pending = engine._gather(last - 1)  # first unit of the backward pass
-    loss_sum, head_rs = head(engine, full, targets)
-    scatters: list[Pending] = [head_rs]
-    del full
-    for u in range(last - 1, -1, -1):
+    # The tail is gathered once for the step: every gather issued now (the tail holds all
+    # its units anyway; the first was prefetched under the last layered unit) and waited
+    # for where the first microbatch needs it.
+    gathers = [pending, *(engine._gather(u) for u in range(first_fused + 1, last + 1))]
+    if first_fused == last and last >= 1:
+        pending = engine._gather(last - 1)  # first unit of the backward, under the head
+    scatters: list[Pending] = []
+
+    def issue(u: int, grad: torch.Tensor) -> None:
+        nonlocal pending
+        if u == first_fused < last:
+            # In recompute mode's order less the skipped gathers, and only once the tail's
+            # compute is done (cephalo.api.memory.fused_tail_bytes counts no gather in it).
+            pending = engine._gather(u - 1)
+        scatters.append(engine.comm.reduce_scatter(grad, units[u].bounds, u))
+
+    loss_sum = fused_tail(engine, gathers, targets, issue)
+    del gathers  # the parameters go; the gradients wait for their reduce-scatters
+    for u in range(first_fused - 1, -1, -1):
         full = pending.wait()
         if u in kept:
             if u in freed:

@@ -69,8 +69,7 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
           memory_limit_bytes: int | None = None, collective_timeout_seconds: float = 600.0,
           stop_requested: Callable[[], bool] | None = None,
           async_checkpoints: bool = True, recompute: bool | None = None,
-          offload: bool | None = None,
-          graph_bytes_per_sample: float | None = None) -> TrainOutcome:
+          offload: bool | None = None) -> TrainOutcome:
     """Train `job` under `layout`, resuming from the newest intact checkpoint in
     `checkpoint_dir` (a shared folder or an fsspec URL; None or "" = no checkpoints at all);
     checkpoints every `intervalSteps` and always at the end (or at `stop_after_step`, which
@@ -82,14 +81,13 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
     on (see checkpoint_write); the final one and a requested stop's are synchronous.
     `recompute`: the plan's job-wide choice (None: the engine's default, recompute).
     `offload`: this rank's plan choice for its boundary activations (None: the engine's
-    default, offloaded to host on CUDA devices only). `graph_bytes_per_sample`: the block
-    graph size the plan priced this rank's kept blocks with (its memory check uses it)."""
+    default, offloaded to host on CUDA devices only). The block graph sizes the plan priced kept
+    blocks with travel in `layout` (the memory check uses this rank's)."""
     config = job.model.resolve()
     spec = job.training
     engine = Engine(config, spec, layout, group=group, device=device,
                     precision=job.precision, time_dilation=time_dilation,
-                    recompute=True if recompute is None else recompute, offload=offload,
-                    graph_bytes_per_sample=graph_bytes_per_sample)
+                    recompute=True if recompute is None else recompute, offload=offload)
     if memory_limit_bytes is not None:
         _check_memory(engine, memory_limit_bytes)
     data = DataSource(config, job.data, spec.seed)
@@ -229,9 +227,7 @@ def main() -> int:
                             collective_timeout_seconds=env.timeout_seconds,
                             stop_requested=terminated.is_set,
                             recompute=env.plan.recompute,
-                            offload=env.plan.ranks[env.rank].offload_activations,
-                            graph_bytes_per_sample=env.plan.ranks[
-                                env.rank].block_graph_bytes_per_sample)
+                            offload=env.plan.ranks[env.rank].offload_activations)
         except MemoryLimitError as err:
             print(f"cephalo trainer (rank {env.rank}): error: {err}", file=sys.stderr,
                   flush=True)

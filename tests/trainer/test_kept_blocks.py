@@ -1,10 +1,12 @@
 """Kept blocks (a rank plan's `kept_blocks`): in recompute mode a rank keeps the autograd graphs
-of its last k blocks to the backward instead of recomputing them, and still frees their
-gathered parameters after the forward and gathers them again for the backward. On real gloo
+of its last k blocks to the backward instead of recomputing them. The last blocks every rank
+keeps run per microbatch with the head, gathered once (the fused tail); the others free their
+gathered parameters after the forward and gather them again for the backward. On real gloo
 ranks with an uneven layout: every choice of k, per rank, trains to the losses and gradient
-norms of recompute mode and of `recompute=False`, issues exactly recompute mode's collectives,
-and the measured peak grows with k, stays below keeping everything and within the memory
-model (cephalo.api.memory.kept_blocks_bytes)."""
+norms of recompute mode and of `recompute=False`, issues exactly recompute mode's collectives
+less the fused tail's second gathers, and the measured peak grows with k, stays below keeping
+everything and within the memory model (cephalo.api.memory.fused_tail_bytes, itself within
+kept_blocks_bytes, the planner's price)."""
 
 from __future__ import annotations
 
@@ -35,6 +37,9 @@ CONFIGS = {name: preset(name).model_copy(update={"num_layers": LAYERS})
 UNEVEN = dict(batch_sizes=[3, 4], micro_batch_sizes=[1, 2], shard_ratios=[0.3, 0.7],
               unit_shard_ratios={LAYERS: [0.0, 1.0], 1: [1.0, 0.0]})
 KEPT = ([0, 0], [LAYERS, 1], [0, LAYERS], [2, 0])
+# The last blocks both ranks keep run per microbatch with the head (memory.fused_tail_blocks):
+# with [3, 1] rank 0 runs one block so and keeps two more block graphs layered.
+FUSED = {"[3, 1]": 1, "[0, 3]": 0, "[2, 0]": 0}
 SPEC = TrainingSpec(steps=STEPS, learning_rate=3e-3, warmup_steps=1, weight_decay=0.1,
                     gradient_clip_norm=1.0)
 
@@ -49,7 +54,8 @@ def _run(rank: int, config: ModelConfig, kept: list[int] | None, precision: str
     engine = Engine(config, SPEC, layout, precision=precision, recompute=kept is not None)
     data = DataSource(config, DataSpec(synthetic=SyntheticData()), seed=0)
     start, end = layout.sample_range(rank)
-    out: dict[str, Any] = {"loss": [], "norm": [], "log": []}
+    out: dict[str, Any] = {"loss": [], "norm": [], "log": [], "fused": engine.fused_tail,
+                           "units": len(engine.units)}
     for step in range(STEPS):
         engine.comm.stats.reset()
         result = engine.step(data.micro_batches(step, start, end,
@@ -95,10 +101,23 @@ def test_kept_blocks_train_like_recompute_and_like_keeping_everything(
             got = results[f"{name} fp32 {kept}"]
             _assert_close(got["loss"], reference["loss"], TOLERANCE, f"kept {kept}")
             _assert_close(got["norm"], reference["norm"], TOLERANCE, f"kept {kept}")
-            # Each rank keeps its own number of blocks and the collectives do not change.
-            assert got["log"] == reference["log"], (rank, kept)
+            # Each rank keeps its own number of blocks and the collectives do not change,
+            # but for the second gathers of the tail every rank runs per microbatch.
+            assert got["fused"] == FUSED[str(kept)], (kept, got["fused"])
+            assert got["log"] == _without_second_gathers(reference, got["fused"]), (rank, kept)
         # ...while recompute=False does not gather the blocks again for the backward.
         assert len(everything["log"][0]) < len(reference["log"][0])
+
+
+def _without_second_gathers(reference: dict[str, Any], fused: int) -> list[Any]:
+    """Recompute mode's collectives less the backward's gathers of the last `fused` blocks."""
+    last = reference["units"] - 1
+    skipped = {("all_gather", u) for u in range(last - fused, last)}
+    out = []
+    for log in reference["log"]:
+        forward, backward = log[:last + 1], log[last + 1:]
+        out.append(forward + [entry for entry in backward if tuple(entry) not in skipped])
+    return out
 
 
 @pytest.mark.slow
@@ -108,7 +127,8 @@ def test_kept_blocks_under_bf16_autocast(equivalence: list[dict[str, Any]]) -> N
         got = results[f"llama-tiny bf16 {[LAYERS, 2]}"]
         _assert_close(got["loss"], reference["loss"], BF16_TOLERANCE, "bf16 loss")
         _assert_close(got["norm"], reference["norm"], BF16_TOLERANCE, "bf16 norm")
-        assert got["log"] == reference["log"]
+        assert got["fused"] == 2
+        assert got["log"] == _without_second_gathers(reference, 2)
 
 
 def _block_graph(full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -198,7 +218,8 @@ def _peak_worker(rank: int, world_size: int) -> dict[str, Any]:
         step()  # the first step allocates nothing the later ones do not
         out[str(kept)] = {"peak": live_bytes_peak(step), "estimate":
                           engine.memory_estimate_bytes(),
-                          "owned": sum(u.shard_numel for u in engine.units)}
+                          "owned": sum(u.shard_numel for u in engine.units),
+                          "fused": engine.fused_tail}
         del engine, step
     return out
 
@@ -222,13 +243,17 @@ def test_peak_grows_with_kept_blocks_within_the_memory_model() -> None:
         # take back part of it: measured 67-76 %).
         freed = sum(c.unit_parameters()[1:-1]) * memory.FP32_BYTES
         assert peaks["None"] - peaks[str(whole)] >= 0.5 * freed, (peaks, freed)
+        dims = (c.tokens_per_sample, c.hidden_size, c.ffn_hidden_size)
         for k in (0, half, whole):
             got = r[str(k)]
+            # Both ranks keep the same blocks with 4 microbatches each: all of them run per
+            # microbatch with the head (one microbatch's graphs, parameters held).
+            assert got["fused"] == k
             measured = 3 * memory.FP32_BYTES * got["owned"] + got["peak"]
-            kept = (memory.kept_boundary_bytes(c.num_layers, BATCH, c.tokens_per_sample,
-                                               c.hidden_size, offload=False)
-                    + memory.kept_blocks_bytes(k, BATCH, c.tokens_per_sample, c.hidden_size,
-                                               c.ffn_hidden_size))
+            boundaries = memory.kept_boundary_bytes(c.num_layers, BATCH, *dims[:2], False)
+            kept = (boundaries + memory.fused_tail_bytes(k, MICRO, *dims, c.block_parameters()))
+            # ...never more than their layered graphs, the planner's price of kept blocks.
+            assert kept <= boundaries + memory.kept_blocks_bytes(k, BATCH, *dims)
             predicted = memory.state_bytes(got["owned"]) + compute + kept
             print(f"kept {k}: peak {measured} B, predicted {predicted} B "
                   f"({predicted / measured - 1:+.1%})")
@@ -305,17 +330,24 @@ def test_one_rank_keeps_blocks_without_freeing_its_master_weights() -> None:
 
 def test_the_memory_check_uses_the_graph_size_the_plan_priced() -> None:
     """A plan prices kept blocks with the profile's measured graph size (RankPlan
-    block_graph_bytes_per_sample); the engine's memory estimate, which the trainer checks
-    against the rank's limit, must use the same figure, not the larger dimension estimate."""
+    block_graph_bytes_per_sample, in the layout); the engine's memory estimate, which the
+    trainer checks against the rank's limit, must use the same figure, not the dimension
+    estimate, and so must its choice of a fused tail: with the estimate's large graphs two
+    blocks run per microbatch, with a small measured graph holding their parameters would
+    cost more than the layered graphs, so none does."""
     from cephalo.api import memory
     from cephalo.trainer.engine import Engine
 
     config = preset("gpt-tiny")
-    layout = Layout([4], [2], [1.0], kept_blocks=[2])
-    dims = (4, config.tokens_per_sample, config.hidden_size, config.ffn_hidden_size)
-    estimated = Engine(config, TrainingSpec(), layout, standalone=True)
-    measured = Engine(config, TrainingSpec(), layout, standalone=True,
-                      graph_bytes_per_sample=1000.0)
+    dims = (config.tokens_per_sample, config.hidden_size, config.ffn_hidden_size)
+    estimated = Engine(config, TrainingSpec(), Layout([4], [2], [1.0], kept_blocks=[2]),
+                       standalone=True)
+    measured = Engine(config, TrainingSpec(), Layout([4], [2], [1.0], kept_blocks=[2],
+                                                     graph_bytes_per_sample=[1000.0]),
+                      standalone=True)
+    assert (estimated.fused_tail, measured.fused_tail) == (2, 0)
+    fused = memory.fused_tail_bytes(2, 2, *dims, config.block_parameters())
+    assert fused < memory.kept_blocks_bytes(2, 4, *dims)
     assert estimated.memory_estimate_bytes() - measured.memory_estimate_bytes() == (
-        memory.kept_blocks_bytes(2, *dims) - memory.kept_blocks_bytes(2, *dims, 1000.0))
-    assert memory.kept_blocks_bytes(2, *dims, 1000.0) == 8000
+        fused - memory.kept_blocks_bytes(2, 4, *dims, 1000.0))
+    assert memory.kept_blocks_bytes(2, 4, *dims, 1000.0) == 8000

@@ -4,6 +4,8 @@ transfers the compute does not hide priced into the rank's step."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from cephalo.api import ClusterSpec, GpuGroup, memory
@@ -106,15 +108,18 @@ def test_transfers_slower_than_compute_cost_exactly_the_difference() -> None:
 
 def test_the_transfer_count_is_what_the_engine_copies() -> None:
     """The engine's activation store on CPU (plain copies, same bookkeeping as CUDA):
-    what it sends to host in one step is transfers_per_microbatch's count of boundaries."""
+    what it sends to host in one step is transfers_per_microbatch's count of boundaries,
+    with layered kept blocks (one microbatch) and with a fused tail (three)."""
     from cephalo.trainer.data import DataSource
     from cephalo.trainer.engine import Engine, Layout
 
     config = preset("gpt-tiny")
     data = DataSource(config, DataSpec(synthetic=SyntheticData()), seed=0)
     one = memory.boundary_bytes(2, config.tokens_per_sample, config.hidden_size)
-    for kept in range(config.num_layers + 1):
-        engine = Engine(config, TrainingSpec(), Layout([6], [2], [1.0], kept_blocks=[kept]),
+    fused = {}
+    for batch, kept in itertools.product((2, 6), range(config.num_layers + 1)):
+        engine = Engine(config, TrainingSpec(),
+                        Layout([batch], [2], [1.0], kept_blocks=[kept]),
                         offload=True, standalone=True)
         brought_back: list[bool] = []
         prefetch = engine.store.prefetch
@@ -125,10 +130,17 @@ def test_the_transfer_count_is_what_the_engine_copies() -> None:
             prefetch(key)
 
         engine.store.prefetch = counting  # type: ignore[method-assign]
-        engine.step(data.micro_batches(0, 0, 6, 2))
-        to_host, to_device = transfers_per_microbatch(config.num_layers, kept)
-        assert engine.store.offloaded_bytes == 3 * to_host * one, kept
-        assert sum(brought_back) == 3 * to_device, kept
+        engine.step(data.micro_batches(0, 0, batch, 2))
+        to_host, to_device = transfers_per_microbatch(config.num_layers, kept,
+                                                      engine.fused_tail)
+        micro_batches = batch // 2
+        assert engine.store.offloaded_bytes == micro_batches * to_host * one, (batch, kept)
+        assert sum(brought_back) == micro_batches * to_device, (batch, kept)
+        # The planner, which cannot count a fused tail, never counts fewer.
+        assert transfers_per_microbatch(config.num_layers, kept) >= (to_host, to_device)
+        fused[batch, kept] = engine.fused_tail
+    # One microbatch: kept blocks stay layered; three: every kept block runs per microbatch.
+    assert fused == {(2, 0): 0, (2, 1): 0, (2, 2): 0, (6, 0): 0, (6, 1): 1, (6, 2): 2}
 
 
 def test_host_link_comes_from_the_profile_then_the_catalog() -> None:

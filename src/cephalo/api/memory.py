@@ -123,3 +123,47 @@ def kept_graph_bytes(num_layers: int, samples: int, tokens_per_sample: int, hidd
                                            ffn_hidden_size, measured_bytes_per_sample)
             + (num_layers + 2) * boundary_bytes(samples, tokens_per_sample, hidden_size)
             + COMM_BYTES_PER_PARAMETER * kept_unit_parameters)
+
+
+# ---- the kept tail run per microbatch ------------------------------------------------------
+# Layered accumulation keeps a kept block's graph for every microbatch (all ℓ·m samples).
+# The last j blocks that *every* rank keeps can instead run per microbatch, like the head:
+# each microbatch goes forward through them and the head and straight back, so one
+# microbatch's graphs are alive at a time, and their gathered parameters stay from the forward
+# to the end of the tail (no second gather: every rank skips it, so the collectives agree).
+# That holds the head's and the j blocks' parameters and full gradients together, plus up to
+# two microbatch gradients being added (autograd may finish two units' close together): 2j + 4
+# unit buffers where recompute mode counts five, so 2j - 1 more block buffers (the next
+# unit's gather is issued after the tail). The engine runs a block this way only
+# where it costs no rank more than its layered graphs (`fused_tail_blocks`), so the
+# planner's price of kept blocks (`kept_blocks_bytes`) stays an upper bound.
+def fused_tail_bytes(blocks: int, micro_batch_size: int, tokens_per_sample: int,
+                     hidden_size: int, ffn_hidden_size: int, block_parameters: int,
+                     measured_bytes_per_sample: float | None = None) -> int:
+    """What running the last `blocks` blocks per microbatch adds to a recompute-mode rank's
+    memory: their graphs for one microbatch and their held parameters and gradients."""
+    if blocks <= 0:
+        return 0
+    graphs = blocks * block_graph_bytes(micro_batch_size, tokens_per_sample, hidden_size,
+                                        ffn_hidden_size, measured_bytes_per_sample)
+    return graphs + (2 * blocks - 1) * COMM_BYTES_PER_PARAMETER * block_parameters
+
+
+def fused_tail_blocks(kept_blocks: list[int], batch_sizes: list[int],
+                      micro_batch_sizes: list[int], tokens_per_sample: int, hidden_size: int,
+                      ffn_hidden_size: int, block_parameters: int,
+                      measured_bytes_per_sample: list[float | None] | None = None) -> int:
+    """How many of the last blocks every rank runs per microbatch: the most j no larger than
+    any working rank's kept blocks for which no working rank's tail costs more than the
+    layered graphs of the same j blocks (a rank without samples computes nothing: any j).
+    The same on every rank: it reads only the layout (and the plan's graph sizes)."""
+    measured = measured_bytes_per_sample or [None] * len(kept_blocks)
+    working = [r for r, samples in enumerate(batch_sizes) if samples > 0]
+    if not working:
+        return 0
+    dims = (tokens_per_sample, hidden_size, ffn_hidden_size)
+    for j in range(min(kept_blocks[r] for r in working), 0, -1):
+        if all(fused_tail_bytes(j, micro_batch_sizes[r], *dims, block_parameters, measured[r])
+               <= kept_blocks_bytes(j, batch_sizes[r], *dims, measured[r]) for r in working):
+            return j
+    return 0

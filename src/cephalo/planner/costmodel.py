@@ -35,7 +35,11 @@ In recompute mode a rank may keep the graphs of its last k blocks (a rank plan's
 (u(ℓ·(b - f), AG_block + RS_block)), and the rank's memory grows by
 `cephalo.api.memory.kept_blocks_bytes` for its ℓ·m samples. The first e blocks of a
 per-unit plan are sharded evenly, so max(0, e + k - L) blocks are both kept and even: the
-step prices the four kinds (even or skewed, kept or recomputed) by their counts.
+step prices the four kinds (even or skewed, kept or recomputed) by their counts. These are
+upper bounds: the engine runs the last blocks that every rank keeps per microbatch with the
+head instead, gathered once, wherever that holds no more memory
+(`cephalo.api.memory.fused_tail_blocks`); pricing that tail would need every rank's choice at
+once, which the per-rank search does not have.
 """
 
 from __future__ import annotations

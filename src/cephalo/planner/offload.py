@@ -72,15 +72,19 @@ def host_link_bytes_per_second(profile: GpuProfile | None, gpu: GpuType | None) 
     return DEFAULT_HOST_LINK_BYTES_PER_SECOND
 
 
-def transfers_per_microbatch(num_layers: int, kept_blocks: int = 0) -> tuple[int, int]:
+def transfers_per_microbatch(num_layers: int, kept_blocks: int = 0,
+                             fused_blocks: int = 0) -> tuple[int, int]:
     """(to host, back to the device): the boundary copies of one microbatch's step, from the
-    module docstring's list; the same number each way, all of one boundary's size."""
+    module docstring's list; the same number each way, all of one boundary's size.
+    `fused_blocks` of the kept ones run per microbatch with the head (the engine's fused
+    tail): their gradients stay inside the graph. The planner counts none (it cannot know
+    the other ranks' choices), an upper bound."""
     recomputed = num_layers - kept_blocks
     # Forward: the recomputed blocks' inputs. Backward: every block's and the head's input
-    # gradient out; the recomputed blocks' inputs, every block's output gradient and the
-    # embedding's back in.
-    to_host = recomputed + num_layers + 1
-    to_device = recomputed + num_layers + 1
+    # gradient out (one for a fused tail as a whole); the recomputed blocks' inputs, every
+    # block's output gradient and the embedding's back in.
+    to_host = recomputed + num_layers - fused_blocks + 1
+    to_device = recomputed + num_layers - fused_blocks + 1
     return to_host, to_device
 
 
