@@ -104,7 +104,7 @@ def fused_tail(engine: Engine, gathers: list[Pending], targets: list[torch.Tenso
                 with torch.enable_grad(), autocast(engine.device, engine.precision):
                     y = x
                     for i in range(len(gathers) - 1):
-                        gathered(i)
+                        gathered(i)  # the first microbatch waits for it and binds it
                         y = units[first + i].module(y)
             else:
                 y = x

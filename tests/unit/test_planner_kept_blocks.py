@@ -293,3 +293,25 @@ def test_partial_subset_search_bounds_plans_that_keep_blocks(
         1 + 1e-12)
     assert everything.predicted_step_seconds <= partial.predicted_step_seconds * (1 + 1e-12)
     assert everything.recompute is None and any(r.kept_blocks for r in everything.ranks)
+
+
+def test_the_report_says_which_kept_blocks_run_per_microbatch() -> None:
+    """`cephalo plan` names the fused tail the engine will run (memory.fused_tail_blocks on
+    the plan's own fields): every kept block on both ranks here, with several microbatches."""
+    from cephalo.planner.report import fused_tail_blocks, kept_blocks_phrase
+
+    spec, cluster, profiles = _two_gpus(24, batch=32)
+    plan = solve(spec, cluster, profiles, choose_gpus=False)
+    kept = [r.kept_blocks for r in plan.ranks]
+    model = spec.model.resolve()
+    expected = memory.fused_tail_blocks(
+        kept, [r.batch_size for r in plan.ranks], [r.micro_batch_size for r in plan.ranks],
+        model.tokens_per_sample, model.hidden_size, model.ffn_hidden_size,
+        model.block_parameters())
+    assert fused_tail_blocks(plan) == expected
+    print(kept, [(r.batch_size, r.micro_batch_size) for r in plan.ranks], expected)
+    assert expected > 0
+    assert f"the last {expected} on every rank run per microbatch" in kept_blocks_phrase(plan)
+    no_model = plan.model_copy(update={"model": None})
+    assert fused_tail_blocks(no_model) == 0
+    assert "per microbatch" not in kept_blocks_phrase(no_model)

@@ -3,7 +3,10 @@ baselines side by side (`cephalo plan` prints it; `cephalo run` shows it before 
 
 from __future__ import annotations
 
-from cephalo.api import Plan
+from pydantic import ValidationError
+
+from cephalo.api import Plan, memory
+from cephalo.api.models import ModelConfig
 from cephalo.api.plan import SHARD_RATIO_TOLERANCE
 from cephalo.planner.offload import boundary_activations_line
 
@@ -96,8 +99,28 @@ def kept_blocks_phrase(plan: Plan) -> str:
     for first, last, count in groups:
         who = f"rank {first} keeps" if first == last else f"ranks {first}-{last} keep"
         parts.append(f"{who} the graphs of {count}{of} blocks")
+    fused = fused_tail_blocks(plan)
+    tail = "" if not fused else (
+        f"; the last {fused} on every rank run per microbatch with the head, gathered once")
     return "; " + ", ".join(parts) + " (their last blocks: no recompute, parameters " \
-        "gathered again)"
+        f"gathered again){tail}"
+
+
+def fused_tail_blocks(plan: Plan) -> int:
+    """How many kept blocks the engine will run per microbatch with the head on every rank
+    (cephalo.api.memory.fused_tail_blocks, from the same plan fields the trainer's layout
+    carries); 0 for a plan without its model."""
+    if plan.model is None or plan.recompute is False:
+        return 0
+    try:
+        model = ModelConfig.model_validate(plan.model)
+    except ValidationError:
+        return 0
+    return memory.fused_tail_blocks(
+        [r.kept_blocks for r in plan.ranks], [r.batch_size for r in plan.ranks],
+        [r.micro_batch_size for r in plan.ranks], model.tokens_per_sample, model.hidden_size,
+        model.ffn_hidden_size, model.block_parameters(),
+        [r.block_graph_bytes_per_sample for r in plan.ranks])
 
 
 def unit_sharding_line(plan: Plan) -> str:
