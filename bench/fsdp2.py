@@ -30,16 +30,20 @@ Timing: each round every contender takes one step (order rotated per round), aft
 a step's time is the slower rank's. Ratios are Cephalo ÷ FSDP2 per round (paired: same
 background load), reported as median and interquartile range.
 
-Memory (RSS, not tracemalloc: tracemalloc cannot see tensor storage): afterwards, in the same
-processes, each contender alone: freed heap returned to the OS (`malloc_trim`), the peak-RSS
-mark reset (/proc/self/clear_refs), the contender built and stepped twice; reported is the
-rank's peak RSS above its RSS before the build (state + transient step memory; and the
-process's whole peak RSS, torch included, for comparison with other reports), the larger
-of the two ranks.
+Memory, two measures (not tracemalloc: it cannot see tensor storage), afterwards, in the
+same processes, each contender alone, built and stepped twice, the larger of the two ranks:
+* peak RSS: freed heap returned to the OS (`malloc_trim`), the peak-RSS mark reset
+  (/proc/self/clear_refs); reported is the rank's peak RSS above its RSS before the build
+  (state + transient step memory; and the process's whole peak RSS, torch included, for
+  comparison with other reports). Coarse: glibc keeps freed blocks, so a contender that frees
+  and re-allocates can show more RSS than one whose allocations peak higher;
+* peak allocated: the peak of the bytes torch allocates, net of frees, over the same build
+  and two steps (`cephalo.trainer.torch_memory.live_bytes_peak`, torch's profiler memory
+  events: the CPU analogue of CUDA's `max_memory_allocated`), in a second pass.
 
 Equal memory budget (issue 16's target): for each FSDP2 variant, the fastest Cephalo
-contender (by median step time) with the same microbatching whose peak RSS above the
-pre-build RSS is at most the variant's, and its paired step-time ratio.
+contender (by median step time) with the same microbatching whose peak is at most the
+variant's, and its paired step-time ratio; once by peak RSS growth, once by peak allocated.
 
 Run: `python bench/fsdp2.py [--regime compute|communication] [--rounds N]`; `--quick` is a
 seconds-long smoke run on a tiny model (CI); `--json` prints the results as JSON.
@@ -52,6 +56,7 @@ import contextlib
 import ctypes
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -69,6 +74,7 @@ from cephalo.trainer.engine import Engine, Layout
 from cephalo.trainer.models import UnitModel, build_unit
 from cephalo.trainer.optim import learning_rate
 from cephalo.trainer.spawn import spawn_ranks
+from cephalo.trainer.torch_memory import live_bytes_peak
 
 WORLD = 2
 MODEL = dict(family="gpt", num_layers=4, hidden_size=256, num_heads=4, ffn_hidden_size=1024,
@@ -233,26 +239,44 @@ def _release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def peak_memory_kib(contender: Contender, config: ModelConfig, micro: int, num_micro: int,
-                    batches: list[MicroBatches], one: list[MicroBatches]) -> tuple[int, int]:
-    """(Peak RSS above the pre-build RSS, the process's peak RSS) while `contender` is built
-    and takes two steps."""
+def build_and_step(contender: Contender, config: ModelConfig, micro: int, num_micro: int,
+                   batches: list[MicroBatches], one: list[MicroBatches]) -> Callable[[], None]:
+    """What the memory measures wrap: `contender` built and stepped twice (its state is
+    freed when the call returns)."""
+    def run() -> None:
+        step = build(contender, config, micro, num_micro)
+        for i in range(2):
+            _finish(step(i, (one if contender.one_microbatch else batches)[i]), 1)
+    return run
+
+
+def peak_memory_kib(run: Callable[[], None]) -> tuple[int, int]:
+    """(Peak RSS above the pre-run RSS, the process's peak RSS) while `run` runs."""
     _release_freed_memory()
     dist.barrier()
     before = _rss_kib("VmRSS")
     with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
         f.write("5")  # reset VmHWM to the current RSS
-    step = build(contender, config, micro, num_micro)
-    for i in range(2):
-        _finish(step(i, (one if contender.one_microbatch else batches)[i]), 1)
+    run()
     peak = _rss_kib("VmHWM")
-    del step
     return peak - before, peak
+
+
+def peak_allocated_bytes(run: Callable[[], None]) -> int:
+    """Peak of the bytes torch allocates (net of frees) in this rank while `run` runs; gloo's
+    worker threads included (their work carries the caller's profiler state: FSDP2's
+    collectives allocate there)."""
+    gc.collect()  # the previous contender's cycles: freed before, not during, the profile
+    dist.barrier()
+    return live_bytes_peak(run)
 
 
 def _worker(rank: int, world_size: int, regimes: dict[str, int], quick: bool,
             memory: bool) -> dict[str, dict[str, Any]]:
     """Every regime in turn (regime -> timed rounds), all in this one launch."""
+    # Kineto (torch's profiler, peak_allocated_bytes) logs two lines to stderr per profile
+    # at its default level; above its highest level (read at the first profile) it is quiet.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     return {regime: _regime(rank, regime, quick, rounds, memory)
             for regime, rounds in regimes.items()}
 
@@ -289,16 +313,24 @@ def _regime(rank: int, regime: str, quick: bool, rounds: int, memory: bool
     dist.all_reduce(table, op=dist.ReduceOp.MAX)
     del fns
     peaks: dict[str, list[int]] = {}
+    allocated: dict[str, int] = {}
     if memory:
-        measured = [peak_memory_kib(c, config, micro, num_micro, batches, one)
-                    for c in every]
-        peak_table = torch.tensor(measured, dtype=torch.float64)
+        runs = [build_and_step(c, config, micro, num_micro, batches, one) for c in every]
+        rss = [peak_memory_kib(run) for run in runs]
+        # A second pass, not the same one: the profiler's own records are host memory outside
+        # torch's allocator and would inflate the RSS peak (measured at --quick sizes: +5 to
+        # +18 MiB per contender, FSDP2's many small ops twice Cephalo's, +40 on the first).
+        torch_peaks = [peak_allocated_bytes(run) for run in runs]
+        peak_table = torch.tensor([[*kib, b] for kib, b in zip(rss, torch_peaks, strict=True)],
+                                  dtype=torch.float64)
         dist.all_reduce(peak_table, op=dist.ReduceOp.MAX)
-        peaks = {n: [int(v) for v in row]
-                 for n, row in zip(names, peak_table.tolist(), strict=True)}
+        rows = dict(zip(names, peak_table.tolist(), strict=True))
+        peaks = {n: [int(row[0]), int(row[1])] for n, row in rows.items()}
+        allocated = {n: int(row[2]) for n, row in rows.items()}
     return {"seconds": dict(zip(names, table.tolist(), strict=True)), "losses": losses,
             "grad_norms": norms,
-            "peak_kib": peaks, "model": config.model_dump(mode="json"),
+            "peak_kib": peaks, "peak_allocated_bytes": allocated,
+            "model": config.model_dump(mode="json"),
             "micro_batch_size": micro, "num_micro_batches": num_micro,
             "parameters": config.total_parameters()}
 
@@ -331,19 +363,18 @@ def _ratio(cephalo: list[float], fsdp: list[float]) -> dict[str, float]:
 
 
 def _equal_memory(seconds: dict[str, list[float]], medians: dict[str, float],
-                  peak_kib: dict[str, list[int]]) -> dict[str, dict[str, Any]]:
+                  peak_mib: dict[str, float], measure: str) -> dict[str, dict[str, Any]]:
     """FSDP2 variant -> the fastest Cephalo contender with the same microbatching whose peak
-    RSS growth is at most the variant's, and its ratio (none fits: `cephalo` is None)."""
+    (`peak_mib`, the `measure`: "rss" or "allocated") is at most the variant's, and its
+    ratio (none fits: `cephalo` is None)."""
     out: dict[str, dict[str, Any]] = {}
-    for fsdp in [n for n in seconds if n.startswith("fsdp2")]:
-        if fsdp not in peak_kib:
-            continue  # --no-memory
+    for fsdp in [n for n in seconds if n.startswith("fsdp2") and n in peak_mib]:  # --no-memory
         one = fsdp == "fsdp2 one-microbatch"
         fits = [n for n in seconds if n.startswith("cephalo") and n.endswith("1mb") == one
-                and peak_kib[n][0] <= peak_kib[fsdp][0]]
+                and peak_mib[n] <= peak_mib[fsdp]]
         best = min(fits, key=lambda n: medians[n], default=None)
-        out[fsdp] = {"cephalo": best, "fsdp2_peak_rss_mib": peak_kib[fsdp][0] / 1024,
-                     "cephalo_peak_rss_mib": None if best is None else peak_kib[best][0] / 1024,
+        out[fsdp] = {"cephalo": best, f"fsdp2_peak_{measure}_mib": peak_mib[fsdp],
+                     f"cephalo_peak_{measure}_mib": None if best is None else peak_mib[best],
                      "ratio": None if best is None else _ratio(seconds[best], seconds[fsdp])}
     return out
 
@@ -355,12 +386,15 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
     ratios = {f"{cephalo} / {fsdp}": _ratio(seconds[cephalo], seconds[fsdp])
               for cephalo, fsdp in pairs(list(seconds))}
     medians = {n: statistics.median(s) for n, s in seconds.items()}
-    return {"step_seconds_median": medians,
-            "ratios": ratios, "equal_memory": _equal_memory(seconds, medians,
-                                                            result["peak_kib"]),
+    rss_mib = {n: kib[0] / 1024 for n, kib in result["peak_kib"].items()}
+    allocated_mib = {n: b / 2**20 for n, b in result["peak_allocated_bytes"].items()}
+    return {"step_seconds_median": medians, "ratios": ratios,
+            "equal_memory": _equal_memory(seconds, medians, rss_mib, "rss"),
+            "equal_memory_allocated": _equal_memory(seconds, medians, allocated_mib,
+                                                    "allocated"),
             "max_relative_difference": worst,
             "losses_equal": worst <= LOSS_RELATIVE_TOLERANCE,
-            "peak_rss_mib": {n: kib[0] / 1024 for n, kib in result["peak_kib"].items()},
+            "peak_rss_mib": rss_mib, "peak_allocated_mib": allocated_mib,
             "process_peak_rss_mib": {n: kib[1] / 1024 for n, kib in result["peak_kib"].items()},
             "rounds": len(next(iter(seconds.values()))), "model": result["model"],
             "parameters": result["parameters"], "micro_batch_size": result["micro_batch_size"],
@@ -379,17 +413,21 @@ def report(regime: str, s: dict[str, Any]) -> str:
     for name, value in s["step_seconds_median"].items():
         memory = s["peak_rss_mib"].get(name)
         extra = (f", peak RSS +{memory:6.1f} MiB/rank over the pre-build RSS (process "
-                 f"{s['process_peak_rss_mib'][name]:.0f} MiB)") if memory is not None else ""
+                 f"{s['process_peak_rss_mib'][name]:.0f} MiB), peak allocated "
+                 f"{s['peak_allocated_mib'][name]:6.1f} MiB") if memory is not None else ""
         lines.append(f"  {name:>22}: step {1e3 * value:8.1f} ms (median){extra}")
     for pair, r in s["ratios"].items():
         lines.append(f"  {pair:>45}: {_format_ratio(r)}")
-    if s["equal_memory"]:
-        lines.append("at equal memory budget (fastest Cephalo contender whose peak RSS growth "
-                     "per rank is at most the FSDP2 variant's):")
-    for fsdp, e in s["equal_memory"].items():
-        best = "no Cephalo contender fits" if e["cephalo"] is None else (
-            f"{e['cephalo']} ({e['cephalo_peak_rss_mib']:.1f} MiB) {_format_ratio(e['ratio'])}")
-        lines.append(f"  {fsdp:>22} ({e['fsdp2_peak_rss_mib']:.1f} MiB): {best}")
+    for key, measure, what in [("equal_memory", "rss", "peak RSS growth"),
+                               ("equal_memory_allocated", "allocated", "peak allocated")]:
+        if s[key]:
+            lines.append(f"at equal memory budget by {what} (fastest Cephalo contender whose "
+                         f"{what} per rank is at most the FSDP2 variant's):")
+        for fsdp, e in s[key].items():
+            best = "no Cephalo contender fits" if e["cephalo"] is None else (
+                f"{e['cephalo']} ({e[f'cephalo_peak_{measure}_mib']:.1f} MiB) "
+                f"{_format_ratio(e['ratio'])}")
+            lines.append(f"  {fsdp:>22} ({e[f'fsdp2_peak_{measure}_mib']:.1f} MiB): {best}")
     return "\n".join(lines)
 
 
@@ -405,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="timed rounds per regime (default: 6 compute, 12 communication; "
                              "2 with --quick)")
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 rounds (CI smoke)")
-    parser.add_argument("--no-memory", action="store_true", help="skip the RSS measurement")
+    parser.add_argument("--no-memory", action="store_true",
+                        help="skip both memory measurements (peak RSS, peak allocated)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:

@@ -23,7 +23,7 @@ from cephalo.api.job import DataSpec, SyntheticData, TrainingSpec
 from cephalo.api.models import ModelConfig
 from cephalo.trainer.engine import Layout
 from cephalo.trainer.spawn import spawn_ranks
-from tests.torch_memory import live_bytes_peak
+from cephalo.trainer.torch_memory import live_bytes_peak
 
 TOLERANCE = 1e-5
 BF16_TOLERANCE = TOLERANCE  # the kept graph and the recompute run the same bf16 kernels
@@ -40,17 +40,20 @@ KEPT = ([0, 0], [LAYERS, 1], [0, LAYERS], [2, 0])
 # The last blocks both ranks keep run per microbatch with the head (memory.fused_tail_blocks):
 # with [3, 1] rank 0 runs one block so and keeps two more block graphs layered.
 FUSED = {"[3, 1]": 1, "[0, 3]": 0, "[2, 0]": 0}
+# Rank 1 holds state only: it computes nothing, so it does not hold back the tail rank 0 runs
+# per microbatch; it still takes part in every collective (zero gradients).
+STATE_ONLY = dict(batch_sizes=[4, 0], micro_batch_sizes=[2, 1], shard_ratios=[0.4, 0.6])
 SPEC = TrainingSpec(steps=STEPS, learning_rate=3e-3, warmup_steps=1, weight_decay=0.1,
                     gradient_clip_norm=1.0)
 
 
-def _run(rank: int, config: ModelConfig, kept: list[int] | None, precision: str
-         ) -> dict[str, Any]:
+def _run(rank: int, config: ModelConfig, kept: list[int] | None, precision: str,
+         layout_fields: dict[str, Any] = UNEVEN) -> dict[str, Any]:
     """STEPS steps under `kept` (None: recompute=False); per step loss, norm, collectives."""
     from cephalo.trainer.data import DataSource
     from cephalo.trainer.engine import Engine
 
-    layout = Layout(**UNEVEN, kept_blocks=kept or [])  # type: ignore[arg-type]
+    layout = Layout(**layout_fields, kept_blocks=kept or [])
     engine = Engine(config, SPEC, layout, precision=precision, recompute=kept is not None)
     data = DataSource(config, DataSpec(synthetic=SyntheticData()), seed=0)
     start, end = layout.sample_range(rank)
@@ -73,6 +76,9 @@ def _equivalence_worker(rank: int, world_size: int) -> dict[str, Any]:
             results[f"{name} fp32 {kept}"] = _run(rank, config, kept, "fp32")
     for kept in ([0, 0], [LAYERS, 2]):
         results[f"llama-tiny bf16 {kept}"] = _run(rank, CONFIGS["llama-tiny"], kept, "bf16")
+    for kept in ([0, 0], [LAYERS, 0]):
+        results[f"state-only rank {kept}"] = _run(rank, CONFIGS["gpt-tiny"], kept, "fp32",
+                                                  STATE_ONLY)
     return results
 
 
@@ -118,6 +124,17 @@ def _without_second_gathers(reference: dict[str, Any], fused: int) -> list[Any]:
         forward, backward = log[:last + 1], log[last + 1:]
         out.append(forward + [entry for entry in backward if tuple(entry) not in skipped])
     return out
+
+
+@pytest.mark.slow
+def test_a_rank_without_samples_runs_the_fused_tail_with_the_others(
+        equivalence: list[dict[str, Any]]) -> None:
+    for results in equivalence:
+        reference, got = results["state-only rank [0, 0]"], results["state-only rank [3, 0]"]
+        assert got["fused"] == LAYERS
+        _assert_close(got["loss"], reference["loss"], TOLERANCE, "state-only loss")
+        _assert_close(got["norm"], reference["norm"], TOLERANCE, "state-only norm")
+        assert got["log"] == _without_second_gathers(reference, LAYERS)
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from cephalo.api.job import CephaloJobSpec, DataSpec, SyntheticData, TrainingSpe
 from cephalo.api.models import ModelConfig
 from cephalo.trainer.engine import Layout
 from cephalo.trainer.spawn import spawn_ranks
-from tests.torch_memory import live_bytes_peak
+from cephalo.trainer.torch_memory import live_bytes_peak
 
 TOLERANCE = 1e-5
 LAYOUT = Layout(batch_sizes=[3, 1], micro_batch_sizes=[1, 1], shard_ratios=[0.6, 0.4])

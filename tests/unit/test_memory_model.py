@@ -12,7 +12,7 @@ import torch
 from cephalo.api import memory, preset
 from cephalo.api.models import ModelConfig
 from cephalo.trainer.spawn import spawn_ranks
-from tests.torch_memory import live_bytes_peak
+from cephalo.trainer.torch_memory import live_bytes_peak
 
 # More blocks than gpt-tiny's two, so that the largest unit is a block and a block's
 # backward has a block both before (its gradient in flight) and after (prefetched) it.
