@@ -11,10 +11,12 @@ Modules:
   `run_unit_for_profile` for the profiler.
 * `engine`            the step (layered schedule, exact loss weighting, sharded AdamW step);
   `passes` its forward/backward passes: recompute, kept blocks (a rank plan's
-  `kept_blocks`), keep everything (`recompute: false`), and the evaluation forward.
+  `kept_blocks`; those every rank keeps run per microbatch with the head, the fused tail),
+  keep everything (`recompute: false`), and the evaluation forward.
 * `checkpoint`, `checkpoint_write`, `storage`  sharded checkpoints on a shared folder or
   object storage (fsspec): asynchronous upload, marker written last, per-rank verification.
 * `optim`, `data`, `metrics`, `env`, `run`  the rest of a training run;
   `python -m cephalo.trainer` is `run.main` (SIGTERM: checkpoint at the agreed step, exit 143).
 * `spawn`             N local gloo ranks for tests and benchmarks.
+* `torch_memory`      peak bytes torch allocates on the CPU (memory-model tests, benchmarks).
 """

@@ -51,6 +51,12 @@ class Pending:
             self.done = True
         return self.result
 
+    def release(self) -> None:
+        """Wait, then let go of the result's memory, however many references to this
+        collective remain (a rank that only takes part and needs nothing of it)."""
+        self.wait()
+        self.result = self.result.new_empty(0)
+
 
 @dataclass
 class CollectiveStats:

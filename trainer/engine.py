@@ -285,9 +285,11 @@ class Engine:
             kept = memory.kept_boundary_bytes(c.num_layers, samples, c.tokens_per_sample,
                                               c.hidden_size, self.store.offload)
             dims = (c.tokens_per_sample, c.hidden_size, c.ffn_hidden_size)
-            kept += memory.kept_blocks_bytes(self.kept_blocks - self.fused_tail, samples,
+            # A rank without samples takes part in the tail one unit at a time (passes.py).
+            fused = self.fused_tail if samples else 0
+            kept += memory.kept_blocks_bytes(self.kept_blocks - fused, samples,
                                              *dims, self.graph_bytes_per_sample)
-            kept += memory.fused_tail_bytes(self.fused_tail,
+            kept += memory.fused_tail_bytes(fused,
                                             self.layout.micro_batch_sizes[self.rank], *dims,
                                             c.block_parameters(), self.graph_bytes_per_sample)
         else:

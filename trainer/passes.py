@@ -60,24 +60,32 @@ def head(engine: Engine, full: torch.Tensor, targets: list[torch.Tensor]
          ) -> tuple[torch.Tensor, Pending]:
     """Fused head forward+backward; puts input gradients in the store; issues its RS."""
     scatters: list[Pending] = []
+
+    def issue(u: int, grad: torch.Tensor) -> Pending:
+        scatters.append(engine.comm.reduce_scatter(grad, engine.units[u].bounds, u))
+        return scatters[-1]
+
+    last = len(engine.units) - 1
     gathered = Pending([], full, "all_gather", engine.comm.stats, done=True)
-    loss_sum = fused_tail(engine, [gathered], targets, lambda u, grad: scatters.append(
-        engine.comm.reduce_scatter(grad, engine.units[u].bounds, u)))
-    return loss_sum, scatters[0]
+    return fused_tail(engine, last, gathered, targets, issue), scatters[0]
 
 
-def fused_tail(engine: Engine, gathers: list[Pending], targets: list[torch.Tensor],
-               issue: Callable[[int, torch.Tensor], None]) -> torch.Tensor:
-    """Run every microbatch forward through the last units (`gathers`: their gathers, the
-    head's last; each waited for where the first microbatch needs it) and straight back: one
+def fused_tail(engine: Engine, first: int, first_gather: Pending,
+               targets: list[torch.Tensor], issue: Callable[[int, torch.Tensor], Pending]
+               ) -> torch.Tensor:
+    """Run every microbatch forward through units `first`..head and straight back: one
     microbatch's graphs alive at a time, parameter gradients accumulating in the buffers'
-    `.grad`. The gradient of the tail's input goes in the store. `issue(u, gradient)` is
-    called for every tail unit, last first, as soon as its gradient is final: during the last
-    microbatch's backward, so that its reduce-scatter runs under the rest of it (FSDP2 does
-    the same), in the same order on every rank. Returns the sum of per-sample losses."""
+    `.grad`. `first_gather` is unit `first`'s gather; the others are issued now (the tail
+    holds them all anyway) and each waited for where the first microbatch needs it. The
+    gradient of the tail's input goes in the store. `issue(u, gradient)` is called for every
+    tail unit, last first, as soon as its gradient is final: during the last microbatch's
+    backward, so that its reduce-scatter runs under the rest of it (FSDP2 does the same), in
+    the same order on every rank. Returns the sum of per-sample losses."""
     units, store = engine.units, engine.store
     last = len(units) - 1
-    first = last - (len(gathers) - 1)
+    if not targets:
+        return _tail_without_samples(engine, first, first_gather, issue)
+    gathers = [first_gather, *(engine._gather(u) for u in range(first + 1, last + 1))]
     fulls: list[torch.Tensor | None] = [None] * len(gathers)
 
     def gathered(i: int) -> torch.Tensor:
@@ -123,20 +131,31 @@ def fused_tail(engine: Engine, gathers: list[Pending], targets: list[torch.Tenso
         store.drop((first, mb))
         store.put(("grad", first, mb), grad)
         store.evict(("grad", first, mb))
-    for i in range(len(gathers)):
-        full = gathered(i)  # a rank without samples takes part all the same
-        if i < len(gathers) - 1:
-            units[first + i].unbind()
-        issued.ready(first + i)(full)
+    for i in range(len(gathers) - 1):
+        units[first + i].unbind()
     issued.check_done()
     return loss_sum
+
+
+def _tail_without_samples(engine: Engine, first: int, pending: Pending,
+                          issue: Callable[[int, torch.Tensor], Pending]) -> torch.Tensor:
+    """A rank without samples takes part in the tail's collectives, in the same order, one
+    unit buffer at a time (it computes nothing: holding the tail would only cost memory)."""
+    last = len(engine.units) - 1
+    for u in range(first, last + 1):
+        pending.release()  # the caller may hold the first one still
+        if u < last:
+            pending = engine._gather(u + 1)
+    for u in range(last, first - 1, -1):
+        issue(u, engine.master_shards[u].new_zeros(engine.units[u].numel)).wait()
+    return torch.zeros((), dtype=torch.float32, device=engine.device)
 
 
 class _InOrder:
     """Calls `issue(u, gradient)` for units last, last-1, ..., first, each once its gradient
     is ready: autograd may finish them in another order, the collectives must not differ."""
 
-    def __init__(self, last: int, first: int, issue: Callable[[int, torch.Tensor], None]
+    def __init__(self, last: int, first: int, issue: Callable[[int, torch.Tensor], Pending]
                  ) -> None:
         self._next, self._first, self._issue = last, first, issue
         self._ready: dict[int, torch.Tensor] = {}
@@ -205,24 +224,24 @@ def forward_backward_recompute(engine: Engine, inputs: list[torch.Tensor],
                 store.evict((u, mb))  # consumed; needed again only in backward
             store.put((u + 1, mb), y)
         del full
-    # The tail is gathered once for the step: every gather issued now (the tail holds all
-    # its units anyway; the first was prefetched under the last layered unit) and waited
-    # for where the first microbatch needs it.
-    gathers = [pending, *(engine._gather(u) for u in range(first_fused + 1, last + 1))]
+    # The tail is gathered once for the step (its first unit prefetched under the last
+    # layered one); without a fused tail it is the head alone.
+    tail_gather = pending
     if first_fused == last and last >= 1:
         pending = engine._gather(last - 1)  # first unit of the backward, under the head
     scatters: list[Pending] = []
 
-    def issue(u: int, grad: torch.Tensor) -> None:
+    def issue(u: int, grad: torch.Tensor) -> Pending:
         nonlocal pending
         if u == first_fused < last:
             # In recompute mode's order less the skipped gathers, and only once the tail's
             # compute is done (cephalo.api.memory.fused_tail_bytes counts no gather in it).
             pending = engine._gather(u - 1)
         scatters.append(engine.comm.reduce_scatter(grad, units[u].bounds, u))
+        return scatters[-1]
 
-    loss_sum = fused_tail(engine, gathers, targets, issue)
-    del gathers  # the parameters go; the gradients wait for their reduce-scatters
+    loss_sum = fused_tail(engine, first_fused, tail_gather, targets, issue)
+    del tail_gather  # the parameters go; the gradients wait for their reduce-scatters
     for u in range(first_fused - 1, -1, -1):
         full = pending.wait()
         if u in kept:

@@ -155,7 +155,8 @@ def fused_tail_blocks(kept_blocks: list[int], batch_sizes: list[int],
                       measured_bytes_per_sample: list[float | None] | None = None) -> int:
     """How many of the last blocks every rank runs per microbatch: the most j no larger than
     any working rank's kept blocks for which no working rank's tail costs more than the
-    layered graphs of the same j blocks (a rank without samples computes nothing: any j).
+    layered graphs of the same j blocks (a rank without samples computes nothing and takes
+    part in the tail's collectives one unit buffer at a time: any j).
     The same on every rank: it reads only the layout (and the plan's graph sizes)."""
     measured = measured_bytes_per_sample or [None] * len(kept_blocks)
     working = [r for r, samples in enumerate(batch_sizes) if samples > 0]
