@@ -18,7 +18,7 @@ from cephalo.planner import kept_blocks as kept_module
 from cephalo.planner.costmodel import UnitComm
 from cephalo.planner.evaluate import evaluate, score
 from cephalo.planner.problem import build_problem, without_recompute
-from cephalo.planner.report import format_plan
+from cephalo.planner.report import format_plan, fused_tail_blocks
 from cephalo.planner.solver import solve_fixed
 
 from .planner_brute import Optimum, brute_force_optimum, brute_force_seconds
@@ -103,16 +103,21 @@ def test_solver_matches_brute_force_over_kept_counts(seed: int) -> None:
     if plan.recompute is not False:
         assert plan.predicted_step_seconds <= ev.step_seconds * (1 + 1e-12)
         layers = problem.model.num_layers
+        dims = (problem.model.tokens_per_sample, problem.model.hidden_size,
+                problem.model.ffn_hidden_size)
+        # Every block in the engine's fused tail (its own mode): one microbatch's graphs.
+        fused = fused_tail_blocks(plan) == layers
         for r in plan.ranks:
             cost = problem.rank_cost(r.rank)
+            graph = cost.profile.block_graph_bytes_per_sample
             assert 0 <= r.kept_blocks <= layers
             assert r.kept_blocks == 0 or r.batch_size > 0
             assert r.compute_memory_bytes == pytest.approx(int(
                 float(cost.compute_memory_bytes(np.array([r.micro_batch_size]))[0])
-                + memory.kept_blocks_bytes(
-                    r.kept_blocks, r.batch_size, problem.model.tokens_per_sample,
-                    problem.model.hidden_size, problem.model.ffn_hidden_size,
-                    cost.profile.block_graph_bytes_per_sample)
+                + (memory.fused_tail_bytes(r.kept_blocks, r.micro_batch_size, *dims,
+                                           problem.model.block_parameters(), graph)
+                   if fused else memory.kept_blocks_bytes(r.kept_blocks, r.batch_size,
+                                                          *dims, graph))
                 # boundary activations the offload decision keeps on the device
                 + (memory.kept_boundary_bytes(layers, r.batch_size,
                                               problem.model.tokens_per_sample,
@@ -249,8 +254,10 @@ def test_plan_and_report_say_which_ranks_keep_blocks() -> None:
 
 def test_too_many_candidates_offer_a_subset_and_the_plan_says_so(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    spec, cluster, profiles = _two_gpus(12, batch=16)
+    # Recompute mode keeping one block per rank (the fused and keep-all modes do not fit).
+    spec, cluster, profiles = _two_gpus(6, batch=8)
     exact = solve(spec, cluster, profiles, choose_gpus=False)
+    assert [r.kept_blocks for r in exact.ranks] == [1, 1]
     assert exact.recompute is None and "kept_blocks_candidates" not in exact.search
     monkeypatch.setattr(kept_module, "KEPT_CANDIDATES_MAX", 10)
     plan = solve(spec, cluster, profiles, choose_gpus=False)

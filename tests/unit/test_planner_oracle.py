@@ -1,7 +1,8 @@
 """The solver against brute force: on many small random instances, the fixed-GPU solver's
 predicted step time equals the exhaustive optimum of the planner's scoring over every
-assignment (kept-block counts included), and `solve`'s equals the least of those over every
-subset of the GPUs (the planner chooses which GPUs to use)."""
+assignment (kept-block counts included) in each job-wide mode, and `solve`'s equals the least
+of those over the modes and every subset of the GPUs (the planner chooses which GPUs to
+use)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from cephalo.api import ClusterSpec, GpuGroup
 from cephalo.planner import InfeasibleError, solve
 from cephalo.planner.evaluate import score
-from cephalo.planner.problem import build_problem, without_recompute
+from cephalo.planner.problem import Problem, build_problem, fused_everything, without_recompute
 from cephalo.planner.solver import solve_fixed
 
 from .planner_brute import brute_force_seconds
@@ -25,11 +26,17 @@ def brute_force(spec, cluster, profiles) -> float | None:
     """Least step time over all assignments (with every kept-block count per rank in
     recompute mode), every choice of which units are sharded evenly (the rest skewed) and
     both recompute modes (job-wide), with `score` as the truth (planner_brute.py)."""
-    recomputing = build_problem(spec, cluster, profiles)
-    found = [_brute_force_mode(problem) for problem in (recomputing,
-                                                        without_recompute(recomputing))]
+    found = [_brute_force_mode(problem) for problem in _modes(spec, cluster, profiles)]
     finite = [f for f in found if f is not None]
     return min(finite) if finite else None
+
+
+def _modes(spec, cluster, profiles) -> list[Problem]:
+    """The job priced in each job-wide mode: recompute (kept blocks per rank), every block
+    in the engine's fused tail (where a graph size is known), keeping everything."""
+    recomputing = build_problem(spec, cluster, profiles)
+    fused = fused_everything(recomputing)
+    return [recomputing, *([] if fused is None else [fused]), without_recompute(recomputing)]
 
 
 def _brute_force_mode(problem) -> float | None:
@@ -54,9 +61,8 @@ def brute_force_subsets(spec, cluster, profiles) -> float | None:
 
 def _check_against_brute_force(seed: int, max_gpus: int, max_batch: int) -> None:
     spec, cluster, profiles = random_instance(seed, max_gpus=max_gpus, max_batch=max_batch)
-    # All GPUs used: the core search is exact, in each recompute mode.
-    recomputing = build_problem(spec, cluster, profiles)
-    for problem in (recomputing, without_recompute(recomputing)):
+    # All GPUs used: the core search is exact, in each mode.
+    for problem in _modes(spec, cluster, profiles):
         expected = _brute_force_mode(problem)
         if expected is None:
             with pytest.raises(InfeasibleError):

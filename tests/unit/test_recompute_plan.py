@@ -16,8 +16,8 @@ from cephalo.api.profile import model_key
 from cephalo.commands.plan import parse_gpus
 from cephalo.planner import InfeasibleError, solve
 from cephalo.planner.evaluate import evaluate, score
-from cephalo.planner.problem import build_problem, without_recompute
-from cephalo.planner.report import format_plan
+from cephalo.planner.problem import build_problem, fused_everything, without_recompute
+from cephalo.planner.report import format_plan, fused_tail_blocks
 from cephalo.planner.solver import solve_fixed
 
 from .planner_instances import MIB, job_spec, random_instance
@@ -91,7 +91,7 @@ def test_memory_decides_between_the_modes_for_the_same_model() -> None:
     profile = _l4_profile(model)
     graph_per_sample = memory.kept_graph_bytes(model.num_layers, 1, model.tokens_per_sample,
                                                model.hidden_size, model.ffn_hidden_size, 0)
-    choices = []
+    choices, steps, fused = [], [], []
     for mib in (64, 16, 8, 6, 4):
         cluster = ClusterSpec(groups=[GpuGroup(product="L4", count=2, memory_bytes=mib * MIB)])
         plan = solve(spec, cluster, {"L4": profile}, choose_gpus=False)
@@ -103,19 +103,26 @@ def test_memory_decides_between_the_modes_for_the_same_model() -> None:
             # Its prediction holds the graphs of every sample it runs.
             for r in plan.ranks:
                 assert r.compute_memory_bytes >= graph_per_sample * r.batch_size
-    # Measured here: kept down to 8 MiB (47.5 ms predicted; keeping both blocks' graphs
-    # while recomputing ties with it, the gathers hiding under compute, and a tie goes to
-    # keeping everything); at 6 MiB that no longer fits and each rank keeps one block's
-    # graph (55.5 ms); at 4 MiB only one rank keeps one (62.4 ms; recompute alone: 63.5 ms).
-    assert choices == [(False, [0, 0])] * 3 + [(None, [1, 1]), (None, [1, 0])]
+        steps.append(plan.predicted_step_seconds)
+        fused.append(fused_tail_blocks(plan))
+    # Measured here: kept down to 8 MiB (47.5 ms predicted; the fused tail ties with it,
+    # the gathers hiding under compute, and a tie goes to keeping everything); at 6 MiB that
+    # no longer fits, and both blocks run in the engine's fused tail on every rank at the
+    # same 47.5 ms, holding one microbatch's graphs instead of eight (layered graphs of one
+    # block per rank took 55.5 ms before the fused tail was priced); at 4 MiB only one rank
+    # keeps one block's graph (62.4 ms; recompute alone: 63.5 ms).
+    assert choices == [(False, [0, 0])] * 3 + [(None, [2, 2]), (None, [1, 0])]
+    assert fused == [0, 0, 0, 2, 0]
+    assert steps[3] == pytest.approx(steps[0], rel=1e-12)
 
 
 @pytest.mark.parametrize("seed", range(25))
 def test_plan_is_never_slower_than_either_mode_alone(seed: int) -> None:
     spec, cluster, profiles = random_instance(seed)
     problem = build_problem(spec, cluster, profiles)
-    steps = [s for s in (_mode_step(problem), _mode_step(without_recompute(problem)))
-             if s is not None]
+    fused = fused_everything(problem)
+    modes = [problem, without_recompute(problem), *([] if fused is None else [fused])]
+    steps = [s for s in map(_mode_step, modes) if s is not None]
     if not steps:
         with pytest.raises(InfeasibleError):
             solve(spec, cluster, profiles, choose_gpus=False)

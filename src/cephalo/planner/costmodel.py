@@ -39,7 +39,11 @@ step prices the four kinds (even or skewed, kept or recomputed) by their counts.
 upper bounds: the engine runs the last blocks that every rank keeps per microbatch with the
 head instead, gathered once, wherever that holds no more memory
 (`cephalo.api.memory.fused_tail_blocks`); pricing that tail would need every rank's choice at
-once, which the per-rank search does not have.
+once, which the per-rank search does not have. Its whole-model case is a job-wide mode of its
+own (`GpuCostModel.fused_everything`): every working rank keeps all L blocks and the engine
+runs them all per microbatch, so a block's backward costs b - f and gathers nothing
+(u(ℓ·(b - f), RS_block)) while the embedding is still recomputed, and the memory grows by
+`cephalo.api.memory.fused_tail_bytes` for one microbatch — where the engine would fuse.
 """
 
 from __future__ import annotations
@@ -198,8 +202,11 @@ class GpuCostModel:
         # The engine's own per-step work beyond units and optimizer: what the profiled real
         # step took beyond this model's prediction of it (none measured: none charged).
         self.step_fixed_seconds = 0.0
-        # Recompute mode (the engine's default); `without_recompute` prices the other.
+        # Recompute mode (the engine's default); `without_recompute` prices the other, and
+        # `fused_everything` recompute mode with every block in the engine's fused tail.
         self.recompute = True
+        self.fused_all = False
+        self._fused_fixed_bytes = 0.0
         self._kept_bytes_per_sample = 0.0
         self._kept_fixed_bytes = 0.0
         # One kept block's graph per sample (recompute mode's `kept_blocks`): the profile's
@@ -241,6 +248,38 @@ class GpuCostModel:
             model.num_layers, 0, *dims, sum(model.unit_parameters()[:-1])))
         return kept
 
+    def fused_everything(self, model: ModelConfig) -> GpuCostModel | None:
+        """This GPU priced with every block in the engine's fused tail (a plan keeping all L
+        blocks on every working rank, where memory.fused_tail_blocks then runs them all per
+        microbatch with the head): no recompute and no second gather of a block (the
+        embedding is still recomputed and gathered again), one microbatch's block graphs
+        and every block's parameters and gradient held (memory.fused_tail_bytes). Only where
+        that holds no more than layered graphs would, which is when the engine runs it;
+        elsewhere a candidate does not fit. None where no graph size is known."""
+        if self._graph_bytes_per_sample is None or self.num_layers == 0:
+            return None
+        fused = copy.copy(self)
+        fused.recompute = False  # priced as keep-everything's blocks, see step_seconds
+        fused.fused_all = True
+        fused._fused_fixed_bytes = float(memory.fused_tail_bytes(
+            self.num_layers, 0, model.tokens_per_sample, model.hidden_size,
+            model.ffn_hidden_size, model.block_parameters()))
+        return fused
+
+    def _fused_memory_bytes(self, base: np.ndarray, m: np.ndarray,
+                            ell: np.ndarray | None) -> np.ndarray:
+        """compute_memory_bytes of the fused-everything mode: `ell` None is the lower bound
+        for m alone (no check that the engine would fuse)."""
+        layers = self.num_layers
+        tail = self._fused_fixed_bytes + layers * self.block_graph_bytes(m)
+        out = np.where(m > 0, base + tail, base)
+        if ell is None:
+            return out
+        # The engine fuses only where that costs no more than the layered graphs (with the
+        # same rounding: memory.fused_tail_blocks); elsewhere the plan could not be run.
+        layered = layers * self.block_graph_bytes(m * np.asarray(ell, dtype=np.float64))
+        return np.where((m > 0) & (tail > layered), np.inf, out)
+
     def compute_seconds(self, m: np.ndarray) -> np.ndarray:
         """(4, len(m)) array: block fwd, block bwd, other fwd, other bwd seconds per microbatch."""
         m = np.asarray(m, dtype=np.float64)
@@ -251,15 +290,20 @@ class GpuCostModel:
             out[k] = np.where(m > top, self._series[k, -1] + self._slopes[k] * (m - top), inside)
         return out
 
-    def compute_memory_bytes(self, m: np.ndarray, ell: np.ndarray | int = 1,
+    def compute_memory_bytes(self, m: np.ndarray, ell: np.ndarray | int | None = None,
                              kept: np.ndarray | None = None) -> np.ndarray:
         """Peak memory beyond the training state; linear in m (independent of ℓ because
         boundary activations are offloaded). m = 0 (state only) keeps the fixed part.
-        Without recompute it grows with the rank's ℓ·m samples (ℓ defaults to 1: the least
+        Without recompute it grows with the rank's ℓ·m samples (ℓ None counts 1: the least
         any rank with work holds, a lower bound where only m is known). `kept` (recompute
-        mode): the blocks whose graphs each candidate keeps, for all its ℓ·m samples."""
+        mode): the blocks whose graphs each candidate keeps, for all its ℓ·m samples. The
+        fused-everything mode holds one microbatch's graphs; a candidate the engine would
+        not fuse costs infinite memory."""
         m = np.asarray(m, dtype=np.float64)
         base = np.maximum(self.memory_intercept_bytes + self.memory_slope_bytes * m, 0.0)
+        if self.fused_all:
+            return self._fused_memory_bytes(base, m, None if ell is None else np.asarray(ell))
+        ell = 1 if ell is None else ell
         if self.recompute:
             if kept is None:
                 return base
@@ -320,9 +364,10 @@ class GpuCostModel:
             kept = None  # k = 0 everywhere: the same sums without the kept terms
         if not self.recompute:
             kept = None
-            # The backward reuses the forward's graphs: no recompute, no second gather.
+            # The backward reuses the forward's graphs: no recompute, no second gather (the
+            # fused tail's embedding is still recomputed: gathered again).
             b = b_kept
-            ag_back, ag_first_back = 0.0, 0.0
+            ag_back, ag_first_back = 0.0, (comm.ag_first if self.fused_all else 0.0)
         # A forward pass runs all ℓ microbatches through a unit at once: its fixed part is
         # paid once, not ℓ times (a profile point is one microbatch's whole pass).
         busy = ell > 0

@@ -10,12 +10,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cephalo.api import memory
 from cephalo.api.cluster import ClusterSpec
 from cephalo.api.job import CephaloJobSpec
 from cephalo.api.profile import GpuProfile
 from cephalo.planner.problem import (
     Problem,
     build_problem,
+    fused_everything,
     gib,
     subset_problem,
     without_recompute,
@@ -192,6 +194,11 @@ def _evaluate(spec: CephaloJobSpec, cluster: ClusterSpec,
     ell = [count for _, count in used]
     if kept_blocks is not None and len(kept_blocks) != len(used):
         raise ValueError(f"kept_blocks has {len(kept_blocks)} entries for {len(used)} ranks")
+    if recompute and kept_blocks is not None and \
+            _engine_fuses_everything(problem, micro, ell, kept_blocks):
+        fused = fused_everything(problem)  # the engine's fused tail, priced exactly
+        if fused is not None:
+            problem, kept_blocks = fused, None
     if shard_ratios is not None or even_shards:
         return score(problem, micro, ell, shard_ratios, even_shards=even_shards,
                      kept=kept_blocks)
@@ -237,3 +244,19 @@ def most_even_options(problem: Problem, rooms: Sequence[float]) -> list[EvenUnit
             if lo >= 0:
                 found.append(EvenUnits(embedding, head, lo))
     return sorted(found, key=lambda e: e.count())
+
+
+def _engine_fuses_everything(problem: Problem, micro: Sequence[int], ell: Sequence[int],
+                             kept: Sequence[int]) -> bool:
+    """Whether the engine runs every block of this assignment in its fused tail
+    (memory.fused_tail_blocks with the graph sizes a plan would record)."""
+    model, layers = problem.model, problem.model.num_layers
+    working = [r for r in range(len(micro)) if micro[r] * ell[r] > 0]
+    if layers == 0 or not working or any(kept[r] != layers for r in working):
+        return False
+    measured = [problem.rank_cost(r).profile.block_graph_bytes_per_sample
+                for r in range(len(micro))]
+    return memory.fused_tail_blocks(
+        list(kept), [m * n for m, n in zip(micro, ell, strict=True)], list(micro),
+        model.tokens_per_sample, model.hidden_size, model.ffn_hidden_size,
+        model.block_parameters(), measured) == layers

@@ -225,6 +225,19 @@ def subset_problem(problem: Problem, keep: list[int]) -> Problem:
                    [class_index[problem.rank_class[r]] for r in keep])
 
 
+def fused_everything(problem: Problem) -> Problem | None:
+    """The same job with every block in the engine's fused tail on every working rank
+    (job-wide: the collectives change), GpuCostModel.fused_everything; None where a GPU
+    type has no graph size to price it with."""
+    classes = []
+    for c in problem.classes:
+        cost = c.cost.fused_everything(problem.model)
+        if cost is None:
+            return None
+        classes.append(GpuClass(c.gpu, cost, c.budget_bytes, list(c.slots)))
+    return dataclasses.replace(problem, classes=classes)
+
+
 def without_recompute(problem: Problem) -> Problem:
     """The same job priced in the engine's no-recompute mode (job-wide: every rank's
     collectives change with it), GpuCostModel.without_recompute."""

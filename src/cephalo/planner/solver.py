@@ -22,6 +22,7 @@ from cephalo.planner.problem import (
     InfeasibleError,
     Problem,
     build_problem,
+    fused_everything,
     gib,
     without_recompute,
 )
@@ -48,14 +49,22 @@ def solve(spec: CephaloJobSpec, cluster: ClusterSpec,
     # is tried only where it can fit, and wins a tie: recompute mode ties it only by
     # keeping blocks whose second gather the model hides under compute, which the engine
     # still issues (bench/hetero_cpu.py measured keep-all faster in such a tie).
+    # Between them, every block in the engine's fused tail (job-wide too: all L blocks kept
+    # on every working rank, run per microbatch with the head): no recompute, no second
+    # gather, one microbatch's graphs. It beats a tie of recompute mode (it gathers less) and
+    # loses one to keeping everything (which does not gather the embedding again).
     best = _solve_mode(problem, choose_gpus)
-    try:
-        kept = _solve_mode(without_recompute(problem), choose_gpus)
-    except InfeasibleError:
-        kept = None
-    modes = [best] if kept is None else [best, kept]
-    if kept is not None and kept[0].step_seconds <= best[0].step_seconds * (1 + 1e-12):
-        best = kept
+    modes = [best]
+    for priced in (fused_everything(problem), without_recompute(problem)):
+        if priced is None:
+            continue
+        try:
+            mode = _solve_mode(priced, choose_gpus)
+        except InfeasibleError:
+            continue
+        modes.append(mode)
+        if mode[0].step_seconds <= best[0].step_seconds * (1 + 1e-12):
+            best = mode
     choice, solved, exhaustive = best
     # Every GPU's step (the idle GPUs' reason): the faster mode there, whichever won here.
     full = [c.full_step_seconds for c, _, _ in modes if c.full_step_seconds is not None]
@@ -261,6 +270,8 @@ def _plan(full: Problem, choice: Choice, sol: Solution, ev: Evaluation, solved: 
         cost = problem.rank_cost(r)
         batch = micro[r] * ell[r]
         kept = sol.kept[r] if sol.kept and cost.recompute else 0
+        if cost.fused_all and batch:
+            kept = layers  # every block: the engine runs them all per microbatch
         ranks.append(RankPlan(
             rank=r, gpu=gpu, pool=pool, node=None, batch_size=batch,
             micro_batch_size=micro[r], num_micro_batches=ell[r],
@@ -316,8 +327,10 @@ def _plan(full: Problem, choice: Choice, sol: Solution, ev: Evaluation, solved: 
                 "gpu_subsets_exhaustive": exhaustive,
                 **_kept_search_info(sol)},
         notes=notes,
-        # None (omitted): the engine's default, recompute; plans keep their bytes.
-        recompute=None if problem.rank_cost(0).recompute else False,
+        # None (omitted): the engine's default, recompute (the fused tail is recompute mode
+        # keeping every block); plans keep their bytes.
+        recompute=None if problem.rank_cost(0).recompute or problem.rank_cost(0).fused_all
+        else False,
     )
 
 
