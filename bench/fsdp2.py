@@ -1,12 +1,14 @@
 """Cephalo's engine against PyTorch's own FSDP2 (`torch.distributed.fsdp.fully_shard`) on 2
-gloo CPU ranks, in one launch, contenders alternated step by step.
+gloo CPU ranks (or one GPU: `--device cuda`, below), in one launch, contenders alternated
+step by step.
 
 Every contender trains its own copy of the same GPT (`cephalo.trainer.models`, seeded unit by
 unit), on the same data (`DataSource`), with fp32 AdamW (Cephalo's `ShardedAdamW`; FSDP2:
 `torch.optim.AdamW`, weight decay on matrices only), the same learning-rate schedule,
 global-norm clipping and microbatching. Every step's global loss and gradient norm must
 agree across all contenders (the run fails otherwise; AdamW is nearly blind to a gradient's
-scale, the norm is not; some norms over the first steps only, see NORM_CHECKED_STEPS).
+scale, the norm is not; some norms over the first steps only: `NORM_CHECKED_STEPS` in
+`bench/fsdp2_report.py`, which also holds the summary and the text report).
 Contenders, per regime:
 
 * Cephalo, unit-boundary recompute (its default), `keep k/L`: recompute mode with the graphs
@@ -45,38 +47,69 @@ Equal memory budget (issue 16's target): for each FSDP2 variant, the fastest Cep
 contender (by median step time) with the same microbatching whose peak is at most the
 variant's, and its paired step-time ratio; once by peak RSS growth, once by peak allocated.
 
+On a GPU (`--device cuda`, issue 16 item 4; `bench/fsdp2_device.py`): one NCCL rank on one
+GPU (NCCL refuses two ranks on one GPU; gloo has no all-gather or reduce-scatter of CUDA
+tensors), the compute regime only, by default `gpt-1.3b` (`--preset`, `--micro-batch`,
+`--micro-batches`, `--sequence-length` choose another size) and four contenders (every
+contender keeps its own state on the GPU; `--contenders` chooses others); steps timed
+between `torch.cuda.synchronize()` calls; memory is CUDA's peak allocated bytes over each
+contender's build and first two steps (the equal-memory table uses it). Every contender's
+useful TFLOP/s and MFU (against the GPU's dense peak at the run's precision, from the
+planner's catalog) are reported. `--precision bf16` runs both engines under the same bf16
+autocast over fp32 weights (FSDP2 without a MixedPrecisionPolicy: its bf16 gathers would be
+other arithmetic, and one rank has no traffic to halve); losses are then held to a looser
+tolerance.
+
 Run: `python bench/fsdp2.py [--regime compute|communication] [--rounds N]`; `--quick` is a
-seconds-long smoke run on a tiny model (CI); `--json` prints the results as JSON.
+seconds-long smoke run on a tiny model (CI); `--json` prints the results as JSON. On a GPU:
+`python bench/fsdp2.py --device cuda [--preset gpt-1.3b] [--rounds 3]`.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import gc
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from cephalo.api.job import DataSpec, SyntheticData, TrainingSpec
-from cephalo.api.models import ModelConfig
+from cephalo.api.models import ModelConfig, preset
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Engine, Layout
 from cephalo.trainer.models import UnitModel, build_unit
 from cephalo.trainer.optim import learning_rate
 from cephalo.trainer.spawn import spawn_ranks
-from cephalo.trainer.torch_memory import live_bytes_peak
+from cephalo.trainer.unit_ops import autocast
 
-WORLD = 2
+# The device half and the report live beside this file (run as a script, or re-imported by
+# its ranks).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fsdp2_device import (
+    CUDA_CONTENDERS,
+    CUDA_DEFAULT_PRESET,
+    MEASURED_STEPS,
+    UnitCache,
+    device_peak,
+    measured_build,
+    missing_device,
+    peak_allocated_bytes,
+    peak_memory_kib,
+    run_single_gpu,
+    synchronize,
+    torch_device,
+    world_size_for,
+)
+from fsdp2_report import loss_tolerance, report, summarise
+
 MODEL = dict(family="gpt", num_layers=4, hidden_size=256, num_heads=4, ffn_hidden_size=1024,
              vocab_size=1024)
 QUICK_MODEL = dict(family="gpt", num_layers=2, hidden_size=64, num_heads=4,
@@ -85,15 +118,28 @@ QUICK_MODEL = dict(family="gpt", num_layers=2, hidden_size=64, num_heads=4,
 REGIMES = {"compute": ((128, 2, 4), (16, 2, 2)), "communication": ((32, 1, 4), (8, 1, 2))}
 SPEC = TrainingSpec(steps=10_000, learning_rate=1e-3, weight_decay=0.1, warmup_steps=2,
                     gradient_clip_norm=1.0)
-LOSS_RELATIVE_TOLERANCE = 1e-4
-# The gradient norms of contenders that round differently from Cephalo recompute (FSDP2's,
-# and the one-microbatch ones: other matmul shapes) are held to the tolerance over the first
-# steps only: later, AdamW amplifies the rounding differences (measured, communication
-# regime: ≤ 8e-6 up to step 12, 1e-4 to 1.3e-3 by step 40; losses ≤ 3e-5 throughout). The
-# other Cephalo contenders (recompute, keep k/L, keep: the same arithmetic) are held to
-# Cephalo recompute's losses and norms at every step.
-NORM_CHECKED_STEPS = 12
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What the command line chooses beyond the regimes (None: the device's default)."""
+    device: str = "cpu"  # "cpu" | "cuda"
+    precision: str = "fp32"  # "fp32" | "bf16"
+    preset: str | None = None
+    micro_batch_size: int | None = None
+    num_micro_batches: int | None = None
+    sequence_length: int | None = None
+    contenders: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Where and how every contender of a rank runs."""
+    world: int
+    device: torch.device
+    precision: str
+    units: UnitCache | None = None  # CUDA: seeded units drawn once, copied per contender
 
 
 @dataclass(frozen=True)
@@ -104,9 +150,6 @@ class Contender:
     kept_blocks: int = 0  # cephalo, recompute mode: graphs of the last k blocks kept
     variant: str = "per-microbatch"  # fsdp2
     one_microbatch: bool = False
-
-
-FSDP2_VARIANTS = ("fsdp2 per-microbatch", "fsdp2 no-sync", "fsdp2 no-sync+keep")
 
 
 def contenders(num_layers: int) -> list[Contender]:
@@ -128,13 +171,26 @@ def contenders(num_layers: int) -> list[Contender]:
     ]
 
 
-def pairs(names: list[str]) -> list[tuple[str, str]]:
-    """(Cephalo contender, FSDP2 contender) pairs whose step-time ratio is reported: every
-    Cephalo contender against every FSDP2 variant with the same microbatching."""
-    cephalo = [n for n in names if n.startswith("cephalo") and not n.endswith("1mb")]
-    one = [n for n in names if n.startswith("cephalo") and n.endswith("1mb")]
-    return [(c, f) for f in FSDP2_VARIANTS for c in cephalo] + \
-        [(c, "fsdp2 one-microbatch") for c in one]
+def selected_contenders(num_layers: int, options: RunOptions, quick: bool) -> list[Contender]:
+    """The contenders `options` asks for (in the order of `contenders()`), or the default:
+    all of them, on a GPU `CUDA_CONTENDERS` unless the model is --quick's tiny one.
+    ValueError for an unknown name, or without Cephalo recompute (every other contender's
+    losses are held to its)."""
+    every = contenders(num_layers)
+    names = options.contenders
+    if names is None and options.device == "cuda" and (options.preset or not quick):
+        names = CUDA_CONTENDERS
+    if names is None:
+        return every
+    unknown = sorted(set(names) - {c.name for c in every})
+    if unknown:
+        raise ValueError(f"unknown contenders {unknown}; known: "
+                         f"{', '.join(c.name for c in every)}")
+    if "cephalo recompute" not in names:
+        raise ValueError("--contenders must include 'cephalo recompute' (the losses of every "
+                         "other contender are compared with its)")
+    return [c for c in every if c.name in names]
+
 
 # A step: (its index, this rank's microbatches) -> (global mean loss, or this rank's loss
 # sum as a tensor; gradient norm before clipping, or a DTensor): whatever still needs a
@@ -142,17 +198,34 @@ def pairs(names: list[str]) -> list[tuple[str, str]]:
 StepFn = Callable[[int, MicroBatches], tuple[Any, Any]]
 
 
-def model_config(regime: str, quick: bool) -> tuple[ModelConfig, int, int]:
+def model_config(regime: str, quick: bool, options: RunOptions = RunOptions()
+                 ) -> tuple[ModelConfig, int, int]:
+    """(Model, microbatch size, microbatches per rank): the regime's, unless `options` name a
+    preset (with its own sequence length) or override them. ValueError for an unknown
+    preset, or a sequence length for an image model."""
     sequence_length, micro, num_micro = REGIMES[regime][1 if quick else 0]
-    config = ModelConfig(**(QUICK_MODEL if quick else MODEL), sequence_length=sequence_length)
-    return config, micro, num_micro
+    name = options.preset or (CUDA_DEFAULT_PRESET if options.device == "cuda" and not quick
+                              else None)
+    fields = preset(name).model_dump() if name is not None else \
+        {**(QUICK_MODEL if quick else MODEL), "sequence_length": sequence_length}
+    if options.sequence_length is not None:
+        if fields["sequence_length"] is None:
+            raise ValueError(f"--sequence-length: {name} is not a text model")
+        fields["sequence_length"] = options.sequence_length
+    return (ModelConfig(**fields), options.micro_batch_size or micro,
+            options.num_micro_batches or num_micro)
 
 
 def cephalo_step(config: ModelConfig, batch: int, micro: int, recompute: bool,
-                 kept_blocks: int = 0) -> StepFn:
-    layout = Layout([batch] * WORLD, [micro] * WORLD, [1.0 / WORLD] * WORLD,
-                    kept_blocks=[kept_blocks] * WORLD)
-    engine = Engine(config, SPEC, layout, recompute=recompute)
+                 kept_blocks: int, setup: Setup) -> StepFn:
+    world = setup.world
+    layout = Layout([batch] * world, [micro] * world, [1.0 / world] * world,
+                    kept_blocks=[kept_blocks] * world)
+    # No activation offload (the engine's default on CUDA): a plan offloads only boundaries
+    # that do not fit, and FSDP2 offloads nothing.
+    with setup.units.installed() if setup.units else contextlib.nullcontext():
+        engine = Engine(config, SPEC, layout, recompute=recompute, device=setup.device,
+                        precision=setup.precision, offload=False)
 
     def step(i: int, batches: MicroBatches) -> tuple[float, float]:
         result = engine.step(batches)
@@ -161,15 +234,17 @@ def cephalo_step(config: ModelConfig, batch: int, micro: int, recompute: bool,
     return step
 
 
-def fsdp2_step(config: ModelConfig, batch: int, variant: str) -> StepFn:
+def fsdp2_step(config: ModelConfig, batch: int, variant: str, setup: Setup) -> StepFn:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (WORLD,))
+    world, device = setup.world, setup.device
+    mesh = init_device_mesh(device.type, (world,))
     keep = variant != "per-microbatch"  # the no-sync variants keep parameters after forward
+    make_unit = setup.units.build_unit if setup.units else build_unit
     units = []
     for i in range(config.num_units):  # one full unit at a time, as the engine builds them
-        unit = build_unit(config, i, seed=SPEC.seed)
+        unit = make_unit(config, i, seed=SPEC.seed).to(device)
         if 0 < i < config.num_units - 1:
             fully_shard(unit, mesh=mesh, reshard_after_forward=not keep)
         units.append(unit)
@@ -181,19 +256,20 @@ def fsdp2_step(config: ModelConfig, batch: int, variant: str) -> StepFn:
                                   lr=SPEC.learning_rate, betas=(SPEC.adam_beta1, SPEC.adam_beta2),
                                   eps=SPEC.adam_epsilon)
     # FSDP2 averages gradients over ranks; the engine sums per-sample losses weighted 1/B.
-    weight = WORLD / (WORLD * batch)
+    weight = world / (world * batch)
 
     def step(i: int, batches: MicroBatches) -> tuple[torch.Tensor, Any]:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(SPEC, i)
-        local = torch.zeros(())
+        local = torch.zeros((), device=device)
         for k, (x, t) in enumerate(batches):
             last = k == len(batches) - 1
             if keep:
                 model.set_requires_gradient_sync(last)
                 if variant == "no-sync+keep":
                     model.set_reshard_after_backward(last)
-            losses = model(x, t)
+            with autocast(device, setup.precision):  # the engine's own (bf16 or nothing)
+                losses = model(x, t)
             (losses.sum() * weight).backward()
             local += losses.detach().sum()
         assert SPEC.gradient_clip_norm is not None
@@ -205,12 +281,13 @@ def fsdp2_step(config: ModelConfig, batch: int, variant: str) -> StepFn:
     return step
 
 
-def build(contender: Contender, config: ModelConfig, micro: int, num_micro: int) -> StepFn:
+def build(contender: Contender, config: ModelConfig, micro: int, num_micro: int,
+          setup: Setup) -> StepFn:
     batch = micro * num_micro
     if contender.kind == "cephalo":
         return cephalo_step(config, batch, batch if contender.one_microbatch else micro,
-                            contender.recompute, contender.kept_blocks)
-    return fsdp2_step(config, batch, contender.variant)
+                            contender.recompute, contender.kept_blocks, setup)
+    return fsdp2_step(config, batch, contender.variant, setup)
 
 
 def _finish(value: tuple[Any, Any], global_batch: int) -> tuple[float, float]:
@@ -225,97 +302,93 @@ def _finish(value: tuple[Any, Any], global_batch: int) -> tuple[float, float]:
     return loss, norm
 
 
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _release_freed_memory() -> None:
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: a looser baseline
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
 def build_and_step(contender: Contender, config: ModelConfig, micro: int, num_micro: int,
-                   batches: list[MicroBatches], one: list[MicroBatches]) -> Callable[[], None]:
-    """What the memory measures wrap: `contender` built and stepped twice (its state is
+                   batches: list[MicroBatches], one: list[MicroBatches], setup: Setup
+                   ) -> Callable[[], None]:
+    """What the CPU memory measures wrap: `contender` built and stepped twice (its state is
     freed when the call returns)."""
     def run() -> None:
-        step = build(contender, config, micro, num_micro)
+        step = build(contender, config, micro, num_micro, setup)
         for i in range(2):
             _finish(step(i, (one if contender.one_microbatch else batches)[i]), 1)
     return run
 
 
-def peak_memory_kib(run: Callable[[], None]) -> tuple[int, int]:
-    """(Peak RSS above the pre-run RSS, the process's peak RSS) while `run` runs."""
-    _release_freed_memory()
-    dist.barrier()
-    before = _rss_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    run()
-    peak = _rss_kib("VmHWM")
-    return peak - before, peak
-
-
-def peak_allocated_bytes(run: Callable[[], None]) -> int:
-    """Peak of the bytes torch allocates (net of frees) in this rank while `run` runs; gloo's
-    worker threads included (their work carries the caller's profiler state: FSDP2's
-    collectives allocate there)."""
-    gc.collect()  # the previous contender's cycles: freed before, not during, the profile
-    dist.barrier()
-    return live_bytes_peak(run)
-
-
 def _worker(rank: int, world_size: int, regimes: dict[str, int], quick: bool,
-            memory: bool) -> dict[str, dict[str, Any]]:
+            memory: bool, options: RunOptions) -> dict[str, dict[str, Any]]:
     """Every regime in turn (regime -> timed rounds), all in this one launch."""
     # Kineto (torch's profiler, peak_allocated_bytes) logs two lines to stderr per profile
     # at its default level; above its highest level (read at the first profile) it is quiet.
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    return {regime: _regime(rank, regime, quick, rounds, memory)
+    device = torch_device(options.device)
+    setup = Setup(world_size, device, options.precision,
+                  UnitCache() if device.type == "cuda" else None)
+    return {regime: _regime(rank, regime, quick, rounds, memory, options, setup)
             for regime, rounds in regimes.items()}
 
 
-def _regime(rank: int, regime: str, quick: bool, rounds: int, memory: bool
-            ) -> dict[str, Any]:
-    config, micro, num_micro = model_config(regime, quick)
-    batch = micro * num_micro
+def _on(device: torch.device, batches: MicroBatches) -> MicroBatches:
+    return [(x.to(device), t.to(device)) for x, t in batches]
+
+
+def _regime(rank: int, regime: str, quick: bool, rounds: int, memory: bool,
+            options: RunOptions, setup: Setup) -> dict[str, Any]:
+    config, micro, num_micro = model_config(regime, quick, options)
+    batch, world, device = micro * num_micro, setup.world, setup.device
+    cuda = device.type == "cuda"
     data = DataSource(config, DataSpec(synthetic=SyntheticData()), seed=SPEC.seed)
     start, end = rank * batch, (rank + 1) * batch
-    steps = rounds + 1  # round 0 warms up (allocations, first collectives)
-    batches = [data.micro_batches(i, start, end, micro) for i in range(steps)]
-    one = [data.micro_batches(i, start, end, batch) for i in range(steps)]
-    every = contenders(config.num_layers)
-    fns = {c.name: build(c, config, micro, num_micro) for c in every}
+    # On CUDA each contender's first steps run inside its memory measure, before the rounds.
+    first = MEASURED_STEPS if cuda else 0
+    steps = first + rounds + 1  # the first round warms up (allocations, first collectives)
+    batches = [_on(device, data.micro_batches(i, start, end, micro)) for i in range(steps)]
+    one = [_on(device, data.micro_batches(i, start, end, batch)) for i in range(steps)]
+    every = selected_contenders(config.num_layers, options, quick)
     seconds: dict[str, list[float]] = {c.name: [] for c in every}
     losses: dict[str, list[float]] = {c.name: [] for c in every}
     norms: dict[str, list[float]] = {c.name: [] for c in every}
-    for r in range(steps):
+
+    def take_step(c: Contender, fn: StepFn, r: int) -> float:
+        """Step `r` of contender `c`: its seconds (the clock stops when the device is done;
+        what `_finish` still needs, collectives, runs after)."""
+        dist.barrier()
+        synchronize(device)
+        began = time.perf_counter()
+        value = fn(r, (one if c.one_microbatch else batches)[r])
+        synchronize(device)
+        elapsed = time.perf_counter() - began
+        loss, norm = _finish(value, world * batch)
+        losses[c.name].append(loss)
+        norms[c.name].append(norm)
+        return elapsed
+
+    cuda_peaks: dict[str, int] = {}
+    if cuda:
+        fns: dict[str, StepFn] = {}
+        for c in every:
+            fns[c.name], cuda_peaks[c.name] = measured_build(
+                lambda c=c: build(c, config, micro, num_micro, setup),
+                lambda fn, c=c: [take_step(c, fn, r) for r in range(first)], device)
+    else:
+        fns = {c.name: build(c, config, micro, num_micro, setup) for c in every}
+    for r in range(first, steps):
         order = every[r % len(every):] + every[:r % len(every)]
         for c in order:
-            dist.barrier()
-            began = time.perf_counter()
-            value = fns[c.name](r, (one if c.one_microbatch else batches)[r])
-            elapsed = time.perf_counter() - began
-            if r:
+            elapsed = take_step(c, fns[c.name], r)
+            if r > first:
                 seconds[c.name].append(elapsed)
-            loss, norm = _finish(value, WORLD * batch)
-            losses[c.name].append(loss)
-            norms[c.name].append(norm)
     # The slower rank's time of every step.
     names = [c.name for c in every]
-    table = torch.tensor([seconds[n] for n in names], dtype=torch.float64)
+    table = torch.tensor([seconds[n] for n in names], dtype=torch.float64, device=device)
     dist.all_reduce(table, op=dist.ReduceOp.MAX)
     del fns
     peaks: dict[str, list[int]] = {}
     allocated: dict[str, int] = {}
-    if memory:
-        runs = [build_and_step(c, config, micro, num_micro, batches, one) for c in every]
+    if memory and cuda:
+        allocated = cuda_peaks  # one rank: nothing to reduce
+    elif memory:
+        runs = [build_and_step(c, config, micro, num_micro, batches, one, setup)
+                for c in every]
         rss = [peak_memory_kib(run) for run in runs]
         # A second pass, not the same one: the profiler's own records are host memory outside
         # torch's allocator and would inflate the RSS peak (measured at --quick sizes: +5 to
@@ -327,140 +400,95 @@ def _regime(rank: int, regime: str, quick: bool, rounds: int, memory: bool
         rows = dict(zip(names, peak_table.tolist(), strict=True))
         peaks = {n: [int(row[0]), int(row[1])] for n, row in rows.items()}
         allocated = {n: int(row[2]) for n, row in rows.items()}
+    device_name, peak_flops = device_peak(device, setup.precision)
     return {"seconds": dict(zip(names, table.tolist(), strict=True)), "losses": losses,
             "grad_norms": norms,
             "peak_kib": peaks, "peak_allocated_bytes": allocated,
             "model": config.model_dump(mode="json"),
             "micro_batch_size": micro, "num_micro_batches": num_micro,
-            "parameters": config.total_parameters()}
+            "parameters": config.total_parameters(),
+            "device": device.type, "device_name": device_name, "peak_flops": peak_flops,
+            "world_size": world, "backend": dist.get_backend(), "precision": setup.precision,
+            "flops_per_step": config.training_flops_per_sample() * world * batch}
 
 
-def _quantiles(values: list[float]) -> tuple[float, float, float]:
-    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 \
-        else [values[0]] * 3
-    return q[0], statistics.median(values), q[2]
-
-
-def _worst_difference(values: dict[str, list[float]], other_steps: int | None = None
-                      ) -> float:
-    """Largest relative difference of any contender's step value from Cephalo recompute's
-    (over the first `other_steps` steps, when given, for contenders that round
-    differently: FSDP2 and one microbatch)."""
-    reference = values["cephalo recompute"]
-
-    def steps(name: str) -> int | None:
-        return other_steps if name.startswith("fsdp2") or name.endswith("1mb") else None
-
-    return max(abs(v - ref) / abs(ref) for name, series in values.items()
-               for v, ref in list(zip(series, reference, strict=True))[:steps(name)])
-
-
-def _ratio(cephalo: list[float], fsdp: list[float]) -> dict[str, float]:
-    """Quartiles and range of the per-round ratios (paired: same round, same load)."""
-    paired = [c / f for c, f in zip(cephalo, fsdp, strict=True)]
-    low, median, high = _quantiles(paired)
-    return {"median": median, "p25": low, "p75": high, "min": min(paired), "max": max(paired)}
-
-
-def _equal_memory(seconds: dict[str, list[float]], medians: dict[str, float],
-                  peak_mib: dict[str, float], measure: str) -> dict[str, dict[str, Any]]:
-    """FSDP2 variant -> the fastest Cephalo contender with the same microbatching whose peak
-    (`peak_mib`, the `measure`: "rss" or "allocated") is at most the variant's, and its
-    ratio (none fits: `cephalo` is None)."""
-    out: dict[str, dict[str, Any]] = {}
-    for fsdp in [n for n in seconds if n.startswith("fsdp2") and n in peak_mib]:  # --no-memory
-        one = fsdp == "fsdp2 one-microbatch"
-        fits = [n for n in seconds if n.startswith("cephalo") and n.endswith("1mb") == one
-                and peak_mib[n] <= peak_mib[fsdp]]
-        best = min(fits, key=lambda n: medians[n], default=None)
-        out[fsdp] = {"cephalo": best, f"fsdp2_peak_{measure}_mib": peak_mib[fsdp],
-                     f"cephalo_peak_{measure}_mib": None if best is None else peak_mib[best],
-                     "ratio": None if best is None else _ratio(seconds[best], seconds[fsdp])}
-    return out
-
-
-def summarise(result: dict[str, Any]) -> dict[str, Any]:
-    seconds, losses = result["seconds"], result["losses"]
-    worst = max(_worst_difference(losses),
-                _worst_difference(result["grad_norms"], NORM_CHECKED_STEPS))
-    ratios = {f"{cephalo} / {fsdp}": _ratio(seconds[cephalo], seconds[fsdp])
-              for cephalo, fsdp in pairs(list(seconds))}
-    medians = {n: statistics.median(s) for n, s in seconds.items()}
-    rss_mib = {n: kib[0] / 1024 for n, kib in result["peak_kib"].items()}
-    allocated_mib = {n: b / 2**20 for n, b in result["peak_allocated_bytes"].items()}
-    return {"step_seconds_median": medians, "ratios": ratios,
-            "equal_memory": _equal_memory(seconds, medians, rss_mib, "rss"),
-            "equal_memory_allocated": _equal_memory(seconds, medians, allocated_mib,
-                                                    "allocated"),
-            "max_relative_difference": worst,
-            "losses_equal": worst <= LOSS_RELATIVE_TOLERANCE,
-            "peak_rss_mib": rss_mib, "peak_allocated_mib": allocated_mib,
-            "process_peak_rss_mib": {n: kib[1] / 1024 for n, kib in result["peak_kib"].items()},
-            "rounds": len(next(iter(seconds.values()))), "model": result["model"],
-            "parameters": result["parameters"], "micro_batch_size": result["micro_batch_size"],
-            "num_micro_batches": result["num_micro_batches"]}
-
-
-def report(regime: str, s: dict[str, Any]) -> str:
-    m = s["model"]
-    lines = [f"== {regime}: gpt {m['num_layers']} layers, hidden {m['hidden_size']}, seq "
-             f"{m['sequence_length']}, {s['parameters']:,} parameters; {WORLD} gloo ranks x "
-             f"{s['num_micro_batches']} microbatches of {s['micro_batch_size']}; "
-             f"{s['rounds']} alternated rounds",
-             f"losses (and gradient norms; FSDP2's and one microbatch's over the first "
-             f"{NORM_CHECKED_STEPS} steps) equal across contenders: {s['losses_equal']} "
-             f"(max relative difference {s['max_relative_difference']:.1e})"]
-    for name, value in s["step_seconds_median"].items():
-        memory = s["peak_rss_mib"].get(name)
-        extra = (f", peak RSS +{memory:6.1f} MiB/rank over the pre-build RSS (process "
-                 f"{s['process_peak_rss_mib'][name]:.0f} MiB), peak allocated "
-                 f"{s['peak_allocated_mib'][name]:6.1f} MiB") if memory is not None else ""
-        lines.append(f"  {name:>22}: step {1e3 * value:8.1f} ms (median){extra}")
-    for pair, r in s["ratios"].items():
-        lines.append(f"  {pair:>45}: {_format_ratio(r)}")
-    for key, measure, what in [("equal_memory", "rss", "peak RSS growth"),
-                               ("equal_memory_allocated", "allocated", "peak allocated")]:
-        if s[key]:
-            lines.append(f"at equal memory budget by {what} (fastest Cephalo contender whose "
-                         f"{what} per rank is at most the FSDP2 variant's):")
-        for fsdp, e in s[key].items():
-            best = "no Cephalo contender fits" if e["cephalo"] is None else (
-                f"{e['cephalo']} ({e[f'cephalo_peak_{measure}_mib']:.1f} MiB) "
-                f"{_format_ratio(e['ratio'])}")
-            lines.append(f"  {fsdp:>22} ({e[f'fsdp2_peak_{measure}_mib']:.1f} MiB): {best}")
-    return "\n".join(lines)
-
-
-def _format_ratio(r: dict[str, float]) -> str:
-    return (f"{r['median']:.2f} (IQR {r['p25']:.2f}-{r['p75']:.2f}, "
-            f"range {r['min']:.2f}-{r['max']:.2f})")
+def _options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> RunOptions:
+    """The run's options from the command line; parser.error (exit 2) on a bad one."""
+    if args.rounds is not None and args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    for flag in ("micro_batch", "micro_batches", "sequence_length"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.device == "cuda" and args.regime in ("communication", "both"):
+        parser.error(f"--regime {args.regime}: --device cuda runs one rank, which has no "
+                     "communication; use --regime compute")
+    names = None if args.contenders is None else \
+        tuple(n.strip() for n in args.contenders.split(",") if n.strip())
+    return RunOptions(args.device, args.precision, args.preset, args.micro_batch,
+                      args.micro_batches, args.sequence_length, names)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--regime", choices=[*REGIMES, "both"], default="both")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cpu: 2 gloo ranks (default); cuda: one NCCL rank on GPU 0")
+    parser.add_argument("--regime", choices=[*REGIMES, "both"], default=None,
+                        help="default: both on cpu, compute on cuda")
     parser.add_argument("--rounds", type=int, default=None,
                         help="timed rounds per regime (default: 6 compute, 12 communication; "
                              "2 with --quick)")
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 rounds (CI smoke)")
+    parser.add_argument("--preset", default=None,
+                        help="a model preset (e.g. gpt-1.3b) instead of the bench's GPT; "
+                             f"default on cuda without --quick: {CUDA_DEFAULT_PRESET}")
+    parser.add_argument("--micro-batch", type=int, default=None,
+                        help="microbatch size (default: the regime's)")
+    parser.add_argument("--micro-batches", type=int, default=None,
+                        help="microbatches per rank (default: the regime's)")
+    parser.add_argument("--sequence-length", type=int, default=None,
+                        help="default: the preset's, else the regime's")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                        help="bf16: autocast over fp32 weights, in both engines")
+    parser.add_argument("--contenders", default=None,
+                        help="comma-separated contender names, 'cephalo recompute' among them "
+                             "(default: all; on cuda, but for --quick's tiny model: "
+                             f"{', '.join(CUDA_CONTENDERS)})")
     parser.add_argument("--no-memory", action="store_true",
-                        help="skip both memory measurements (peak RSS, peak allocated)")
+                        help="skip the memory measurements (peak RSS and peak allocated; "
+                             "on cuda: CUDA peak allocated)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
-    if args.rounds is not None and args.rounds < 1:
-        parser.error("--rounds must be at least 1")
+    options = _options(parser, args)
+    regime = args.regime or ("compute" if args.device == "cuda" else "both")
     default_rounds = {"compute": 6, "communication": 12}
     rounds = {r: args.rounds or (2 if args.quick else default_rounds[r])
-              for r in (REGIMES if args.regime == "both" else [args.regime])}
+              for r in (REGIMES if regime == "both" else [regime])}
+    try:  # the model and contenders every rank will build, checked before any starts
+        for r in rounds:
+            config = model_config(r, args.quick, options)[0]
+            selected_contenders(config.num_layers, options, args.quick)
+    except ValueError as e:
+        parser.error(str(e).splitlines()[0] if "validation error" not in str(e)
+                     else " ".join(str(e).split()))
+    missing = missing_device(args.device)
+    if missing is not None:
+        print(f"error: {missing}", file=sys.stderr)
+        return 2
+    world = world_size_for(args.device)
     # A compute round is 12 steps of up to ~2 s each on 2 loaded cores.
-    raw = spawn_ranks(_worker, WORLD, rounds, args.quick, not args.no_memory,
-                      timeout_seconds=600 + 60 * sum(rounds.values()))[0]
+    timeout_seconds = 600 + 60 * sum(rounds.values())
+    if args.device == "cuda":
+        raw = run_single_gpu(_worker, rounds, args.quick, not args.no_memory, options,
+                             timeout_seconds=timeout_seconds)[0]
+    else:
+        raw = spawn_ranks(_worker, world, rounds, args.quick, not args.no_memory, options,
+                          timeout_seconds=timeout_seconds)[0]
     results = {regime: summarise(value) for regime, value in raw.items()}
     print(json.dumps(results, indent=1) if args.json else
           "\n".join(report(regime, value) for regime, value in results.items()))
     if not all(r["losses_equal"] for r in results.values()):
         print("error: losses differ across contenders beyond the tolerance "
-              f"{LOSS_RELATIVE_TOLERANCE}", file=sys.stderr)
+              f"{loss_tolerance(options.precision)}", file=sys.stderr)
         return 1
     return 0
 

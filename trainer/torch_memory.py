@@ -1,6 +1,7 @@
 """Peak bytes a piece of torch code allocates on the CPU (net of frees): the CPU analogue of
-CUDA's `max_memory_allocated`, which torch lacks. Used by `bench/fsdp2.py` (next to peak
-RSS, which glibc's retained free memory blurs) and by the memory-model tests."""
+CUDA's `max_memory_allocated`, which torch lacks. Used by `bench/fsdp2.py` (through
+`bench/fsdp2_device.py`, next to peak RSS, which glibc's retained free memory blurs) and by
+the memory-model tests."""
 
 from __future__ import annotations
 
