@@ -234,8 +234,9 @@ def forward_backward_recompute(engine: Engine, inputs: list[torch.Tensor],
     def issue(u: int, grad: torch.Tensor) -> Pending:
         nonlocal pending
         if u == first_fused < last:
-            # In recompute mode's order less the skipped gathers, and only once the tail's
-            # compute is done (cephalo.api.memory.fused_tail_bytes counts no gather in it).
+            # In recompute mode's order less the skipped gathers, and only as the tail's last
+            # backward ends (every tail gradient final): its buffer takes the place of a
+            # microbatch gradient being added (cephalo.api.memory.fused_tail_bytes).
             pending = engine._gather(u - 1)
         scatters.append(engine.comm.reduce_scatter(grad, units[u].bounds, u))
         return scatters[-1]

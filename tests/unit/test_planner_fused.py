@@ -78,7 +78,7 @@ def test_solve_runs_every_block_per_microbatch_where_keeping_everything_does_not
     layers = problem.model.num_layers
     assert plan.recompute is None
     assert [r.kept_blocks for r in plan.ranks] == [layers] * 2
-    assert "the last 2 on every rank run per microbatch with the head" in format_plan(
+    assert "every block (2) runs per microbatch with the head on every rank" in format_plan(
         plan, "gpt-tiny")
     with pytest.raises(Exception, match="iB"):
         solve(spec, ClusterSpec(groups=[GpuGroup(product="L4", count=2, memory_bytes=2 * MIB)]),

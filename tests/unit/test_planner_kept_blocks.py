@@ -304,21 +304,27 @@ def test_partial_subset_search_bounds_plans_that_keep_blocks(
 
 def test_the_report_says_which_kept_blocks_run_per_microbatch() -> None:
     """`cephalo plan` names the fused tail the engine will run (memory.fused_tail_blocks on
-    the plan's own fields): every kept block on both ranks here, with several microbatches."""
+    the plan's own fields): the blocks both ranks keep, with several microbatches; all of
+    them in the fused-everything mode."""
     from cephalo.planner.report import fused_tail_blocks, kept_blocks_phrase
 
     spec, cluster, profiles = _two_gpus(24, batch=32)
     plan = solve(spec, cluster, profiles, choose_gpus=False)
-    kept = [r.kept_blocks for r in plan.ranks]
+    assert [r.kept_blocks for r in plan.ranks] == [4, 4] and fused_tail_blocks(plan) == 4
+    assert "every block (4) runs per microbatch" in kept_blocks_phrase(plan)
+    # By hand, ranks keeping 3 and 2 blocks: the last 2 run per microbatch on both.
+    ranks = [r.model_copy(update={"kept_blocks": k}) for r, k in zip(plan.ranks, (3, 2),
+                                                                     strict=True)]
+    partial = plan.model_copy(update={"ranks": ranks})
     model = spec.model.resolve()
     expected = memory.fused_tail_blocks(
-        kept, [r.batch_size for r in plan.ranks], [r.micro_batch_size for r in plan.ranks],
+        [3, 2], [r.batch_size for r in ranks], [r.micro_batch_size for r in ranks],
         model.tokens_per_sample, model.hidden_size, model.ffn_hidden_size,
         model.block_parameters())
-    assert fused_tail_blocks(plan) == expected
-    print(kept, [(r.batch_size, r.micro_batch_size) for r in plan.ranks], expected)
-    assert expected > 0
-    assert f"the last {expected} on every rank run per microbatch" in kept_blocks_phrase(plan)
-    no_model = plan.model_copy(update={"model": None})
+    assert fused_tail_blocks(partial) == expected == 2
+    phrase = kept_blocks_phrase(partial)
+    assert "rank 0 keeps the graphs of 3 of 4 blocks" in phrase
+    assert "the last 2 on every rank run per microbatch with the head" in phrase
+    no_model = partial.model_copy(update={"model": None})
     assert fused_tail_blocks(no_model) == 0
     assert "per microbatch" not in kept_blocks_phrase(no_model)

@@ -134,7 +134,8 @@ def kept_graph_bytes(num_layers: int, samples: int, tokens_per_sample: int, hidd
 # That holds the head's and the j blocks' parameters and full gradients together, plus up to
 # two microbatch gradients being added (autograd may finish two units' close together): 2j + 4
 # unit buffers where recompute mode counts five, so 2j - 1 more block buffers (the next
-# unit's gather is issued after the tail). The engine runs a block this way only
+# unit's gather is issued only as the tail's last backward ends, in place of such a
+# gradient). The engine runs a block this way only
 # where it costs no rank more than its layered graphs (`fused_tail_blocks`), so the
 # planner's price of kept blocks (`kept_blocks_bytes`) stays an upper bound.
 def fused_tail_bytes(blocks: int, micro_batch_size: int, tokens_per_sample: int,

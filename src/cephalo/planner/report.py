@@ -94,12 +94,15 @@ def kept_blocks_phrase(plan: Plan) -> str:
     if not groups:
         return ""
     layers = (plan.model or {}).get("num_layers")
+    fused = fused_tail_blocks(plan)
+    if fused and fused == layers:
+        return (f"; every block ({layers}) runs per microbatch with the head on every rank "
+                "that has samples (no recompute, parameters gathered once: the fused tail)")
     of = f" of {layers}" if isinstance(layers, int) else ""
     parts = []
     for first, last, count in groups:
         who = f"rank {first} keeps" if first == last else f"ranks {first}-{last} keep"
         parts.append(f"{who} the graphs of {count}{of} blocks")
-    fused = fused_tail_blocks(plan)
     tail = "" if not fused else (
         f"; the last {fused} on every rank run per microbatch with the head, gathered once")
     return "; " + ", ".join(parts) + " (their last blocks: no recompute, parameters " \

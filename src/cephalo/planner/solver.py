@@ -26,6 +26,7 @@ from cephalo.planner.problem import (
     gib,
     without_recompute,
 )
+from cephalo.planner.report import fused_tail_blocks
 from cephalo.planner.search import ClassTable, SearchResult
 from cephalo.planner.subset import Choice, idle_counts, search_subsets
 from cephalo.planner.unit_search import search_even_sets
@@ -81,6 +82,9 @@ def solve(spec: CephaloJobSpec, cluster: ClusterSpec,
                        kept=sol.kept)
     assert evaluation.feasible, evaluation.reason
     plan = _plan(problem, choice, sol, evaluation, solved, exhaustive, choose_gpus)
+    if choice.problem.rank_cost(0).fused_all:
+        # The engine decides the fused tail from the plan alone: it must run what was priced.
+        assert fused_tail_blocks(plan) == problem.model.num_layers, plan.ranks
     # Last: where each rank keeps its boundary activations (offload only where they do not
     # fit; per rank, the collectives do not change). `choice.problem`: the GPUs used.
     return offload_plan(plan, choice.problem)
