@@ -325,6 +325,12 @@ def test_the_report_says_which_kept_blocks_run_per_microbatch() -> None:
     phrase = kept_blocks_phrase(partial)
     assert "rank 0 keeps the graphs of 3 of 4 blocks" in phrase
     assert "the last 2 on every rank run per microbatch with the head" in phrase
+    # Both keeping 2: every kept block is in the fused tail.
+    both = plan.model_copy(update={"ranks": [r.model_copy(update={"kept_blocks": 2})
+                                             for r in plan.ranks]})
+    assert kept_blocks_phrase(both) == (
+        "; ranks 0-1 keep the graphs of 2 of 4 blocks (their last blocks: no recompute, run "
+        "per microbatch with the head, parameters gathered once)")
     no_model = partial.model_copy(update={"model": None})
     assert fused_tail_blocks(no_model) == 0
     assert "per microbatch" not in kept_blocks_phrase(no_model)

@@ -103,10 +103,15 @@ def kept_blocks_phrase(plan: Plan) -> str:
     for first, last, count in groups:
         who = f"rank {first} keeps" if first == last else f"ranks {first}-{last} keep"
         parts.append(f"{who} the graphs of {count}{of} blocks")
-    tail = "" if not fused else (
-        f"; the last {fused} on every rank run per microbatch with the head, gathered once")
-    return "; " + ", ".join(parts) + " (their last blocks: no recompute, parameters " \
-        f"gathered again){tail}"
+    if fused and fused == max(count for _, _, count in groups):
+        how = "their last blocks: no recompute, run per microbatch with the head, " \
+            "parameters gathered once"
+    else:
+        how = "their last blocks: no recompute, parameters gathered again"
+        if fused:
+            how += (f"; the last {fused} on every rank run per microbatch with the head, "
+                    "gathered once")
+    return "; " + ", ".join(parts) + f" ({how})"
 
 
 def fused_tail_blocks(plan: Plan) -> int:
