@@ -101,6 +101,22 @@ class FlatUnit:
         for s, chunk, (owner, leaf) in zip(self.specs, chunks, self._owners, strict=True):
             owner.__dict__[leaf] = chunk.view(s.shape)
 
+    def bind_leaves(self, flat: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
+        """Point every parameter attribute at its own leaf tensor on its part of `flat`'s
+        memory, whose `.grad` is the same part of `grad`: autograd then adds each
+        parameter's gradient into `grad` in place, one parameter at a time, where `bind`
+        hands a whole new unit-sized buffer over per backward (its concatenation). For the
+        fused tail, whose units accumulate over microbatches. Returns the leaves."""
+        leaves = []
+        for s, chunk, part, (owner, leaf) in zip(self.specs, flat.split(self._sizes),
+                                                 grad.split(self._sizes), self._owners,
+                                                 strict=True):
+            param = chunk.detach().view(s.shape).requires_grad_(True)
+            param.grad = part.view(s.shape)
+            owner.__dict__[leaf] = param
+            leaves.append(param)
+        return leaves
+
     def unbind(self) -> None:
         """Drop the views so the full buffer can be freed (resharding)."""
         for owner, leaf in self._owners:

@@ -10,7 +10,7 @@ store and collectives it drives.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -74,26 +74,30 @@ def fused_tail(engine: Engine, first: int, first_gather: Pending,
                targets: list[torch.Tensor], issue: Callable[[int, torch.Tensor], Pending]
                ) -> torch.Tensor:
     """Run every microbatch forward through units `first`..head and straight back: one
-    microbatch's graphs alive at a time, parameter gradients accumulating in the buffers'
-    `.grad`. `first_gather` is unit `first`'s gather; the others are issued now (the tail
-    holds them all anyway) and each waited for where the first microbatch needs it. The
-    gradient of the tail's input goes in the store. `issue(u, gradient)` is called for every
-    tail unit, last first, as soon as its gradient is final: during the last microbatch's
-    backward, so that its reduce-scatter runs under the rest of it (FSDP2 does the same), in
-    the same order on every rank. Returns the sum of per-sample losses."""
+    microbatch's graphs alive at a time, parameter gradients accumulating over them (a
+    block's in place, parameter by parameter: FlatUnit.bind_leaves). `first_gather` is unit
+    `first`'s gather; the others are issued now (the tail holds them all anyway) and each
+    waited for where the first microbatch needs it. The gradient of the tail's input goes in
+    the store. `issue(u, gradient)` is called for every tail unit, last first, as soon as its
+    gradient is final: during the last microbatch's backward, so that its reduce-scatter runs
+    under the rest of it (FSDP2 does the same), in the same order on every rank. Returns the
+    sum of per-sample losses."""
     units, store = engine.units, engine.store
     last = len(units) - 1
     if not targets:
         return _tail_without_samples(engine, first, first_gather, issue)
+    blocks = last - first
     gathers = [first_gather, *(engine._gather(u) for u in range(first + 1, last + 1))]
     fulls: list[torch.Tensor | None] = [None] * len(gathers)
+    grads: list[torch.Tensor] = []  # the blocks' full gradients
+    leaves: list[list[torch.Tensor]] = []  # the blocks' parameters
 
     def gathered(i: int) -> torch.Tensor:
         if fulls[i] is None:
             full = gathers[i].wait()
-            if i < len(gathers) - 1:  # a block: views with autograd on, which every
-                full.requires_grad_(True)  # microbatch's graph reaches
-                units[first + i].bind(full)
+            if i < blocks:
+                grads.append(torch.zeros_like(full))
+                leaves.append(units[first + i].bind_leaves(full, grads[i]))
             fulls[i] = full
         return fulls[i]  # type: ignore[return-value]
 
@@ -104,23 +108,23 @@ def fused_tail(engine: Engine, first: int, first_gather: Pending,
     for mb, t in enumerate(targets):
         final = mb == num_mb - 1
         x = store.get((first, mb))
-        hooks = [gathered(i).register_post_accumulate_grad_hook(issued.ready(first + i))
-                 for i in range(len(gathers) - 1)] if final else []
+        hooks = _ready_hooks(engine, first, blocks, gathered, leaves, grads, issued) \
+            if final else []
         with engine._dilated():
-            if first < last:
+            if blocks:
                 x = x.detach().requires_grad_(True)
                 with torch.enable_grad(), autocast(engine.device, engine.precision):
                     y = x
-                    for i in range(len(gathers) - 1):
+                    for i in range(blocks):
                         gathered(i)  # the first microbatch waits for it and binds it
                         y = units[first + i].module(y)
             else:
                 y = x
-            losses, grad = head_forward_backward(units[last], gathered(len(gathers) - 1), y,
-                                                 t, weight, engine.device, engine.precision)
+            losses, grad = head_forward_backward(units[last], gathered(blocks), y, t, weight,
+                                                 engine.device, engine.precision)
             if final:
-                issued.ready(last)(fulls[-1])  # type: ignore[arg-type]
-            if first < last:
+                issued.ready(last, grad_of(gathered(blocks)))
+            if blocks:
                 torch.autograd.backward(y, grad)
                 assert x.grad is not None
                 grad = x.grad
@@ -131,10 +135,29 @@ def fused_tail(engine: Engine, first: int, first_gather: Pending,
         store.drop((first, mb))
         store.put(("grad", first, mb), grad)
         store.evict(("grad", first, mb))
-    for i in range(len(gathers) - 1):
+    for i in range(blocks):  # every gradient is final now, reached by a hook or not
         units[first + i].unbind()
-    issued.check_done()
+        issued.ready(first + i, grads[i])
     return loss_sum
+
+
+def _ready_hooks(engine: Engine, first: int, blocks: int,
+                 gathered: Callable[[int], torch.Tensor], leaves: list[list[torch.Tensor]],
+                 grads: list[torch.Tensor], issued: _InOrder) -> list[Any]:
+    """Hooks that tell `issued` when a block's gradient is final in the last microbatch:
+    once autograd has added into every one of its parameters."""
+    handles = []
+    for i in range(blocks):
+        gathered(i)
+        pending = [len(leaves[i])]
+
+        def added(_: torch.Tensor, i: int = i, pending: list[int] = pending) -> None:
+            pending[0] -= 1
+            if pending[0] == 0:
+                issued.ready(first + i, grads[i])
+
+        handles += [leaf.register_post_accumulate_grad_hook(added) for leaf in leaves[i]]
+    return handles
 
 
 def _tail_without_samples(engine: Engine, first: int, pending: Pending,
@@ -160,19 +183,13 @@ class _InOrder:
         self._next, self._first, self._issue = last, first, issue
         self._ready: dict[int, torch.Tensor] = {}
 
-    def ready(self, u: int) -> Callable[[torch.Tensor], None]:
-        def hook(full: torch.Tensor) -> None:
-            if u <= self._next and u not in self._ready:
-                self._ready[u] = full
-            while self._next >= self._first and self._next in self._ready:
-                issued = self._ready.pop(self._next)
-                self._issue(self._next, grad_of(issued))
-                self._next -= 1
-        return hook
-
-    def check_done(self) -> None:
-        if self._next >= self._first:
-            raise RuntimeError(f"unit {self._next}'s gradient was never issued")
+    def ready(self, u: int, grad: torch.Tensor) -> None:
+        """Unit `u`'s gradient is final (again: ignored)."""
+        if u <= self._next:
+            self._ready.setdefault(u, grad)
+        while self._next >= self._first and self._next in self._ready:
+            self._issue(self._next, self._ready.pop(self._next))
+            self._next -= 1
 
 
 def grad_of(full: torch.Tensor) -> torch.Tensor:
