@@ -19,7 +19,7 @@ from cephalo.planner import InfeasibleError, solve
 from cephalo.planner.costmodel import CommModel, UnitComm
 from cephalo.planner.evaluate import score, score_best
 from cephalo.planner.problem import build_problem
-from cephalo.planner.report import format_plan
+from cephalo.planner.report import format_plan, fused_tail_blocks
 from cephalo.planner.solver import solve_fixed
 from cephalo.planner.unit_search import search_even_sets
 from cephalo.planner.unit_shards import (
@@ -130,6 +130,10 @@ def test_branch_and_bound_matches_every_even_set(seed: int) -> None:
             continue
         assert step <= other * (1 + 1e-12)
     plan = solve(spec, cluster, profiles, choose_gpus=False)
+    if fused_tail_blocks(plan) == problem.model.num_layers:
+        # Every block in the fused tail, a mode of its own, was faster still.
+        assert plan.predicted_step_seconds < step
+        return
     assert plan.unit_shard_ratios  # the plan says which units differ
     assert plan.predicted_step_seconds == pytest.approx(step, rel=1e-12)
 
