@@ -135,9 +135,9 @@ def kept_graph_bytes(num_layers: int, samples: int, tokens_per_sample: int, hidd
 # two microbatch gradients being added (autograd may finish two units' close together): 2j + 4
 # unit buffers where recompute mode counts five, so 2j - 1 more block buffers (the next
 # unit's gather is issued only as the tail's last backward ends, in place of such a
-# gradient). The engine runs a block this way only
-# where it costs no rank more than its layered graphs (`fused_tail_blocks`), so the
-# planner's price of kept blocks (`kept_blocks_bytes`) stays an upper bound.
+# gradient). The engine runs a block this way only where it costs no rank more than its
+# layered graphs (`fused_tail_blocks`), so the planner's per-rank price of kept blocks
+# (`kept_blocks_bytes`) stays an upper bound; its fused-everything mode prices this figure.
 def fused_tail_bytes(blocks: int, micro_batch_size: int, tokens_per_sample: int,
                      hidden_size: int, ffn_hidden_size: int, block_parameters: int,
                      measured_bytes_per_sample: float | None = None) -> int:
