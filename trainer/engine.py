@@ -282,11 +282,11 @@ class Engine:
         samples = self.layout.batch_sizes[self.rank]
         c = self.config
         if self.recompute:
-            kept = memory.kept_boundary_bytes(c.num_layers, samples, c.tokens_per_sample,
-                                              c.hidden_size, self.store.offload)
-            dims = (c.tokens_per_sample, c.hidden_size, c.ffn_hidden_size)
             # A rank without samples takes part in the tail one unit at a time (passes.py).
             fused = self.fused_tail if samples else 0
+            kept = memory.kept_boundary_bytes(c.num_layers, samples, c.tokens_per_sample,
+                                              c.hidden_size, self.store.offload, fused)
+            dims = (c.tokens_per_sample, c.hidden_size, c.ffn_hidden_size)
             kept += memory.kept_blocks_bytes(self.kept_blocks - fused, samples,
                                              *dims, self.graph_bytes_per_sample)
             kept += memory.fused_tail_bytes(fused,

@@ -309,10 +309,12 @@ def test_peak_grows_with_kept_blocks_within_the_memory_model() -> None:
             # microbatch with the head (one microbatch's graphs, parameters held).
             assert got["fused"] == k
             measured = 3 * memory.FP32_BYTES * got["owned"] + got["peak"]
-            boundaries = memory.kept_boundary_bytes(c.num_layers, BATCH, *dims[:2], False)
+            # The fused blocks keep no boundaries of their own.
+            boundaries = memory.kept_boundary_bytes(c.num_layers, BATCH, *dims[:2], False, k)
             kept = (boundaries + memory.fused_tail_bytes(k, MICRO, *dims, c.block_parameters()))
             # ...never more than their layered graphs, the planner's price of kept blocks.
-            assert kept <= boundaries + memory.kept_blocks_bytes(k, BATCH, *dims)
+            assert kept <= memory.kept_boundary_bytes(c.num_layers, BATCH, *dims[:2], False) \
+                + memory.kept_blocks_bytes(k, BATCH, *dims)
             predicted = memory.state_bytes(got["owned"]) + compute + kept
             print(f"kept {k}: peak {measured} B, predicted {predicted} B "
                   f"({predicted / measured - 1:+.1%})")
@@ -407,6 +409,8 @@ def test_the_memory_check_uses_the_graph_size_the_plan_priced() -> None:
     assert (estimated.fused_tail, measured.fused_tail) == (2, 0)
     fused = memory.fused_tail_bytes(2, 2, *dims, config.block_parameters())
     assert fused < memory.kept_blocks_bytes(2, 4, *dims)
+    # ...and the fused blocks keep no boundaries of their own.
+    boundaries = 2 * memory.boundary_bytes(4, *dims[:2])
     assert estimated.memory_estimate_bytes() - measured.memory_estimate_bytes() == (
-        fused - memory.kept_blocks_bytes(2, 4, *dims, 1000.0))
+        fused - memory.kept_blocks_bytes(2, 4, *dims, 1000.0) - boundaries)
     assert memory.kept_blocks_bytes(2, 4, *dims, 1000.0) == 8000

@@ -17,8 +17,9 @@ from cephalo.planner import InfeasibleError, solve
 from cephalo.planner import kept_blocks as kept_module
 from cephalo.planner.costmodel import UnitComm
 from cephalo.planner.evaluate import evaluate, score
+from cephalo.planner.offload import plan_fused_tail_blocks as fused_tail_blocks
 from cephalo.planner.problem import build_problem, without_recompute
-from cephalo.planner.report import format_plan, fused_tail_blocks
+from cephalo.planner.report import format_plan
 from cephalo.planner.solver import solve_fixed
 
 from .planner_brute import Optimum, brute_force_optimum, brute_force_seconds
@@ -105,8 +106,10 @@ def test_solver_matches_brute_force_over_kept_counts(seed: int) -> None:
         layers = problem.model.num_layers
         dims = (problem.model.tokens_per_sample, problem.model.hidden_size,
                 problem.model.ffn_hidden_size)
-        # Every block in the engine's fused tail (its own mode): one microbatch's graphs.
-        fused = fused_tail_blocks(plan) == layers
+        # The engine's fused tail: its blocks keep no boundaries; every block in it (a mode
+        # of its own) is priced with one microbatch's graphs.
+        tail = fused_tail_blocks(plan)
+        fused = tail == layers
         for r in plan.ranks:
             cost = problem.rank_cost(r.rank)
             graph = cost.profile.block_graph_bytes_per_sample
@@ -121,7 +124,8 @@ def test_solver_matches_brute_force_over_kept_counts(seed: int) -> None:
                 # boundary activations the offload decision keeps on the device
                 + (memory.kept_boundary_bytes(layers, r.batch_size,
                                               problem.model.tokens_per_sample,
-                                              problem.model.hidden_size, offload=False)
+                                              problem.model.hidden_size, offload=False,
+                                              fused_blocks=tail)
                    if r.offload_activations is False and r.batch_size else 0)), abs=1)
             assert r.predicted_memory_bytes <= r.memory_capacity_bytes * 0.8 + 1
 
@@ -306,7 +310,7 @@ def test_the_report_says_which_kept_blocks_run_per_microbatch() -> None:
     """`cephalo plan` names the fused tail the engine will run (memory.fused_tail_blocks on
     the plan's own fields): the blocks both ranks keep, with several microbatches; all of
     them in the fused-everything mode."""
-    from cephalo.planner.report import fused_tail_blocks, kept_blocks_phrase
+    from cephalo.planner.report import kept_blocks_phrase
 
     spec, cluster, profiles = _two_gpus(24, batch=32)
     plan = solve(spec, cluster, profiles, choose_gpus=False)

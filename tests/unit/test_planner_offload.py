@@ -104,6 +104,24 @@ def test_transfers_slower_than_compute_cost_exactly_the_difference() -> None:
                        num_micro_batches=3, compute_seconds=[f, b, fo, bo],
                        bandwidth_bytes_per_second=1024.0, product="T4", kept_blocks=1)
     assert d.offload and d.extra_seconds == pytest.approx(2.25 + 8.25)
+    # Both blocks in the fused tail: they copy nothing of their own; the tail's input
+    # gradient goes out and the embedding brings it back (2 s against 0.5).
+    fwd, bwd = transfer_extra_seconds(2, 2, 3, 8, 16, [f, b, fo, bo], 1024.0, kept_blocks=2,
+                                      fused_blocks=2)
+    assert (fwd, bwd) == (0.0, pytest.approx(3 * 1.5))
+    fwd, bwd = transfer_extra_seconds(2, 2, 3, 8, 16, [0, 0, 0, 0], 1024.0, kept_blocks=2,
+                                      fused_blocks=2)
+    assert fwd + bwd == pytest.approx(3 * sum(transfers_per_microbatch(2, 2, 2)))
+
+
+def test_a_fused_tail_keeps_no_boundaries_of_its_own() -> None:
+    layers = GPT_13B.num_layers
+    one_set = memory.boundary_bytes(6, GPT_13B.tokens_per_sample, GPT_13B.hidden_size)
+    # The tail's input and one gradient in flight, for every sample.
+    d = _decide(memory_bytes=0, kept_blocks=layers, fused_blocks=layers)
+    assert (d.offload, d.boundary_bytes) == (False, 2 * one_set)
+    d = _decide(memory_bytes=0, kept_blocks=layers, fused_blocks=layers - 4)
+    assert d.boundary_bytes == 6 * one_set
 
 
 def test_the_transfer_count_is_what_the_engine_copies() -> None:

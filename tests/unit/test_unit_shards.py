@@ -18,8 +18,9 @@ from cephalo.api.sharding import shard_bounds
 from cephalo.planner import InfeasibleError, solve
 from cephalo.planner.costmodel import CommModel, UnitComm
 from cephalo.planner.evaluate import score, score_best
+from cephalo.planner.offload import plan_fused_tail_blocks as fused_tail_blocks
 from cephalo.planner.problem import build_problem
-from cephalo.planner.report import format_plan, fused_tail_blocks
+from cephalo.planner.report import format_plan
 from cephalo.planner.solver import solve_fixed
 from cephalo.planner.unit_search import search_even_sets
 from cephalo.planner.unit_shards import (

@@ -60,13 +60,16 @@ def boundary_bytes(samples: int, tokens_per_sample: int, hidden_size: int) -> in
 
 
 def kept_boundary_bytes(num_layers: int, samples: int, tokens_per_sample: int,
-                        hidden_size: int, offload: bool) -> int:
+                        hidden_size: int, offload: bool, fused_blocks: int = 0) -> int:
     """Boundary activations a rank keeps on its device at the peak: none when offloaded;
     else the output of the embedding and of every block for all its samples (the head's
-    input is the last block's output), plus the gradient of one in flight."""
+    input is the last block's output), plus the gradient of one in flight. Blocks in the
+    fused tail (`fused_tail_blocks`) keep none: their outputs live in one microbatch's
+    graphs."""
     if offload:
         return 0
-    return (num_layers + 2) * boundary_bytes(samples, tokens_per_sample, hidden_size)
+    return (num_layers - fused_blocks + 2) * boundary_bytes(samples, tokens_per_sample,
+                                                            hidden_size)
 
 
 # ---- without recompute (a plan's `recompute: false`) -------------------------------------

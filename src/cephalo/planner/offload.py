@@ -3,15 +3,17 @@ device, or offloaded to host memory (the paper's activation offloading).
 
 A boundary is one unit's output for one microbatch, fp32 (`cephalo.api.memory`). Kept on
 the device, a recompute-mode rank holds L + 2 of them for all its ℓ·m samples
-(`memory.kept_boundary_bytes`). Offloaded, the engine (`trainer/passes.py`,
+(`memory.kept_boundary_bytes`), L + 2 - j with a fused tail of j blocks (their outputs live
+in one microbatch's graphs). Offloaded, the engine (`trainer/passes.py`,
 `ActivationStore`) copies them over PCIe on a side stream, per microbatch:
 
 * forward: each recomputed block's input goes to host (1 transfer, under a block's forward;
   a kept block's graph holds its input, so it sends none);
 * backward: each recomputed block brings its input and its output's gradient back and sends
   its input's gradient out (3 transfers, under its recompute + backward); a kept block only
-  the two gradients (under its backward without recompute); the head sends its input's
-  gradient out and the embedding brings it back (2, under their backward).
+  the two gradients (under its backward without recompute), a block in the fused tail none;
+  the head (or the fused tail) sends its input's gradient out and the embedding brings it
+  back (2, under their backward).
 
 A transfer hides under the compute it runs beside; what it takes beyond that compute is
 added to the rank's step. Offloading also pins host memory, so the planner offloads only
@@ -27,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from pydantic import ValidationError
 
 from cephalo.api import memory
 from cephalo.api.models import ModelConfig
@@ -77,8 +80,7 @@ def transfers_per_microbatch(num_layers: int, kept_blocks: int = 0,
     """(to host, back to the device): the boundary copies of one microbatch's step, from the
     module docstring's list; the same number each way, all of one boundary's size.
     `fused_blocks` of the kept ones run per microbatch with the head (the engine's fused
-    tail): their gradients stay inside the graph. The planner counts none (it cannot know
-    the other ranks' choices), an upper bound."""
+    tail, `plan_fused_tail_blocks`): their gradients stay inside the graph."""
     recomputed = num_layers - kept_blocks
     # Forward: the recomputed blocks' inputs. Backward: every block's and the head's input
     # gradient out (one for a fused tail as a whole); the recomputed blocks' inputs, every
@@ -91,11 +93,14 @@ def transfers_per_microbatch(num_layers: int, kept_blocks: int = 0,
 def transfer_extra_seconds(num_layers: int, micro_batch_size: int, num_micro_batches: int,
                            tokens_per_sample: int, hidden_size: int,
                            compute_seconds: Sequence[float], bandwidth_bytes_per_second: float,
-                           kept_blocks: int = 0) -> tuple[float, float]:
+                           kept_blocks: int = 0, fused_blocks: int = 0
+                           ) -> tuple[float, float]:
     """(forward, backward) seconds per step that offloading adds beyond the compute hiding
     it, summed over units: per unit and microbatch max(0, transfers - compute).
     `compute_seconds`: one microbatch's block forward, block backward (recompute included),
-    embedding+head forward and backward (GpuCostModel.compute_seconds at m)."""
+    embedding+head forward and backward (GpuCostModel.compute_seconds at m). The last
+    `fused_blocks` of the kept ones (the fused tail) transfer nothing of their own: the
+    tail's input gradient goes out and comes back as the head's did."""
     if micro_batch_size == 0 or num_micro_batches == 0:
         return 0.0, 0.0
     if bandwidth_bytes_per_second <= 0:
@@ -107,7 +112,7 @@ def transfer_extra_seconds(num_layers: int, micro_batch_size: int, num_micro_bat
     recomputed = num_layers - kept_blocks
     forward = recomputed * max(0.0, one - f)
     backward = (recomputed * max(0.0, 3 * one - b)
-                + kept_blocks * max(0.0, 2 * one - max(b - f, 0.0))
+                + (kept_blocks - fused_blocks) * max(0.0, 2 * one - max(b - f, 0.0))
                 + max(0.0, 2 * one - bo))
     return num_micro_batches * forward, num_micro_batches * backward
 
@@ -115,22 +120,25 @@ def transfer_extra_seconds(num_layers: int, micro_batch_size: int, num_micro_bat
 def decide_offload(*, budget_bytes: float, memory_bytes: float, model: ModelConfig,
                    micro_batch_size: int, num_micro_batches: int,
                    compute_seconds: Sequence[float], bandwidth_bytes_per_second: float,
-                   product: str, recompute: bool = True, kept_blocks: int = 0
-                   ) -> OffloadDecision:
+                   product: str, recompute: bool = True, kept_blocks: int = 0,
+                   fused_blocks: int = 0) -> OffloadDecision:
     """Keep the boundaries on the device when `memory_bytes` (the rank's predicted memory
     with them offloaded) plus memory.kept_boundary_bytes for its ℓ·m samples fits
-    `budget_bytes`; else offload them and price the transfers the compute does not hide."""
+    `budget_bytes`; else offload them and price the transfers the compute does not hide.
+    `fused_blocks`: the job's fused tail (plan_fused_tail_blocks)."""
     samples = micro_batch_size * num_micro_batches
     if not recompute or samples == 0:
         return OffloadDecision(False, 0, True)
     need = memory.kept_boundary_bytes(model.num_layers, samples, model.tokens_per_sample,
-                                      model.hidden_size, offload=False)
+                                      model.hidden_size, offload=False,
+                                      fused_blocks=fused_blocks)
     fits = memory_bytes + need <= budget_bytes
     if fits or gpu_key(product) == "cpu":
         return OffloadDecision(False, need, fits)
     forward, backward = transfer_extra_seconds(
         model.num_layers, micro_batch_size, num_micro_batches, model.tokens_per_sample,
-        model.hidden_size, compute_seconds, bandwidth_bytes_per_second, kept_blocks)
+        model.hidden_size, compute_seconds, bandwidth_bytes_per_second, kept_blocks,
+        fused_blocks)
     return OffloadDecision(True, need, False, forward, backward)
 
 
@@ -138,6 +146,7 @@ def offload_plan(plan: Plan, problem: Problem) -> Plan:
     """`plan` with each rank's offload decision (the solver's last step): rank r of the plan
     is rank r of `problem` (the GPUs the plan uses: the solver's `choice.problem`)."""
     assert problem.world_size == plan.world_size, (problem.world_size, plan.world_size)
+    fused = plan_fused_tail_blocks(plan)
     decisions = []
     links = []
     for r in plan.ranks:
@@ -151,8 +160,26 @@ def offload_plan(plan: Plan, problem: Problem) -> Plan:
             micro_batch_size=r.micro_batch_size, num_micro_batches=r.num_micro_batches,
             compute_seconds=cost.compute_seconds(np.array([m]))[:, 0].tolist(),
             bandwidth_bytes_per_second=link, product=r.gpu,
-            recompute=plan.recompute is not False, kept_blocks=r.kept_blocks))
+            recompute=plan.recompute is not False, kept_blocks=r.kept_blocks,
+            fused_blocks=fused))
     return apply_offload(plan, decisions, links)
+
+
+def plan_fused_tail_blocks(plan: Plan) -> int:
+    """How many kept blocks the engine will run per microbatch with the head on every rank
+    (cephalo.api.memory.fused_tail_blocks, from the same plan fields the trainer's layout
+    carries); 0 for a plan without its model."""
+    if plan.model is None or plan.recompute is False:
+        return 0
+    try:
+        model = ModelConfig.model_validate(plan.model)
+    except ValidationError:
+        return 0
+    return memory.fused_tail_blocks(
+        [r.kept_blocks for r in plan.ranks], [r.batch_size for r in plan.ranks],
+        [r.micro_batch_size for r in plan.ranks], model.tokens_per_sample, model.hidden_size,
+        model.ffn_hidden_size, model.block_parameters(),
+        [r.block_graph_bytes_per_sample for r in plan.ranks])
 
 
 def apply_offload(plan: Plan, decisions: Sequence[OffloadDecision],

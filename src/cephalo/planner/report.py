@@ -3,12 +3,9 @@ baselines side by side (`cephalo plan` prints it; `cephalo run` shows it before 
 
 from __future__ import annotations
 
-from pydantic import ValidationError
-
-from cephalo.api import Plan, memory
-from cephalo.api.models import ModelConfig
+from cephalo.api import Plan
 from cephalo.api.plan import SHARD_RATIO_TOLERANCE
-from cephalo.planner.offload import boundary_activations_line
+from cephalo.planner.offload import boundary_activations_line, plan_fused_tail_blocks
 
 GIB = 1024**3
 
@@ -94,7 +91,7 @@ def kept_blocks_phrase(plan: Plan) -> str:
     if not groups:
         return ""
     layers = (plan.model or {}).get("num_layers")
-    fused = fused_tail_blocks(plan)
+    fused = plan_fused_tail_blocks(plan)
     if fused and fused == layers:
         return (f"; every block ({layers}) runs per microbatch with the head on every rank "
                 "that has samples (no recompute, parameters gathered once: the fused tail)")
@@ -113,22 +110,6 @@ def kept_blocks_phrase(plan: Plan) -> str:
                     "gathered once")
     return "; " + ", ".join(parts) + f" ({how})"
 
-
-def fused_tail_blocks(plan: Plan) -> int:
-    """How many kept blocks the engine will run per microbatch with the head on every rank
-    (cephalo.api.memory.fused_tail_blocks, from the same plan fields the trainer's layout
-    carries); 0 for a plan without its model."""
-    if plan.model is None or plan.recompute is False:
-        return 0
-    try:
-        model = ModelConfig.model_validate(plan.model)
-    except ValidationError:
-        return 0
-    return memory.fused_tail_blocks(
-        [r.kept_blocks for r in plan.ranks], [r.batch_size for r in plan.ranks],
-        [r.micro_batch_size for r in plan.ranks], model.tokens_per_sample, model.hidden_size,
-        model.ffn_hidden_size, model.block_parameters(),
-        [r.block_graph_bytes_per_sample for r in plan.ranks])
 
 
 def unit_sharding_line(plan: Plan) -> str:

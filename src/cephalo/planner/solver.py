@@ -17,7 +17,7 @@ from cephalo.api.profile import GpuProfile
 from cephalo.planner.baselines import compute_baselines
 from cephalo.planner.costmodel import UNEVEN_COLLECTIVE_OVERHEAD
 from cephalo.planner.evaluate import Evaluation, score
-from cephalo.planner.offload import offload_plan
+from cephalo.planner.offload import offload_plan, plan_fused_tail_blocks
 from cephalo.planner.problem import (
     InfeasibleError,
     Problem,
@@ -26,7 +26,6 @@ from cephalo.planner.problem import (
     gib,
     without_recompute,
 )
-from cephalo.planner.report import fused_tail_blocks
 from cephalo.planner.search import ClassTable, SearchResult
 from cephalo.planner.subset import Choice, idle_counts, search_subsets
 from cephalo.planner.unit_search import search_even_sets
@@ -84,7 +83,7 @@ def solve(spec: CephaloJobSpec, cluster: ClusterSpec,
     plan = _plan(problem, choice, sol, evaluation, solved, exhaustive, choose_gpus)
     if choice.problem.rank_cost(0).fused_all:
         # The engine decides the fused tail from the plan alone: it must run what was priced.
-        assert fused_tail_blocks(plan) == problem.model.num_layers, plan.ranks
+        assert plan_fused_tail_blocks(plan) == problem.model.num_layers, plan.ranks
     # Last: where each rank keeps its boundary activations (offload only where they do not
     # fit; per rank, the collectives do not change). `choice.problem`: the GPUs used.
     return offload_plan(plan, choice.problem)
