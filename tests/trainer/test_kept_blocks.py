@@ -154,7 +154,9 @@ def _state_only_peak_worker(rank: int, world_size: int) -> dict[str, Any]:
                                            STATE_ONLY["micro_batch_sizes"][rank]))
 
         step()
-        out[str(kept)] = {"peak": live_bytes_peak(step),
+        # The least of three: what the collectives' threads still hold when the step's own
+        # allocations peak varies with the timing (more so on a loaded machine).
+        out[str(kept)] = {"peak": min(live_bytes_peak(step) for _ in range(3)),
                           "estimate": engine.memory_estimate_bytes(),
                           "unit_bytes": 4 * max(u.numel for u in engine.units)}
     return out
@@ -170,7 +172,7 @@ def test_a_rank_without_samples_holds_no_more_for_the_fused_tail() -> None:
     recompute, fused = idle["[0, 0]"], idle[f"[{LAYERS}, 0]"]
     print(f"rank without samples, peak bytes: recompute {recompute['peak']}, "
           f"fused tail {fused['peak']}")
-    # Both peaks vary by about one unit buffer from run to run (when a collective's buffers
+    # Both peaks vary by a unit buffer or two from run to run (when a collective's buffers
     # are freed); holding the tail would add 2·3 + 2 of them.
     assert fused["peak"] <= recompute["peak"] + 2 * fused["unit_bytes"]
     assert fused["estimate"] == recompute["estimate"]
