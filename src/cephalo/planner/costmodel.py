@@ -50,125 +50,23 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass, replace
 
 import numpy as np
 
 from cephalo.api import memory
 
 # The memory model is cephalo.api.memory's; its constants stay importable from here.
-from cephalo.api.memory import COMM_BYTES_PER_PARAMETER
 from cephalo.api.memory import STATE_BYTES_PER_PARAMETER as STATE_BYTES_PER_PARAMETER
 from cephalo.api.models import ModelConfig
 from cephalo.api.profile import GpuProfile, SingleRankStep
 from cephalo.planner.catalog import GpuType
 
-# The catalog estimate moved to its own module; importable from here as before.
+# The collectives' model and the catalog estimate have their own modules; importable from
+# here as before.
+from cephalo.planner.comm_model import UNEVEN_COLLECTIVE_OVERHEAD as UNEVEN_COLLECTIVE_OVERHEAD
+from cephalo.planner.comm_model import CommModel as CommModel
+from cephalo.planner.comm_model import UnitComm as UnitComm
 from cephalo.planner.estimate import estimate_profile as estimate_profile
-
-# The paper measured uneven collectives at most 15% slower than even ones.
-UNEVEN_COLLECTIVE_OVERHEAD = 0.15
-
-
-@dataclass(frozen=True)
-class CommModel:
-    """Ring collectives: seconds = (n-1)/n · bytes / bandwidth + (n-1) · latency.
-
-    AllGather and ReduceScatter may have their own (bandwidth, latency): a profiler measures
-    both, and on gloo a ReduceScatter's fixed cost is several times an AllGather's. Without
-    a measurement the step's small all-reduces cost 2(n-1) ring hops of latency each."""
-
-    bandwidth_bytes_per_second: float
-    latency_seconds: float
-    uneven_overhead: float = UNEVEN_COLLECTIVE_OVERHEAD
-    overlap_fraction: float = 1.0
-    reduce_scatter_bandwidth_bytes_per_second: float | None = None
-    reduce_scatter_latency_seconds: float | None = None
-    all_reduce_seconds: float | None = None
-    # Per step, what a measured real step took beyond this model's prediction of it (see
-    # `calibrated`); added to every step on more than one GPU.
-    step_overhead_seconds: float = 0.0
-
-    def ring_seconds(self, num_bytes: float, world_size: int, uneven: bool,
-                     kind: str = "all_gather") -> float:
-        if world_size <= 1:
-            return 0.0
-        n = world_size
-        bandwidth, latency = self.bandwidth_bytes_per_second, self.latency_seconds
-        if kind == "reduce_scatter":
-            bandwidth = self.reduce_scatter_bandwidth_bytes_per_second or bandwidth
-            if self.reduce_scatter_latency_seconds is not None:
-                latency = self.reduce_scatter_latency_seconds
-        seconds = (n - 1) / n * num_bytes / bandwidth + (n - 1) * latency
-        return seconds * (1.0 + self.uneven_overhead if uneven else 1.0)
-
-    def calibrated(self, model: ModelConfig, costs: Iterable[GpuCostModel],
-                   probe_step_seconds: float, world_size: int) -> CommModel:
-        """This model plus the per-step overhead that makes its prediction of a measured
-        probe step (one sample per rank, even shards, on `world_size` ranks of the fastest
-        GPU type) come out exact. On NCCL the overhead is small; on gloo over a few shared
-        CPU cores it holds what the per-collective fits cannot: ranks arriving at different
-        times and the transport taking CPU from compute. It is never made negative enough to
-        cancel more than the collectives' own modelled time."""
-        unit = UnitComm.build(model, self, world_size, uneven=False)
-        silent = replace(unit, ag_block=0.0, rs_block=0.0, ag_first=0.0, ag_head=0.0,
-                         rs_other=0.0, all_reduce_seconds=0.0)
-        one = np.ones(1)
-        fastest = min(costs, key=lambda c: float(c.step_seconds(one, one, unit)[0]))
-        predicted = float(fastest.step_seconds(one, one, unit)[0])
-        collectives = predicted - float(fastest.step_seconds(one, one, silent)[0])
-        overhead = max(probe_step_seconds - predicted, -collectives)
-        return replace(self, step_overhead_seconds=overhead)
-
-    def small_all_reduce_seconds(self, world_size: int) -> float:
-        if world_size <= 1:
-            return 0.0
-        if self.all_reduce_seconds is not None:
-            return self.all_reduce_seconds
-        return 2 * (world_size - 1) * self.latency_seconds
-
-
-@dataclass(frozen=True)
-class UnitComm:
-    """Seconds of each collective the step issues, for one world size and sharding.
-
-    The engine gathers the embedding (exposed: nothing to hide it under), each block and the
-    head in the forward pass; each block and the embedding again in the backward pass (the
-    head's forward and backward are fused); and reduce-scatters every unit's gradient once."""
-
-    ag_block: float
-    rs_block: float
-    ag_first: float  # the embedding unit, gathered in both passes
-    ag_head: float
-    rs_other: float  # embedding + head gradients: two collectives
-    overlap_fraction: float = 1.0
-    all_reduce_seconds: float = 0.0  # the step's fixed small all-reduces
-    state_share_parameters: float = 0.0  # P / N: the optimizer's work per GPU
-    step_overhead_seconds: float = 0.0  # measured, beyond the model (CommModel.calibrated)
-    # Per-unit sharding (planner/unit_shards.py): `even_blocks` of the blocks are sharded
-    # evenly and pay these even collectives; ag_block / rs_block price the other, skewed ones.
-    even_blocks: int = 0
-    ag_block_even: float = 0.0
-    rs_block_even: float = 0.0
-
-    @classmethod
-    def build(cls, model: ModelConfig, comm: CommModel, world_size: int,
-              uneven: bool) -> UnitComm:
-        def ring(params: int, kind: str) -> float:
-            return comm.ring_seconds(params * COMM_BYTES_PER_PARAMETER, world_size, uneven,
-                                     kind)
-
-        embedding, block, head = (model.embedding_parameters(), model.block_parameters(),
-                                  model.head_parameters())
-        # Two small all-reduces per step: [grad norm, loss], and the per-rank timings.
-        all_reduce = 2 * comm.small_all_reduce_seconds(world_size)
-        return cls(ag_block=ring(block, "all_gather"), rs_block=ring(block, "reduce_scatter"),
-                   ag_first=ring(embedding, "all_gather"), ag_head=ring(head, "all_gather"),
-                   rs_other=ring(embedding, "reduce_scatter") + ring(head, "reduce_scatter"),
-                   overlap_fraction=comm.overlap_fraction, all_reduce_seconds=all_reduce,
-                   state_share_parameters=model.total_parameters() / max(world_size, 1),
-                   step_overhead_seconds=comm.step_overhead_seconds if world_size > 1 else 0.0)
 
 
 class GpuCostModel:
