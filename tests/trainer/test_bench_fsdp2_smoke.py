@@ -60,10 +60,13 @@ def test_quick_bench_runs_every_contender_to_equal_losses() -> None:
                     and e["cephalo"].endswith("1mb") == (fsdp == "fsdp2 one-microbatch")
                     and e[f"cephalo_peak_{measure}_mib"] == peaks[e["cephalo"]]
                     <= e[f"fsdp2_peak_{measure}_mib"] and e["ratio"]["median"] > 0)
-        # Net of frees, keeping every graph allocates more than recomputing (RSS, blurred by
-        # freed heap glibc keeps, need not show it at these sizes).
-        allocated = regime["peak_allocated_mib"]
-        assert allocated["cephalo keep"] > allocated["cephalo recompute"]
+        # Every contender builds its shard of the state and steps AdamW inside the measure, so
+        # its allocation peak holds at least an even share's fp32 weights, gradients and both
+        # moments (all four live in the optimizer step). Not "keep > recompute": at --quick's
+        # sizes the graphs are smaller than the gathered blocks, and which peaks higher
+        # depends on collective timing (a CI run measured keep 2.50 < recompute 2.87 MiB).
+        state_mib = 16 * regime["parameters"] / regime["world_size"] / 2**20
+        assert all(v >= state_mib for v in regime["peak_allocated_mib"].values()), state_mib
 
 
 @pytest.mark.slow
