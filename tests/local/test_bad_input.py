@@ -176,6 +176,13 @@ def plan_deep_json(d: Path) -> list[str]:
     return ["run", _job(d / "j.yaml", _tiny()), "--devices", "cpu:2", "--plan", "plan.json"]
 
 
+def plan_emulated_without_capacity(d: Path) -> list[str]:
+    """A hand-written plan for emulated GPUs says nothing to cap their memory at."""
+    (d / "plan.json").write_text(json.dumps(_plan([4, 4])))
+    return ["run", _job(d / "j.yaml", _tiny()), "--emulate", "RTX-A6000,P40", "--plan",
+            "plan.json"]
+
+
 def missing_token_file(d: Path) -> list[str]:
     text = _tiny(**{"checkpoint:": "data: {tokenFile: {path: missing.bin}}\n  checkpoint:"})
     return ["run", _job(d / "j.yaml", text), "--devices", "cpu:2"]
@@ -256,6 +263,8 @@ CASES: list[tuple[Setup, str]] = [  # (setup, a phrase the one line must contain
     (plan_unit_out_of_range, "is not a unit index 0..3"),
     (plan_is_a_folder, "is a folder"),
     (plan_deep_json, "not valid JSON"),
+    (plan_emulated_without_capacity, "rank 0 (emulated RTX-A6000) records no "
+     "memory_capacity_bytes"),
     (missing_token_file, "missing.bin does not exist"),
     (token_file_is_a_folder, "tokens is a folder"),
     (plan_job_is_a_folder, "is a folder"),

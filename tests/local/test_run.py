@@ -104,6 +104,23 @@ def test_given_plan_runs_without_profiling(tmp_path, tiny_job) -> None:
         in done.stdout
 
 
+def test_given_plan_runs_under_the_emulation_it_was_planned_for(tmp_path, tiny_job) -> None:
+    """`--plan` on emulated GPUs keeps the emulation: each rank's time dilation and the
+    memory capacity the plan recorded (here the P40's is far below its training state, so
+    the rank must refuse to start; before, it ran at the CPU's speed with no cap)."""
+    plan = json.loads(_plan_file(tmp_path, [("RTX-A6000", 4), ("P40", 2)]).read_text())
+    for rank, capacity in zip(plan["ranks"], [2**30, 2**20], strict=True):
+        rank["memory_capacity_bytes"] = capacity
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    done = run_cephalo(tmp_path, "run", str(tiny_job()), "--plan", "plan.json",
+                       "--emulate", "RTX-A6000,P40")
+    assert "EMULATION: emulated P40: compute x3.29 slower than this CPU, memory 24 GiB -> " \
+           "1.0 MiB" in done.stdout, done.stdout
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "rank 1 (cpu:1 emulating P40) failed" in done.stdout, done.stdout
+    assert "its memory limit is 1.0 MiB" in done.stdout, done.stdout
+
+
 def _wait_for(predicate, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from cephalo.api.memory import state_bytes
 from cephalo.api.models import ModelConfig
+from cephalo.api.plan import Plan
 from cephalo.api.profile import GpuProfile, ProfilePoint, SingleRankStep
 from cephalo.planner.catalog import lookup_gpu
 from cephalo.planner.costmodel import modelled_single_rank_step_seconds, step_overhead_seconds
@@ -37,13 +38,17 @@ class Emulation:
                 f"{self.capacity_bytes[product] / 2**20:.1f} MiB")
 
 
+def _dilation(products: list[str], precision: str) -> dict[str, float]:
+    peak = {p: lookup_gpu(p).peak_flops(precision) for p in sorted(set(products))}
+    fastest = max(peak.values())
+    return {p: fastest / peak[p] for p in peak}
+
+
 def plan_emulation(cpu_profile: GpuProfile, products: list[str], model: ModelConfig,
                    precision: str, memory_fraction: float,
                    memory_scale: float | None = None) -> Emulation:
     distinct = sorted(set(products))
-    peak = {p: lookup_gpu(p).peak_flops(precision) for p in distinct}
-    fastest = max(peak.values())
-    dilation = {p: fastest / peak[p] for p in distinct}
+    dilation = _dilation(products, precision)
     if memory_scale is None:
         largest = max(cpu_profile.points, key=lambda q: q.micro_batch_size)
         need = state_bytes(model.total_parameters(), precision) + \
@@ -95,3 +100,29 @@ def _emulated_step(cpu_profile: GpuProfile, emulated: GpuProfile,
         return None
     seconds = modelled + contention * step_overhead_seconds(cpu_profile)
     return probe.model_copy(update={"seconds": seconds})
+
+
+def given_plan_emulation(plan: Plan, products: list[str], precision: str, source: str,
+                         memory_scale: float | None = None) -> Emulation:
+    """The emulation a given plan (`cephalo run --plan`) runs under: the same time dilation
+    as when it was planned (catalog peaks), and each emulated GPU's memory as the plan
+    recorded it (`memory_capacity_bytes`, the capacity it was planned against), or catalog
+    memory x `memory_scale` when given. Without either there is nothing to cap the rank's
+    memory at: an error, not a silently uncapped rank. `products`: each rank's emulated GPU
+    (the plan's ranks run on the devices in order, `check_plan`)."""
+    if memory_scale is not None:
+        capacity = {p: int(lookup_gpu(p).memory_bytes * memory_scale) for p in set(products)}
+    else:
+        capacity = {}
+        for r, product in zip(plan.ranks, products, strict=True):
+            if r.memory_capacity_bytes is None:
+                raise ValueError(
+                    f"{source}: rank {r.rank} (emulated {product}) records no "
+                    "memory_capacity_bytes to cap its memory at; pass --emulate-memory-scale "
+                    "X (emulated memory = catalog memory x X) or use a plan cephalo planned")
+            capacity[product] = min(capacity.get(product, r.memory_capacity_bytes),
+                                    r.memory_capacity_bytes)
+    first = products[0]
+    return Emulation(_dilation(products, precision), capacity,
+                     capacity[first] / lookup_gpu(first).memory_bytes)
+

@@ -28,7 +28,12 @@ from cephalo.local.checks import (
     remove_created,
 )
 from cephalo.local.devices import DeviceError, LocalDevice, select_devices
-from cephalo.local.emulate import Emulation, emulated_profile, plan_emulation
+from cephalo.local.emulate import (
+    Emulation,
+    emulated_profile,
+    given_plan_emulation,
+    plan_emulation,
+)
 from cephalo.local.ranks import RankEnv, launch
 from cephalo.local.report import Progress, format_summary, summarize, write_plots
 from cephalo.planner import solve
@@ -196,30 +201,40 @@ def run_job(options: RunOptions, out=print) -> int:
     # Everything that can be refused is refused before anything is written.
     check_inputs(job.spec, options)
     given_plan: Plan | None = None
+    emulation: Emulation | None = None  # a given plan's; else _run_in's, after profiling
     if options.plan_path:
         try:
             given_plan = load_plan(options.plan_path)
         except PlanError as err:
             raise RunError(str(err)) from None
         check_plan(given_plan, devices, options.plan_path, job.spec)
+        if any(d.emulated for d in devices):
+            try:
+                emulation = given_plan_emulation(given_plan, [d.product for d in devices],
+                                                 job.spec.precision, options.plan_path,
+                                                 options.memory_scale)
+            except ValueError as err:
+                raise RunError(str(err)) from None
     run_dir = choose_run_dir(job, options)
     created = make_run_dir(run_dir)
     run_dir = run_dir.resolve()
     try:
-        return _run_in(run_dir, job, options, devices, given_plan, out)
+        return _run_in(run_dir, job, options, devices, given_plan, emulation, out)
     except BaseException:
         remove_created(created)
         raise
 
 
 def _run_in(run_dir: Path, job: CephaloJob, options: RunOptions, devices: list[LocalDevice],
-            given_plan: Plan | None, out) -> int:
+            given_plan: Plan | None, emulation: Emulation | None, out) -> int:
     job_file = write_job(job, options, run_dir)
     spec = load_job(str(job_file)).spec
     threads = _threads_per_rank(devices)
-    emulation: Emulation | None = None
     if given_plan is not None:
         plan = given_plan
+        if emulation is not None:
+            for product in sorted(emulation.dilation):
+                out(f"  EMULATION: {emulation.describe(product)}")
     else:
         out(f"Profiling {len({d.product for d in devices})} device type(s) …")
         measured = profile_devices(devices, job_file, run_dir, threads)
