@@ -196,6 +196,26 @@ def test_export_names_and_shapes_are_transformers_own(name: str) -> None:
     assert ours == {k: tuple(v.shape) for k, v in theirs.items()}
 
 
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt-tiny", "gpt-small"])
+def test_exported_special_token_ids_lie_in_the_vocabulary(name: str) -> None:
+    """A model trained from scratch has no special tokens of its own: its config.json must
+    not inherit GPT-2's 50256 (transformers then warns on every load and `generate` would
+    stop on an id the embedding does not have). A pretrained base's ids are kept."""
+    from cephalo.api.hf_config import to_hf_config
+    from cephalo.api.models import preset
+
+    config = preset(name)
+    hf_config = transformers.AutoConfig.for_model(**to_hf_config(config))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(hf_config, key)
+        assert value is None or 0 <= value < config.vocab_size, (key, value)
+    kept = to_hf_config(config, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
+    assert (kept["bos_token_id"], kept["eos_token_id"], kept["pad_token_id"]) == (1, 2, 0)
+    # Llama 3 lists several eos ids; an id outside this vocabulary is dropped, not kept.
+    assert to_hf_config(config, {"eos_token_id": [1, 2]})["eos_token_id"] == [1, 2]
+    assert to_hf_config(config, {"eos_token_id": [1, 10**6]})["eos_token_id"] is None
+
+
 def test_bf16_checkpoint_loads_as_fp32_masters(tmp_path: Path) -> None:
     reference = save_random(llama_config(), tmp_path / "fp32")
     reference.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")

@@ -294,5 +294,22 @@ def to_hf_config(config: ModelConfig, base: dict[str, Any] | None = None,
                               f"llama, gpt)")
     # Cephalo trains the LM head untied from the embedding (a tied import is copied).
     base.update(tie_word_embeddings=False, torch_dtype=dtype)
+    for key in SPECIAL_TOKEN_IDS:
+        base[key] = _in_vocabulary(base.get(key), config.vocab_size or 0)
     return base
+
+
+# Written explicitly: absent, transformers fills in its class defaults (GPT-2's 50256, outside
+# a from-scratch model's vocabulary: a warning on every load, and `generate` would wait for
+# an id the embedding lacks). A pretrained base's ids are kept.
+SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _in_vocabulary(token_id: Any, vocab_size: int) -> Any:
+    """`token_id` (an id or a list of ids, as Llama 3 lists several eos ids) if every id lies
+    in the vocabulary, else None."""
+    ids = token_id if isinstance(token_id, list) else [token_id]
+    ok = all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size
+             for i in ids) and ids
+    return token_id if ok else None
 
