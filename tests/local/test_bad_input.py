@@ -183,6 +183,21 @@ def plan_emulated_without_capacity(d: Path) -> list[str]:
             "plan.json"]
 
 
+def memory_scale_nan(d: Path) -> list[str]:
+    return ["run", _job(d / "j.yaml", _tiny()), "--emulate", "RTX-A6000,P40",
+            "--emulate-memory-scale", "nan"]
+
+
+def memory_scale_negative(d: Path) -> list[str]:
+    return ["run", _job(d / "j.yaml", _tiny()), "--emulate", "RTX-A6000,P40",
+            "--emulate-memory-scale", "-1"]
+
+
+def memory_scale_without_emulation(d: Path) -> list[str]:
+    return ["run", _job(d / "j.yaml", _tiny()), "--devices", "cpu:2",
+            "--emulate-memory-scale", "0.001"]
+
+
 def missing_token_file(d: Path) -> list[str]:
     text = _tiny(**{"checkpoint:": "data: {tokenFile: {path: missing.bin}}\n  checkpoint:"})
     return ["run", _job(d / "j.yaml", text), "--devices", "cpu:2"]
@@ -265,6 +280,9 @@ CASES: list[tuple[Setup, str]] = [  # (setup, a phrase the one line must contain
     (plan_deep_json, "not valid JSON"),
     (plan_emulated_without_capacity, "rank 0 (emulated RTX-A6000) records no "
      "memory_capacity_bytes"),
+    (memory_scale_nan, "--emulate-memory-scale nan must be in (0, 1]"),
+    (memory_scale_negative, "--emulate-memory-scale -1.0 must be in (0, 1]"),
+    (memory_scale_without_emulation, "--emulate-memory-scale applies to emulated GPUs only"),
     (missing_token_file, "missing.bin does not exist"),
     (token_file_is_a_folder, "tokens is a folder"),
     (plan_job_is_a_folder, "is a folder"),

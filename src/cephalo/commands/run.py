@@ -16,7 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU ranks emulating catalog GPUs, one per rank, e.g. "
                              "RTX-A6000,L4,L4,P40 (speed by time dilation, memory capped)")
     parser.add_argument("--emulate-memory-scale", type=float, default=None, metavar="X",
-                        help="emulated memory = catalog memory x X (default: automatic)")
+                        help="emulated memory = catalog memory x X, 0 < X <= 1 (default: "
+                             "automatic; emulated GPUs only)")
     parser.add_argument("--plan", default=None, metavar="PLAN.json",
                         help="run this plan instead of profiling and planning")
     parser.add_argument("--run-dir", default=None,

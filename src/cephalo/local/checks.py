@@ -5,6 +5,7 @@ and the devices. A refused run leaves nothing behind (`make_run_dir` / `remove_c
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 import time
@@ -147,6 +148,19 @@ def check_inputs(spec: CephaloJobSpec, options: RunOptions) -> None:
                        text.eos_id, config.vocab_size)
         except CephaloError as err:
             raise RunError(f"data.text: {err}") from None
+
+
+def check_memory_scale(scale: float | None, devices: list[LocalDevice]) -> None:
+    """`--emulate-memory-scale`: a fraction of each emulated GPU's catalog memory, and only
+    where GPUs are emulated (elsewhere it would be ignored without a word)."""
+    if scale is None:
+        return
+    if not math.isfinite(scale) or not 0 < scale <= 1:
+        raise RunError(f"--emulate-memory-scale {scale} must be in (0, 1]: the fraction of "
+                       "each emulated GPU's catalog memory a CPU rank gets")
+    if not any(d.emulated for d in devices):
+        raise RunError("--emulate-memory-scale applies to emulated GPUs only; add --emulate "
+                       "GPUS (e.g. RTX-A6000,P40) or leave it out")
 
 
 def check_plan(plan: Plan, devices: list[LocalDevice], source: str,

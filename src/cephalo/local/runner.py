@@ -22,6 +22,7 @@ from cephalo.local.checks import (
     RunError,
     RunOptions,
     check_inputs,
+    check_memory_scale,
     check_plan,
     choose_run_dir,
     make_run_dir,
@@ -200,6 +201,7 @@ def run_job(options: RunOptions, out=print) -> int:
         raise RunError(str(err)) from None
     # Everything that can be refused is refused before anything is written.
     check_inputs(job.spec, options)
+    check_memory_scale(options.memory_scale, devices)
     given_plan: Plan | None = None
     emulation: Emulation | None = None  # a given plan's; else _run_in's, after profiling
     if options.plan_path:
