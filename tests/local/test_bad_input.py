@@ -183,6 +183,12 @@ def plan_emulated_without_capacity(d: Path) -> list[str]:
             "plan.json"]
 
 
+def steps_beyond_the_limit(d: Path) -> list[str]:
+    """--steps overrides the job's steps within the job's own limits (the error named the
+    job.yaml of a run folder it had written and then removed)."""
+    return ["run", _job(d / "j.yaml", _tiny()), "--devices", "cpu:2", "--steps", str(10**11)]
+
+
 def memory_scale_nan(d: Path) -> list[str]:
     return ["run", _job(d / "j.yaml", _tiny()), "--emulate", "RTX-A6000,P40",
             "--emulate-memory-scale", "nan"]
@@ -280,6 +286,8 @@ CASES: list[tuple[Setup, str]] = [  # (setup, a phrase the one line must contain
     (plan_deep_json, "not valid JSON"),
     (plan_emulated_without_capacity, "rank 0 (emulated RTX-A6000) records no "
      "memory_capacity_bytes"),
+    (steps_beyond_the_limit, "--steps 100000000000: steps: Input should be less than or equal "
+     "to 100000000"),
     (memory_scale_nan, "--emulate-memory-scale nan must be in (0, 1]"),
     (memory_scale_negative, "--emulate-memory-scale -1.0 must be in (0, 1]"),
     (memory_scale_without_emulation, "--emulate-memory-scale applies to emulated GPUs only"),

@@ -12,7 +12,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cephalo.api.job import CephaloJob, CephaloJobSpec
+from pydantic import ValidationError
+
+from cephalo.api.job import CephaloJob, CephaloJobSpec, TrainingSpec, format_validation_error
 from cephalo.api.plan import Plan
 from cephalo.corpus import check_remote_file, check_text
 from cephalo.errors import CephaloError
@@ -125,6 +127,12 @@ def remove_created(created: list[Path]) -> None:
 
 def check_inputs(spec: CephaloJobSpec, options: RunOptions) -> None:
     """What would otherwise fail only after the profiler or the ranks started."""
+    if options.steps is not None:  # the override meets the job's own limits
+        try:
+            TrainingSpec.model_validate({**spec.training.model_dump(by_alias=True),
+                                         "steps": options.steps})
+        except ValidationError as err:
+            raise RunError(f"--steps {options.steps}: {format_validation_error(err)}") from None
     token = spec.data.token_file
     if token is not None and "://" in token.path:  # object storage: the ranks download it
         check_remote_file(token.path, "data.tokenFile.path")
