@@ -40,9 +40,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 
 from cephalo.api import trainer_env
-from cephalo.api.job import CephaloJobSpec, TrainingSpec, load_job
+from cephalo.api.job import (
+    CephaloJobSpec,
+    PlannerSpec,
+    TrainingSpec,
+    format_validation_error,
+    load_job,
+)
 from cephalo.api.memory import state_bytes
 from cephalo.api.models import ModelConfig
 from cephalo.api.profile import (
@@ -234,6 +241,61 @@ def profile_job(spec: CephaloJobSpec, *, device: torch.device | None = None,
     return profile.model_copy(update={"collectives": collectives})
 
 
+MAX_REPEATS = 1000
+
+
+def _micro_batch_sizes(text: str | None, spec: CephaloJobSpec) -> list[int] | None:
+    """--micro-batch-sizes, held to the job's own limits (planner.profileMicroBatchSizes)."""
+    if not text:
+        return None
+    try:
+        sizes = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--micro-batch-sizes {text!r}: give comma-separated positive "
+                         "integers, e.g. 1,2,4") from None
+    if min(sizes) < 1:
+        raise ValueError("--micro-batch-sizes must be positive integers")
+    try:
+        PlannerSpec.model_validate({**spec.planner.model_dump(by_alias=True),
+                                    "profileMicroBatchSizes": sizes})
+    except ValidationError as err:
+        raise ValueError(f"--micro-batch-sizes {text}: {format_validation_error(err)}") from None
+    return sizes
+
+
+def _device(name: str | None) -> torch.device | None:
+    """--device: cpu, cuda or cuda:N, and only a GPU this process can see."""
+    if name is None:
+        return None
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: give cuda, cuda:N or cpu")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"--device {name}: no CUDA GPU is visible (torch "
+                             f"{torch.__version__}); use --device cpu")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"--device {name}: only {count} GPU(s) are visible "
+                             f"(cuda:0..cuda:{count - 1})")
+    return device
+
+
+def _check_output(output: str) -> None:
+    """--output must be a file in an existing folder (found before measuring, not after)."""
+    if output == "-" or output.startswith("/dev/"):
+        return
+    path = Path(output)
+    if path.is_dir():
+        raise ValueError(f"--output {output} is a folder; give a file such as "
+                         f"{path / 'profile.json'}")
+    if not path.parent.is_dir():
+        raise ValueError(f"--output {output}: folder {path.parent} does not exist")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cephalo.trainer.profile",
                                      description=__doc__.split("\n\n")[0])
@@ -249,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch-sizes", default=None,
                         help="comma-separated sizes (default: the job's planner setting)")
     parser.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: auto)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5,
+                        help=f"timed runs per measurement, 1 to {MAX_REPEATS} (default 5)")
     parser.add_argument("--cache-dir", default=None,
                         help=f"profile cache folder (default {default_cache_dir()}; "
                              "'none' disables)")
@@ -260,15 +323,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--job is required (or set {trainer_env.JOB})")
     try:
         spec = load_job(args.job).spec
-        sizes = ([int(s) for s in args.micro_batch_sizes.split(",")]
-                 if args.micro_batch_sizes else None)
-        if sizes is not None and min(sizes) < 1:
-            raise ValueError("--micro-batch-sizes must be positive integers")
+        sizes = _micro_batch_sizes(args.micro_batch_sizes, spec)
+        device = _device(args.device)
+        if not 1 <= args.repeats <= MAX_REPEATS:
+            raise ValueError(f"--repeats {args.repeats}: give 1 to {MAX_REPEATS}")
+        _check_output(args.output)
     except ValueError as err:
         print(f"profile: error: {err}", file=sys.stderr)
         return 2
     torch.set_num_threads(env.num_threads or torch.get_num_threads())
-    device = torch.device(args.device) if args.device else None
     collectives = None
     if args.collectives:
         from cephalo.trainer.profile_collectives import measure_collectives

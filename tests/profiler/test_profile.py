@@ -189,6 +189,31 @@ def test_command_line_writes_the_profile(tmp_path: Path) -> None:
     assert profiler.main(["--job", str(job), "--micro-batch-sizes", "0"]) == 2
 
 
+@pytest.mark.parametrize(("args", "phrase"), [
+    (["--micro-batch-sizes", "abc"], "--micro-batch-sizes 'abc': give comma-separated"),
+    (["--micro-batch-sizes", "1,100000"],
+     "profileMicroBatchSizes.1: Input should be less than or equal to 4096"),
+    (["--device", "tpu"], "--device tpu: give cuda, cuda:N or cpu"),
+    (["--device", "cuda:99"], "--device cuda:99: "),
+    (["--repeats", "0"], "--repeats 0: give 1 to 1000"),
+    (["--output", "."], "--output . is a folder"),
+    (["--output", "no/such/folder/p.json"], "folder no/such/folder does not exist"),
+])
+def test_bad_command_line_is_one_clean_line_before_measuring(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        args: list[str], phrase: str) -> None:
+    """Exit code 2 and one line before anything is measured (a wrong --output was found only
+    after profiling; --device cuda without a GPU, --device tpu and 100000 samples per
+    microbatch were tracebacks or an out-of-memory kill; --repeats 0 was accepted)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "job.yaml").write_text(JOB.replace("PRESET", "gpt-tiny"))
+    monkeypatch.setattr(profiler, "profile_job", lambda *a, **k: pytest.fail("it measured"))
+    assert profiler.main(["--job", "job.yaml", "--cache-dir", "none", *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("profile: error: "), lines
+    assert phrase in lines[0], lines[0]
+
+
 def test_device_facts_on_cpu_and_catalog_names() -> None:
     facts = device_facts(torch.device("cpu"))
     assert facts.product == "cpu" and facts.memory_bytes > 2**30
