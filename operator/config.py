@@ -6,6 +6,7 @@ cluster, tests shorten the intervals.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields
 from typing import Any
@@ -56,7 +57,44 @@ class OperatorConfig:
                 values[f.name] = _parse_bool(raw) if kind is bool else kind(raw)
             except ValueError:
                 raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+            problem = _out_of_range(f.name, values[f.name])
+            if problem:
+                raise ValueError(f"{name}={raw!r} {problem}")
         return cls(**values)
+
+
+# What each number may be (minimum, whether the minimum itself is allowed, maximum; None: no
+# bound). Out of range the operator refuses to start: a zero recheck period would be a busy
+# loop against the API server, a negative retry count no profiling at all. The Helm chart's
+# values.schema.json may be stricter, never looser (tests/chart checks).
+BOUNDS: dict[str, tuple[float, bool, float | None]] = {
+    "metrics_port": (0, True, 65535),  # 0: no operator /metrics
+    "trainer_metrics_port": (1, True, 65535),
+    "master_port": (1, True, 65535),
+    "recheck_seconds": (0, False, None),
+    "progress_interval_seconds": (0, False, 30),
+    "profile_timeout_seconds": (0, False, None),
+    "profile_retries": (0, True, None),
+    "discovery_timeout_seconds": (0, False, None),
+    "watch_timeout_seconds": (1, True, None),
+    "run_as_user": (1, True, None),  # never root
+    "node_debounce_seconds": (0, True, None),
+    "node_resync_seconds": (0, False, None),
+    "planning_timeout_seconds": (0, False, None),
+    "planning_memory_bytes": (1024**2, True, None),  # the chart asks 64 MiB or more
+}
+
+
+def _out_of_range(field: str, value: Any) -> str | None:
+    if field not in BOUNDS:
+        return None
+    low, inclusive, high = BOUNDS[field]
+    if isinstance(value, float) and not math.isfinite(value):
+        return "must be a finite number"
+    if value < low or (value == low and not inclusive) or (high is not None and value > high):
+        lower = f">= {low:g}" if inclusive else f"> {low:g}"
+        return f"must be {lower}" + (f" and <= {high:g}" if high is not None else "")
+    return None
 
 
 def _parse_bool(raw: str) -> bool:

@@ -53,7 +53,10 @@ _ended_pods: set[str] = set()  # uids of GPU pods already seen terminal (woken o
 
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    config = OperatorConfig.from_env()
+    try:
+        config = OperatorConfig.from_env()
+    except ValueError as err:  # a bad setting stops the operator: no retry can fix it
+        raise kopf.PermanentError(f"cephalo operator settings: {err}") from None
     # Keep kopf's bookkeeping in annotations: status belongs to the job (and the CRD schema).
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=API_GROUP)

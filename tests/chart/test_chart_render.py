@@ -230,6 +230,37 @@ def test_operator_env_is_exactly_its_config(values: dict[str, Any]) -> None:
     assert base.progress_interval_seconds == merged["operator"]["progressIntervalSeconds"]
 
 
+def test_chart_schema_is_no_looser_than_the_operators_ranges() -> None:
+    """Every number values.schema.json lets through for a CEPHALO_* setting lies in the
+    operator's own range (cephalo.operator.config.BOUNDS): Helm refuses the rest earlier,
+    the operator never has to."""
+    import json
+
+    from cephalo.operator.config import BOUNDS
+
+    template = (CHART_DIR / "templates" / "deployment.yaml").read_text()
+    pairs = re.findall(r"- name: (CEPHALO_\w+)\s+value: \{\{ \.Values\.([\w.]+)", template)
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())
+    env_field = {("CEPHALO_OPERATOR_METRICS_PORT" if f == "metrics_port"
+                  else "CEPHALO_" + f.upper()): f for f in BOUNDS}
+    checked = set()
+    for env, path in pairs:
+        if env not in env_field:
+            continue
+        node = schema
+        for key in path.split("."):
+            node = node["properties"][key]
+        low, inclusive, high = BOUNDS[env_field[env]]
+        if "minimum" in node:
+            assert node["minimum"] > low or (inclusive and node["minimum"] == low), env
+        else:
+            assert node.get("exclusiveMinimum", -float("inf")) >= low, env
+        if high is not None:
+            assert node.get("maximum", float("inf")) <= high, env
+        checked.add(env_field[env])
+    assert checked == set(BOUNDS), f"not set from the chart: {set(BOUNDS) - checked}"
+
+
 def _seconds(duration: str) -> float:
     """A Prometheus Operator duration (e.g. 1m30s) in seconds."""
     units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}

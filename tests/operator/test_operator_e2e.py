@@ -193,6 +193,23 @@ async def test_job_deleted_mid_profiling_leaves_nothing_behind(
     assert leftovers == []
 
 
+async def test_a_bad_setting_stops_the_operator_at_startup_with_one_clear_line(
+        emulator: ApiEmulator, tmp_path) -> None:
+    """A zero reconcile period would be a busy loop against the API server: the operator
+    exits with the setting named (CrashLoopBackOff shows it), before any request."""
+    proc = OperatorProcess(emulator.kubeconfig, tmp_path / "operator.log",
+                           CEPHALO_RECHECK_SECONDS="0").start()
+    try:
+        await wait_for("the operator to exit",
+                       lambda: proc.proc is not None and proc.proc.poll() is not None,
+                       timeout=30.0)
+    finally:
+        await proc.stop()
+    assert proc.proc is not None and proc.proc.returncode != 0
+    assert "cephalo operator settings: CEPHALO_RECHECK_SECONDS='0' must be > 0" in proc.log()
+    assert emulator.rbac_rules(include_tests=False) == set()  # it touched nothing
+
+
 async def test_operator_killed_mid_phase_resumes_without_duplicates(
         emulator: ApiEmulator, start_operator) -> None:
     first = start_operator()

@@ -64,6 +64,32 @@ def test_config_from_environment_and_bad_values() -> None:
         OperatorConfig.from_env({"CEPHALO_PROFILE_RETRIES": "many"})
 
 
+@pytest.mark.parametrize(("name", "raw", "problem"), [
+    ("CEPHALO_RECHECK_SECONDS", "0", "must be > 0"),
+    ("CEPHALO_RECHECK_SECONDS", "nan", "must be a finite number"),
+    ("CEPHALO_PROGRESS_INTERVAL_SECONDS", "31", "must be > 0 and <= 30"),
+    ("CEPHALO_PROFILE_RETRIES", "-1", "must be >= 0"),
+    ("CEPHALO_MASTER_PORT", "70000", "must be >= 1 and <= 65535"),
+    ("CEPHALO_RUN_AS_USER", "0", "must be >= 1"),
+    ("CEPHALO_DISCOVERY_TIMEOUT_SECONDS", "inf", "must be a finite number"),
+])
+def test_config_out_of_range_is_refused(name: str, raw: str, problem: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        OperatorConfig.from_env({name: raw})
+    assert str(caught.value) == f"{name}={raw!r} {problem}"
+
+
+def test_config_defaults_are_in_range() -> None:
+    from dataclasses import fields
+
+    from cephalo.operator.config import BOUNDS, _out_of_range
+
+    defaults = OperatorConfig()
+    numeric = {f.name for f in fields(defaults) if type(f.default) in (int, float)}
+    assert set(BOUNDS) == numeric  # every number has its range
+    assert all(_out_of_range(name, getattr(defaults, name)) is None for name in BOUNDS)
+
+
 def test_operator_never_imports_torch_and_is_not_a_top_level_operator_module() -> None:
     code = ("import sys, operator, cephalo.operator; "
             "assert 'torch' not in sys.modules, 'torch imported'; "
