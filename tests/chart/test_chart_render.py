@@ -197,14 +197,16 @@ def test_kopf_accepts_the_command_line(values: dict[str, Any]) -> None:
 
 
 def _bumped(value: str) -> str:
-    """Another valid value of the same type."""
+    """Another valid value of the same type (a number moves towards 1, inside every range
+    of cephalo.operator.config.BOUNDS that holds the value itself)."""
     if value in ("true", "false"):
         return {"true": "false", "false": "true"}[value]
     for kind in (int, float):
         try:
-            return str(kind(value) + 1)
+            number = kind(value)
         except ValueError:
-            pass
+            continue
+        return str(number - 1 if number > 1 else number + 1)
     return value + "-other"
 
 
