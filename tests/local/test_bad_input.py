@@ -241,6 +241,20 @@ def profile_is_garbage(d: Path) -> list[str]:
             "--profiles", "profiles"]
 
 
+def profile_of_another_model(d: Path) -> list[str]:
+    """A profile measured for gpt-small, given to plan gpt-tiny: its times and memory are
+    another model's (it planned with them without a word)."""
+    from cephalo.api import preset
+    from cephalo.planner import estimate_profile
+    from cephalo.planner.catalog import lookup_gpu
+
+    (d / "profiles").mkdir()
+    other = estimate_profile(lookup_gpu("L4"), preset("gpt-small"), "fp32", [1, 2])
+    (d / "profiles" / "L4.json").write_text(other.model_dump_json())
+    return ["plan", "--gpus", "2xL4", "--model", "gpt-tiny", "--batch-size", "8",
+            "--profiles", "profiles"]
+
+
 def crd_output_is_a_folder(d: Path) -> list[str]:
     (d / "out").mkdir()
     return ["crd", "--output", "out"]
@@ -298,6 +312,7 @@ CASES: list[tuple[Setup, str]] = [  # (setup, a phrase the one line must contain
     (plan_too_many_gpus, "count must be 1 to 100000"),
     (profile_is_a_folder, "is a folder"),
     (profile_is_garbage, "is not a GpuProfile: product: Input should be a valid string"),
+    (profile_of_another_model, "the L4 profile was measured for another model or precision"),
     (crd_output_is_a_folder, "--output out: Is a directory"),
     (export_into_the_checkpoint, "lies inside the checkpoint directory ckpt"),
     (export_output_is_a_folder, "--output out is a directory"),

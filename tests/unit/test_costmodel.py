@@ -10,7 +10,13 @@ import pytest
 from pydantic import ValidationError
 
 from cephalo.api import ClusterSpec, GpuGroup, parse_job, preset
-from cephalo.api.profile import CollectiveProfile, GpuProfile, ProfilePoint, SingleRankStep
+from cephalo.api.profile import (
+    CollectiveProfile,
+    GpuProfile,
+    ProfilePoint,
+    SingleRankStep,
+    model_key,
+)
 from cephalo.planner.catalog import lookup_gpu
 from cephalo.planner.costmodel import (
     CommModel,
@@ -28,7 +34,8 @@ def _profile(forward: float = 1.0, backward: float = 2.0, fixed: float | None = 
              collectives: CollectiveProfile | None = None) -> GpuProfile:
     point = ProfilePoint(micro_batch_size=1, block_forward_seconds=forward,
                          block_backward_seconds=backward, compute_memory_bytes=1000)
-    return GpuProfile(product="cpu", memory_capacity_bytes=2**30, model_key="k",
+    return GpuProfile(product="cpu", memory_capacity_bytes=2**30,
+                      model_key=model_key(CONFIG.architecture_key(), "fp32"),
                       points=[point], block_forward_fixed_seconds=fixed,
                       collectives=collectives)
 

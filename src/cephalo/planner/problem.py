@@ -14,7 +14,7 @@ from cephalo.api.cluster import ClusterSpec
 from cephalo.api.job import CephaloJobSpec
 from cephalo.api.memory import state_bytes_per_parameter
 from cephalo.api.models import ModelConfig
-from cephalo.api.profile import CollectiveProfile, GpuProfile
+from cephalo.api.profile import CollectiveProfile, GpuProfile, model_key
 from cephalo.errors import CephaloError
 from cephalo.planner.catalog import GpuType, resolve_gpu
 from cephalo.planner.costmodel import (
@@ -32,6 +32,10 @@ GIB = 1024**3
 
 class InfeasibleError(CephaloError, ValueError):
     """The job cannot run on these GPUs; the message has the numbers and what would fit."""
+
+
+class ProfileMismatchError(CephaloError, ValueError):
+    """A given profile was measured for another model or precision than the job's."""
 
 
 @dataclass
@@ -84,9 +88,19 @@ def build_problem(spec: CephaloJobSpec, cluster: ClusterSpec,
     classes: dict[tuple[str, int], GpuClass] = {}
     ranks: list[tuple[str, str]] = []
     rank_class: list[int] = []
+    expected_key = model_key(model.architecture_key(), spec.precision)
     for group in cluster.groups:
         gpu = resolve_gpu(group.product, group.memory_bytes)  # outside the catalog: profiled
-        profile = profiles.get(gpu.name) or estimate_profile(
+        given = profiles.get(gpu.name)
+        if given is not None and given.model_key != expected_key:
+            # Its times and memory are another model's: planning with them would be wrong
+            # without a word (another model's capacity, a microbatch that does not fit).
+            raise ProfileMismatchError(
+                f"the {gpu.name} profile was measured for another model or precision (its "
+                f"model_key is {given.model_key}; this job's {model.family} model in "
+                f"{spec.precision} has {expected_key}); profile this job: python -m "
+                f"cephalo.trainer.profile --job JOB.yaml --output {gpu.name}.json")
+        profile = given or estimate_profile(
             gpu, model, spec.precision, spec.planner.profile_micro_batch_sizes)
         capacity = group.memory_bytes or profile.memory_capacity_bytes or gpu.memory_bytes
         key = (gpu.name, capacity)
