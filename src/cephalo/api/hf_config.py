@@ -312,4 +312,3 @@ def _in_vocabulary(token_id: Any, vocab_size: int) -> Any:
     ok = all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size
              for i in ids) and ids
     return token_id if ok else None
-
