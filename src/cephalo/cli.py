@@ -26,7 +26,11 @@ class UserError(CephaloError):
     """A mistake in the user's input: printed as one line, exit code 2."""
 
 
-def build_parser(load: list[str] | None = None) -> argparse.ArgumentParser:
+def build_parser(load: list[str] | None = None,
+                 commands: dict[str, argparse.ArgumentParser] | None = None
+                 ) -> argparse.ArgumentParser:
+    """The `cephalo` parser (subcommands' arguments only for those in `load`, default all);
+    `commands`, when given, receives each subcommand's parser."""
     parser = argparse.ArgumentParser(
         prog="cephalo", description="Train transformers on mixed-GPU clusters.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -34,13 +38,25 @@ def build_parser(load: list[str] | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         if load is None or name in load:
             importlib.import_module(module).add_arguments(p)
+        if commands is not None:
+            commands[name] = p
     return parser
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """The arguments; an unknown option is reported by its subcommand, with that command's
+    usage (argparse leaves it to the top-level parser: `cephalo: error`, `cephalo` usage)."""
+    wanted = [a for a in argv if a in COMMANDS][:1]
+    commands: dict[str, argparse.ArgumentParser] = {}
+    args, unknown = build_parser(wanted or None, commands).parse_known_args(argv)
+    if unknown:
+        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    wanted = [a for a in argv if a in COMMANDS][:1]
-    args = build_parser(load=wanted or None).parse_args(argv)
+    args = _parse(argv)
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
         return int(module.run(args) or 0)

@@ -351,3 +351,21 @@ def test_an_internal_bug_keeps_its_traceback(tmp_path: Path) -> None:
                           text=True, timeout=60, env=dict(os.environ))
     assert done.returncode == 1
     assert "Traceback" in done.stderr and "ValueError: bug" in done.stderr
+
+
+@pytest.mark.parametrize(("argv", "unknown"), [
+    (["export", "ckpt", "--output", "m.pt", "--bogus", "1"], "--bogus 1"),
+    (["crd", "--nope"], "--nope"),
+])
+def test_an_unknown_option_is_named_by_its_command(argv: list[str], unknown: str,
+                                                   capsys) -> None:
+    """With that command's usage (argparse left it to the top-level parser: `cephalo:
+    error: unrecognized arguments` under `usage: cephalo [-h] COMMAND ...`)."""
+    from cephalo.cli import main
+
+    with pytest.raises(SystemExit) as caught:
+        main(argv)
+    assert caught.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith(f"usage: cephalo {argv[0]} ")
+    assert lines[-1] == f"cephalo {argv[0]}: error: unrecognized arguments: {unknown}"
