@@ -126,3 +126,37 @@ def test_gpt2_round_trip_and_unexportable_family(tmp_path: Path, capsys) -> None
         assert message in err and len(err.strip().splitlines()) == 1
     with pytest.raises(PretrainedError, match="a vit model has no Hugging Face export"):
         to_hf_config(preset("vit-tiny"))
+
+
+def _scratch(rank: int, world_size: int, ckpt: str) -> None:
+    from cephalo.trainer.run import train
+
+    job = CephaloJobSpec.model_validate({
+        "model": {"preset": "gpt-tiny"}, "globalBatchSize": 2, "training": {"steps": 1}})
+    train(job, Layout([2], [2], [1.0]), ckpt, verbose=False)
+
+
+def test_a_model_trained_from_scratch_takes_its_special_ids_from_the_exported_tokenizer(
+        tmp_path: Path) -> None:
+    """No pretrained config names bos/eos/pad: the tokenizer exported with the model does
+    (`--tokenizer`), so `generate` stops at its eos. Ids outside the vocabulary, or tokens
+    the tokenizer lacks, stay null."""
+    ckpt, tok = tmp_path / "ckpt", tmp_path / "tok"
+    spawn_ranks(_scratch, 1, str(ckpt))
+    tok.mkdir()
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "[UNK]": 3} | {f"w{i}": 4 + i for i in range(300)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tok / "tokenizer.json"))
+    (tok / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"content": "<s>", "special": True}, "eos_token": "</s>",
+        "pad_token": "w299"}))  # id 303: outside gpt-tiny's 256 tokens
+    out = tmp_path / "hf"
+    assert cli_main(["export", str(ckpt), "--format", "hf", "--output", str(out),
+                     "--tokenizer", str(tok)]) == 0
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (1, 2, None)
+    assert cli_main(["export", str(ckpt), "--format", "hf", "--output", str(tmp_path / "bare")
+                     ]) == 0  # no tokenizer: nothing names them
+    bare = json.loads((tmp_path / "bare" / "config.json").read_text())
+    assert (bare["bos_token_id"], bare["eos_token_id"], bare["pad_token_id"]) == (None,) * 3
