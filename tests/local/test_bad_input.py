@@ -271,6 +271,17 @@ def export_output_is_a_folder(d: Path) -> list[str]:
     return ["export", "ckpt", "--output", "out"]
 
 
+def export_pt_with_a_shard_size(d: Path) -> list[str]:
+    (d / "ckpt").mkdir()
+    return ["export", "ckpt", "--output", "m.pt", "--max-shard-size", "1GB"]
+
+
+def export_pt_with_a_tokenizer(d: Path) -> list[str]:
+    (d / "ckpt").mkdir()
+    (d / "tok").mkdir()
+    return ["export", "ckpt", "--output", "m.pt", "--tokenizer", "tok"]
+
+
 def export_missing_checkpoint(d: Path) -> list[str]:
     return ["export", "no-such-ckpt", "--output", "model.pt"]
 
@@ -316,6 +327,8 @@ CASES: list[tuple[Setup, str]] = [  # (setup, a phrase the one line must contain
     (crd_output_is_a_folder, "--output out: Is a directory"),
     (export_into_the_checkpoint, "lies inside the checkpoint directory ckpt"),
     (export_output_is_a_folder, "--output out is a directory"),
+    (export_pt_with_a_shard_size, "--max-shard-size applies to --format hf only"),
+    (export_pt_with_a_tokenizer, "--tokenizer applies to --format hf only"),
     (export_missing_checkpoint, "no-such-ckpt: no such checkpoint directory"),
 ]
 

@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("pt", "hf"), default="pt",
                         help="pt: one PyTorch state_dict (default); hf: a Hugging Face "
                              "checkpoint folder (config.json + safetensors) transformers loads")
-    parser.add_argument("--max-shard-size", default="5GB",
+    parser.add_argument("--max-shard-size", default=None,
                         help="--format hf: split the safetensors above this size, with an "
                              "index (default 5GB, as transformers; units B, KB, MB, GB)")
     parser.add_argument("--tokenizer", default=None, metavar="DIR",
@@ -48,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "those of the pretrained model the job started from, if any)")
 
 
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -83,8 +84,13 @@ def run(args: argparse.Namespace) -> int:
         raise ExportError(f"--output {output} lies inside the checkpoint directory {root}; "
                           "write the export somewhere else")
     hf = args.format == "hf"
+    for option, value in (("--max-shard-size", args.max_shard_size),
+                          ("--tokenizer", args.tokenizer)):
+        if value is not None and not hf:  # else ignored without a word
+            raise ExportError(f"{option} applies to --format hf only; add --format hf or "
+                              f"leave {option} out")
     if hf:
-        max_shard_bytes = parse_size_bytes(args.max_shard_size)
+        max_shard_bytes = parse_size_bytes(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
         if output.exists() and not output.is_dir():
             raise ExportError(f"--output {output} is a file; --format hf writes a folder")
         tokenizer = Path(args.tokenizer) if args.tokenizer else None
