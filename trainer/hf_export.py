@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from cephalo.api.hf_config import CONFIG_FILE, to_hf_config
 from cephalo.api.models import ModelConfig
+from cephalo.tokenizer import special_token_ids
 from cephalo.trainer.checkpoint import CheckpointInfo, ShardReader
 from cephalo.trainer.flat import ParamSpec, param_specs
 from cephalo.trainer.hf_weights import (
@@ -86,7 +87,7 @@ def export_hf(info: CheckpointInfo, output: Path, max_shard_bytes: int,
         kept = {name: (tokenizer_dir / name).read_bytes() for name in SOURCE_FILES
                 if name != CONFIG_FILE and (tokenizer_dir / name).is_file()}
     hf_config = to_hf_config(config, base)
-    for key, token_id in tokenizer_special_ids(kept, config.vocab_size or 0).items():
+    for key, token_id in special_token_ids(kept, config.vocab_size or 0).items():
         if hf_config.get(key) is None:  # trained from scratch: its tokenizer names them
             hf_config[key] = token_id
     output.mkdir(parents=True, exist_ok=True)
@@ -122,32 +123,6 @@ def export_hf(info: CheckpointInfo, output: Path, max_shard_bytes: int,
         _write(output / name, data)
         written.append(name)
     return written
-
-
-def tokenizer_special_ids(files: dict[str, bytes], vocab_size: int) -> dict[str, int]:
-    """bos/eos/pad token ids as the exported tokenizer defines them (tokenizer_config.json's
-    token strings, looked up in tokenizer.json), where they lie in the vocabulary: so that
-    `generate` stops at the tokenizer's eos. Empty without both files."""
-    if "tokenizer.json" not in files or "tokenizer_config.json" not in files:
-        return {}
-    from tokenizers import Tokenizer
-
-    try:
-        settings = json.loads(files["tokenizer_config.json"])
-        # tokenizers reports a malformed file as a bare Exception. Such files are copied as
-        # they are and the ids stay null: the weights are what this export vouches for.
-        tokenizer = Tokenizer.from_str(files["tokenizer.json"].decode())
-    except Exception:
-        return {}
-    found = {}
-    for role in ("bos", "eos", "pad"):
-        token = settings.get(f"{role}_token") if isinstance(settings, dict) else None
-        if isinstance(token, dict):  # {"content": "</s>", ...}, as transformers saves it
-            token = token.get("content")
-        token_id = tokenizer.token_to_id(token) if isinstance(token, str) else None
-        if token_id is not None and 0 <= token_id < vocab_size:
-            found[f"{role}_token_id"] = token_id
-    return found
 
 
 def _atomic(path: Path, write: Any) -> None:

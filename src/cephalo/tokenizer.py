@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ BYTE_LEVEL = "byte-level"
 BYTE_VOCAB_SIZE = 256
 BYTE_EOS_ID = 10  # "\n", what scripts/text_to_tokens.py puts between files
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 WELL_KNOWN_EOS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
 MAX_JSON_BYTES = 64 << 20  # the largest tokenizer.json files (256k vocabularies) are ~20 MB
 
@@ -116,11 +117,34 @@ def _token_name(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
+def special_token_ids(files: Mapping[str, bytes], vocab_size: int) -> dict[str, int]:
+    """bos/eos/pad token ids as tokenizer files define them (their `*_token` names in
+    tokenizer_config.json, looked up in tokenizer.json), where they lie in the vocabulary:
+    what `cephalo export --format hf` writes into a from-scratch model's config so that
+    `generate` stops at the tokenizer's eos. Empty without both files or with a malformed
+    one; a name the vocabulary lacks is left out."""
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_str(files[TOKENIZER_FILE].decode())
+        settings = json.loads(files[TOKENIZER_CONFIG_FILE])
+    except Exception:  # missing, malformed (tokenizers raises a bare Exception), not UTF-8
+        return {}
+    found = {}
+    for role in ("bos", "eos", "pad"):
+        name = _token_name(settings.get(f"{role}_token")) if isinstance(settings, dict) \
+            else None
+        token_id = tokenizer.token_to_id(name) if name is not None else None
+        if token_id is not None and 0 <= token_id < vocab_size:
+            found[f"{role}_token_id"] = token_id
+    return found
+
+
 def _find_eos(fs: Any, folder: str | None, token_to_id: Callable[[str], int | None]
               ) -> tuple[int | None, str]:
     """(eos id, where it came from) from the files next to tokenizer.json."""
     if folder is not None:
-        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        for name in (TOKENIZER_CONFIG_FILE, "special_tokens_map.json"):
             data = _read_json(fs, posixpath.join(folder, name)) or {}
             token = _token_name(data.get("eos_token"))
             if token is not None:
