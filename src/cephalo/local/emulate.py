@@ -44,10 +44,14 @@ def _dilation(products: list[str], precision: str) -> dict[str, float]:
     return {p: fastest / peak[p] for p in peak}
 
 
+def _scaled_capacity(products: list[str], memory_scale: float) -> dict[str, int]:
+    """Each emulated GPU's memory: its catalog memory x `memory_scale`."""
+    return {p: int(lookup_gpu(p).memory_bytes * memory_scale) for p in set(products)}
+
+
 def plan_emulation(cpu_profile: GpuProfile, products: list[str], model: ModelConfig,
                    precision: str, memory_fraction: float,
                    memory_scale: float | None = None) -> Emulation:
-    distinct = sorted(set(products))
     dilation = _dilation(products, precision)
     if memory_scale is None:
         largest = max(cpu_profile.points, key=lambda q: q.micro_batch_size)
@@ -55,8 +59,7 @@ def plan_emulation(cpu_profile: GpuProfile, products: list[str], model: ModelCon
             len(products) * largest.compute_memory_bytes
         offered = sum(lookup_gpu(p).memory_bytes for p in products) * memory_fraction
         memory_scale = HEADROOM * need / offered
-    capacity = {p: int(lookup_gpu(p).memory_bytes * memory_scale) for p in distinct}
-    return Emulation(dilation, capacity, memory_scale)
+    return Emulation(dilation, _scaled_capacity(products, memory_scale), memory_scale)
 
 
 def emulated_profile(cpu_profile: GpuProfile, product: str, emu: Emulation,
@@ -111,7 +114,7 @@ def given_plan_emulation(plan: Plan, products: list[str], precision: str, source
     memory at: an error, not a silently uncapped rank. `products`: each rank's emulated GPU
     (the plan's ranks run on the devices in order, `check_plan`)."""
     if memory_scale is not None:
-        capacity = {p: int(lookup_gpu(p).memory_bytes * memory_scale) for p in set(products)}
+        capacity = _scaled_capacity(products, memory_scale)
     else:
         capacity = {}
         for r, product in zip(plan.ranks, products, strict=True):

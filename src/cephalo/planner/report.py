@@ -111,7 +111,6 @@ def kept_blocks_phrase(plan: Plan) -> str:
     return "; " + ", ".join(parts) + f" ({how})"
 
 
-
 def unit_sharding_line(plan: Plan) -> str:
     """How many units are sharded evenly (no uneven-collective overhead) and how many
     skewed, for a plan with per-unit ratios."""
