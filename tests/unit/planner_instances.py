@@ -22,6 +22,13 @@ def job_spec(batch: int, preset: str = "gpt-tiny", allow_state_only: bool = True
     }).spec
 
 
+def with_min_gain(spec: CephaloJobSpec, min_gain: float) -> CephaloJobSpec:
+    """`spec` with planner.minGainToIdleGpus set: 0 asks for the fastest choice of GPUs
+    however small its gain, which is what the brute-force oracles compare against."""
+    planner = spec.planner.model_copy(update={"min_gain_to_idle_gpus": min_gain})
+    return spec.model_copy(update={"planner": planner})
+
+
 def random_profile(rng: random.Random, product: str, spec: CephaloJobSpec,
                    capacity_bytes: int) -> GpuProfile:
     """Sub-linear then linear times (as real GPUs), memory linear in the microbatch."""

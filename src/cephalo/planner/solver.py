@@ -65,14 +65,26 @@ def solve(spec: CephaloJobSpec, cluster: ClusterSpec,
         modes.append(mode)
         if mode[0].step_seconds <= best[0].step_seconds * (1 + 1e-12):
             best = mode
+    fastest = best[0]
+    everything = _every_gpu(modes) if choose_gpus else None
+    min_gain = spec.planner.min_gain_to_idle_gpus
+    kept_every_gpu = everything is not None and everything[0] is not fastest and \
+        everything[0].step_seconds <= fastest.step_seconds * (1 + min_gain)
+    if kept_every_gpu:
+        assert everything is not None
+        best = everything  # fewer GPUs gain less than the margin: every GPU gets a rank
     choice, solved, exhaustive = best
     # Every GPU's step (the idle GPUs' reason): the faster mode there, whichever won here.
     full = [c.full_step_seconds for c, _, _ in modes if c.full_step_seconds is not None]
     choice.full_step_seconds = min(full, default=None)
     sol: Solution = choice.solution  # type: ignore[assignment]
-    # A proven gap holds over both modes: measured from the least lower bound of either.
-    lower = min(c.step_seconds - (c.gap_seconds if choose_gpus else _gap(c))
-                for c, _, _ in modes)
+    # A proven gap holds over every mode: measured from the least lower bound of any, over
+    # every subset of the GPUs, or on every GPU when the margin kept them all.
+    if kept_every_gpu:
+        lower = min(_gap_free(m[0].full) for m in modes if m[0].full is not None)
+    else:
+        lower = min(c.step_seconds - (c.gap_seconds if choose_gpus else _gap(c))
+                    for c, _, _ in modes)
     gap = max(0.0, choice.step_seconds - lower)
     if choose_gpus:
         choice.gap_seconds = max(choice.gap_seconds, gap)
@@ -81,12 +93,49 @@ def solve(spec: CephaloJobSpec, cluster: ClusterSpec,
                        kept=sol.kept)
     assert evaluation.feasible, evaluation.reason
     plan = _plan(problem, choice, sol, evaluation, solved, exhaustive, choose_gpus)
+    if choose_gpus:
+        _note_min_gain(plan, choice, fastest, min_gain, kept_every_gpu)
     if choice.problem.rank_cost(0).fused_all:
         # The engine decides the fused tail from the plan alone: it must run what was priced.
         assert plan_fused_tail_blocks(plan) == problem.model.num_layers, plan.ranks
     # Last: where each rank keeps its boundary activations (offload only where they do not
     # fit; per rank, the collectives do not change). `choice.problem`: the GPUs used.
     return offload_plan(plan, choice.problem)
+
+
+def _every_gpu(modes: list[tuple[Choice, int, bool]]) -> tuple[Choice, int, bool] | None:
+    """The whole cluster's choice in its fastest mode (a tie to the later mode, as between
+    the modes' best choices), with that mode's search counts; None where it does not fit."""
+    found: tuple[Choice, int, bool] | None = None
+    for choice, solved, exhaustive in modes:
+        whole = choice.full
+        if whole is not None and (found is None or
+                                  whole.step_seconds <= found[0].step_seconds * (1 + 1e-12)):
+            found = (whole, solved, exhaustive)
+    return found
+
+
+def _note_min_gain(plan: Plan, choice: Choice, fastest: Choice, min_gain: float,
+                   kept_every_gpu: bool) -> None:
+    """Say both step times when the margin decided (planner.minGainToIdleGpus): every GPU
+    kept although fewer are predicted faster. Plans the margin did not touch keep their
+    bytes."""
+    if not kept_every_gpu or fastest.step_seconds >= choice.step_seconds:
+        return
+    gain = choice.step_seconds / fastest.step_seconds - 1
+    used, total = sum(fastest.counts), sum(choice.counts)
+    plan.notes.append(
+        f"all {total} GPUs used: {used} of them are predicted {fastest.step_seconds:.4g} s per "
+        f"step against {choice.step_seconds:.4g} s, {gain:.1%} more throughput, within "
+        f"planner.minGainToIdleGpus ({min_gain:.0%}), which is about the cost model's error")
+    plan.search["fastest_gpu_subset_step_seconds"] = fastest.step_seconds
+    plan.search["min_gain_to_idle_gpus"] = min_gain
+
+
+def _gap_free(choice: Choice | None) -> float:
+    """The least step `choice`'s GPUs can take (its step less its solution's gap)."""
+    assert choice is not None
+    return choice.step_seconds - _gap(choice)
 
 
 def _gap(choice: Choice) -> float:

@@ -35,6 +35,8 @@ from cephalo.planner.problem import (
 )
 
 EXHAUSTIVE_MAX_CHOICES = 256
+# Relative slack of the sample-count bounds below: a float sum of counts may round low.
+_BOUND_RTOL = 1e-9
 # Class sets tried in full when there are few classes (2^C − 1 of them); beyond, the whole
 # set, each class alone and the prefixes by memory and by speed.
 _MAX_CLASSES_FOR_ALL_SETS = 6
@@ -48,6 +50,9 @@ class Choice:
     solution: object  # solver.Solution (typed loosely: solver imports this module)
     step_seconds: float
     full_step_seconds: float | None = None  # every GPU used (None: that does not fit)
+    # The whole cluster's choice in the same mode (None: it does not fit); `solve` keeps it
+    # over a faster subset that gains less than planner.minGainToIdleGpus.
+    full: Choice | None = None
     # Proven distance of step_seconds to the least step over every subset of the GPUs.
     gap_seconds: float = 0.0
 
@@ -106,7 +111,9 @@ def cannot_beat(sub: Problem, step_seconds: float) -> bool:
     comm = sub.unit_comm(uneven=False)
     counts = [len(cls.slots) for cls in sub.classes]
     reach = reachable_samples(sub, counts, comm, step_seconds, strict=True)
-    return reach < sub.global_batch_size
+    # A proof must survive rounding: the bound is a float sum of sample counts (fractional
+    # only in the knapsack's last GPU), so a shortfall within rounding proves nothing.
+    return reach < sub.global_batch_size * (1 - _BOUND_RTOL)
 
 
 def reachable_samples(problem: Problem, counts: list[int], comm: UnitComm,
@@ -125,7 +132,8 @@ def reachable_samples(problem: Problem, counts: list[int], comm: UnitComm,
     total = float(sum(n * max(most, 0) for n, most in zip(counts, plain, strict=True)))
     if total >= batch and min(plain) >= 0:
         return total  # enough without kept blocks: no need to price them
-    gains: list[tuple[float, float, int]] = []  # (samples per byte, bytes per GPU, GPUs)
+    # (samples per byte, bytes per GPU, samples per GPU, GPUs)
+    gains: list[tuple[float, float, float, int]] = []
     smallest = 0 if problem.allow_state_only else 1
     for cls, n, most in zip(problem.classes, counts, plain, strict=True):
         if not n:
@@ -143,19 +151,25 @@ def reachable_samples(problem: Problem, counts: list[int], comm: UnitComm,
             least, one = cls.cost.compute_memory_bytes(np.array([smallest, 1]))
             graph = float(cls.cost.block_graph_bytes(np.array([max(most, 0) + 1]))[0]) + \
                 max(0.0, float(one - least))
-            gains.append((extra / graph, graph, n))
+            gains.append((extra / graph, graph, float(extra), n))
     # What the GPUs leave beyond their least compute memory and the training state (an
     # idle GPU adds nothing, so none adds less than nothing).
     room = -float(problem.state_bytes)
     for cls, n in zip(problem.classes, counts, strict=True):
         least = float(cls.cost.compute_memory_bytes(np.array([smallest]))[0])
         room += n * max(0.0, cls.budget_bytes - least)
-    for per_byte, graph, n in sorted(gains, reverse=True):
+    for _, graph, samples, n in sorted(gains, reverse=True):
         if room <= 0:
             break
-        gpus = min(float(n), room / graph)
-        total += gpus * graph * per_byte
-        room -= gpus * graph
+        # Whole GPUs add their extra samples exactly (graph x (extra / graph) may round
+        # below it, and a bound of 1.9999999999999998 samples for B = 2 pruned a subset
+        # that was the optimum: seed 14863 of the oracle tests); the last one a fraction.
+        if n * graph <= room:
+            total += n * samples
+            room -= n * graph
+        else:
+            total += samples * (room / graph)
+            room = 0.0
     return total
 
 
@@ -206,7 +220,7 @@ def search_subsets(problem: Problem, solve_fixed, score_step) -> tuple[Choice, i
     best: Choice | None = None
     first_error: InfeasibleError | None = None
     solved = 0
-    full_step: float | None = None
+    full: Choice | None = None
     lowest = float("inf")  # least proven lower bound among the choices solved
     for counts in candidates:
         keep = first_gpus(problem, counts)
@@ -223,16 +237,18 @@ def search_subsets(problem: Problem, solve_fixed, score_step) -> tuple[Choice, i
         solved += 1
         step = score_step(sub, solution)
         lowest = min(lowest, step - solution.gap_seconds)
+        choice = Choice(counts, sub, keep, solution, step)
         if counts == candidates[0]:
-            full_step = step
+            full = choice
         # Strictly faster, or as fast on more GPUs (choices that could only tie are pruned
         # unsolved, so a tie may also go to fewer GPUs).
         if best is None or step < best.step_seconds * (1 - 1e-12) or (
                 step <= best.step_seconds * (1 + 1e-12) and sum(counts) > sum(best.counts)):
-            best = Choice(counts, sub, keep, solution, step)
+            best = choice
     if best is None:
         raise first_error or InfeasibleError("no subset of the GPUs fits the job")
-    best.full_step_seconds = full_step
+    best.full = full
+    best.full_step_seconds = None if full is None else full.step_seconds
     # Every choice is solved (bounded by its own gap) or proven unable to beat the best; a
     # partial search adds the bound over every subset.
     bound = lowest if exhaustive else min(lowest, subset_lower_bound(problem, best.step_seconds))
@@ -273,7 +289,7 @@ def subset_lower_bound(problem: Problem, best_seconds: float) -> float:
             # Every GPU may idle: a class that runs nothing in time adds nothing.
             counts = [min(len(cls.slots), n2) for cls in problem.classes]
             return reachable_samples(problem, counts, comm, threshold, strict=False,
-                                     may_idle=True) >= batch
+                                     may_idle=True) >= batch * (1 - _BOUND_RTOL)
 
         if reaches(bound * (1 - 1e-9)):  # this interval may beat the bound so far
             lo, hi = 0.0, bound
