@@ -98,7 +98,15 @@ def job_status(api: ApiEmulator, ns: str, name: str) -> dict[str, Any]:
     return (jobs[0].get("status") or {}) if jobs else {}
 
 
-async def wait_for(what: str, predicate: Callable[[], Any], timeout: float = 20.0) -> Any:
+# How long a test waits for the operator (another process) to act before it fails. Generous on
+# purpose: a wait returns as soon as its condition holds, so only a failing test pays it,
+# and a loaded machine (a parallel build, CI's two cores) must not turn "slow" into "failed";
+# a run of the suite under a parallel CPU load once saw a job take over 20 s to succeed.
+WAIT_SECONDS = 120.0
+
+
+async def wait_for(what: str, predicate: Callable[[], Any],
+                   timeout: float = WAIT_SECONDS) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
@@ -120,7 +128,7 @@ def real_profile_json(pod: dict[str, Any], job_body: dict[str, Any]) -> str:
 
 
 async def finish_profilers(api: ApiEmulator, ns: str, job_body: dict[str, Any],
-                           count: int, timeout: float = 20.0) -> set[str]:
+                           count: int, timeout: float = WAIT_SECONDS) -> set[str]:
     """Wait for `count` profiler pods of the job and let each succeed with a real profile."""
     name = job_body["metadata"]["name"]
     found = await wait_for(f"{count} profiler pods", lambda: (

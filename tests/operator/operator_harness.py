@@ -13,6 +13,7 @@ import pytest_asyncio
 from kube_emulator import ApiEmulator
 from kube_fixtures import cluster_a
 from kubelet import (
+    WAIT_SECONDS,
     OperatorProcess,
     apply_nodes,
     job_status,
@@ -96,6 +97,7 @@ def cond(api: ApiEmulator, name: str, ctype: str) -> dict:
     return {}
 
 
-async def wait_phase(api: ApiEmulator, name: str, phase: str, timeout: float = 20.0) -> dict:
+async def wait_phase(api: ApiEmulator, name: str, phase: str,
+                     timeout: float = WAIT_SECONDS) -> dict:
     return await wait_for(f"{name} {phase}", lambda: (
         s if (s := job_status(api, NS, name)).get("phase") == phase else None), timeout)

@@ -201,8 +201,7 @@ async def test_a_bad_setting_stops_the_operator_at_startup_with_one_clear_line(
                            CEPHALO_RECHECK_SECONDS="0").start()
     try:
         await wait_for("the operator to exit",
-                       lambda: proc.proc is not None and proc.proc.poll() is not None,
-                       timeout=30.0)
+                       lambda: proc.proc is not None and proc.proc.poll() is not None)
     finally:
         await proc.stop()
     assert proc.proc is not None and proc.proc.returncode != 0
@@ -264,7 +263,7 @@ async def test_ttl_deletes_the_finished_job_and_its_children(
         await set_pod(emulator, NS, pod["metadata"]["name"], "Succeeded")
     await wait_phase(emulator, "ttl", "Succeeded")
     await wait_for("job deleted", lambda: not emulator.list_objects(
-        "cephalojobs", NS, group="cephalo.dev"), timeout=15)
+        "cephalojobs", NS, group="cephalo.dev"))
     assert pods(emulator, NS, "trainer") == []
     assert [c["metadata"]["name"] for c in emulator.list_objects("configmaps", NS)
             if c["metadata"]["name"].startswith("ttl-")] == []

@@ -103,7 +103,7 @@ async def test_a_recreated_job_never_adopts_the_old_jobs_children(
             (p["metadata"].get("ownerReferences") or [{}])[0].get("uid") == new_uid
             for p in ps) else []
 
-    ranks = await wait_for("the new job's own rank pods", own_ranks, timeout=30)
+    ranks = await wait_for("the new job's own rank pods", own_ranks)
     assert job_status(emulator, NS, "re").get("phase") != "Succeeded"
     # (re-spec is not read: the profiles are cached; the lagging GC removes the old one)
     cms = [c for c in emulator.list_objects("configmaps", NS) if c["metadata"]["name"] ==
@@ -172,7 +172,7 @@ async def test_preemption_restarts_from_the_checkpoint_without_using_the_backoff
 async def test_active_deadline_fails_the_job_and_stops_its_ranks(
         emulator: ApiEmulator, operator: OperatorProcess) -> None:
     await start_job(emulator, "dl", activeDeadlineSeconds=3)
-    status = await wait_phase(emulator, "dl", "Failed", timeout=30)
+    status = await wait_phase(emulator, "dl", "Failed")
     assert cond(emulator, "dl", "Failed")["reason"] == "DeadlineExceeded"
     assert "activeDeadlineSeconds 3" in status["message"]
     await wait_for("ranks stopped", lambda: all(

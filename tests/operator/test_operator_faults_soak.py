@@ -57,19 +57,19 @@ async def test_one_job_per_seed_converges_under_write_faults_and_watch_drops(
         await _clear_profile_cache(emulator)
         body = job_body(name, backoffLimit=0, **SMALL)
         await apply_job(emulator, body)
-        await finish_profilers(emulator, NS, body, count=2, timeout=60)
+        await finish_profilers(emulator, NS, body, count=2)
         kubelet = asyncio.create_task(_kubelet(emulator, name))
         try:
             status = await wait_for(f"{name} Running (or Failed)", lambda n=name: (
                 s if (s := job_status(emulator, NS, n)).get("phase") in ("Running", "Failed")
-                else None), timeout=60)
+                else None))
         finally:
             kubelet.cancel()
         assert status["phase"] == "Running", (seed, status["message"])
         ranks = sorted(pods(emulator, NS, "trainer", name), key=lambda p: p["metadata"]["name"])
         for pod in ranks:
             await set_pod(emulator, NS, pod["metadata"]["name"], "Succeeded")
-        status = await wait_phase(emulator, name, "Succeeded", timeout=60)
+        status = await wait_phase(emulator, name, "Succeeded")
         assert not status.get("restarts") and not status.get("preemptions"), (seed, status)
         assert [p["metadata"]["uid"] for p in ranks] == [
             p["metadata"]["uid"] for p in sorted(pods(emulator, NS, "trainer", name),

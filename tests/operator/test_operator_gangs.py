@@ -164,7 +164,7 @@ async def test_kueue_gang_restart_is_a_new_group(
     # pods form a new group that fits in the same quota only because the old one left.
     second = await wait_for("the restarted gang admitted", lambda: (
         rs if len(rs := _ranks(emulator, "kr", "1")) == size
-        and not any(gated(p) for p in rs) else None), timeout=30)
+        and not any(gated(p) for p in rs) else None))
     new = second[0]["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"]
     # The old pods were held by Kueue's finalizer until their Workload finished (all
     # terminated, retriable-in-group=false): without that, the restart would deadlock.

@@ -13,6 +13,7 @@ import pytest
 from kube_emulator import ApiEmulator
 from kube_fixtures import gpu_node, job_body
 from kubelet import (
+    WAIT_SECONDS,
     apply_job,
     apply_nodes,
     call,
@@ -30,7 +31,6 @@ from cephalo.operator.podspec import pod_groups
 
 pytestmark = pytest.mark.asyncio
 __all__ = ["cluster_fixture"]
-WAIT_SECONDS = 60.0
 GPU = "nvidia.com/gpu"
 
 

@@ -108,7 +108,7 @@ async def test_planning_out_of_memory_fails_the_job_not_the_operator(emulator, s
     body = job_body("oom", **{**SMALL, "globalBatchSize": 65_536})
     await apply_job(emulator, body)
     await finish_profilers(emulator, NS, body, count=2)
-    status = await wait_phase(emulator, "oom", "Failed", timeout=60.0)
+    status = await wait_phase(emulator, "oom", "Failed")
     assert "1 MiB memory allowance" in status["message"]
     assert cond(emulator, "oom", "Failed")["reason"] == "PlanningFailed"
     assert operator.proc.poll() is None  # the operator itself carries on
@@ -123,7 +123,7 @@ async def test_a_job_refused_for_its_spec_recovers_when_the_spec_is_fixed(emulat
     assert cond(emulator, "fixme", "Failed")["reason"] == "InvalidSpec"
     await call(emulator, "PATCH", JOBS.format(ns=NS) + "/fixme",
                {"spec": {"globalBatchSize": 64}})
-    status = await wait_phase(emulator, "fixme", "Profiling", timeout=60.0)
+    status = await wait_phase(emulator, "fixme", "Profiling")
     assert status["observedGeneration"] == 2 and "completionTime" not in status
     assert cond(emulator, "fixme", "Failed")["status"] == "False"
 

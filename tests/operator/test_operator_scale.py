@@ -38,8 +38,7 @@ async def test_node_events_with_many_jobs_cost_o1_node_lists(emulator: ApiEmulat
         for name in names:  # T4s: not in this cluster, so every job waits for GPUs
             await apply_job(emulator, job_body(name, gpuPools=[{"product": "Tesla-T4"}]))
         await wait_for("every job waiting for GPUs", lambda: all(
-            "waiting for GPUs" in job_status(emulator, NS, n).get("message", "") for n in names),
-            timeout=60)
+            "waiting for GPUs" in job_status(emulator, NS, n).get("message", "") for n in names))
         mark = len(emulator.calls)
         for i in range(NUM_NODE_EVENTS):  # cordon/uncordon: what discovery reads changes
             await call(emulator, "PATCH", "/api/v1/nodes/a-l4",
@@ -47,8 +46,7 @@ async def test_node_events_with_many_jobs_cost_o1_node_lists(emulator: ApiEmulat
             await asyncio.sleep(0.05)
         # The last event cordoned a-l4: every job must still notice (woken, fresh view).
         await wait_for("every job seeing a-l4 cordoned", lambda: all(
-            "a-l4: cordoned" in job_status(emulator, NS, n).get("message", "") for n in names),
-            timeout=60)
+            "a-l4: cordoned" in job_status(emulator, NS, n).get("message", "") for n in names))
         lists = operator_calls(emulator, "list", "nodes", mark)
         assert len(lists) <= 2, (f"{NUM_NODE_EVENTS} node events with {NUM_JOBS} jobs made "
                                  f"{len(lists)} node LISTs; expected O(1)")
@@ -74,8 +72,7 @@ async def test_node_view_stays_true_through_dropped_watches(emulator: ApiEmulato
         for name in names:
             await apply_job(emulator, job_body(name, gpuPools=[{"product": "Tesla-T4"}]))
         await wait_for("every job waiting for GPUs", lambda: all(
-            "saw 6 node(s)" in job_status(emulator, NS, n).get("message", "") for n in names),
-            timeout=60)
+            "saw 6 node(s)" in job_status(emulator, NS, n).get("message", "") for n in names))
         mark = len(emulator.calls)
         await asyncio.sleep(1.5)  # several watch streams ended and were resumed meanwhile
         await call(emulator, "DELETE", "/api/v1/nodes/a-l4")
@@ -83,7 +80,7 @@ async def test_node_view_stays_true_through_dropped_watches(emulator: ApiEmulato
         await call(emulator, "PATCH", "/api/v1/nodes/b-p40", {"spec": {"unschedulable": True}})
         await wait_for("every job seeing the deletion and the cordon", lambda: all(
             "saw 5 node(s)" in (m := job_status(emulator, NS, n).get("message", ""))
-            and "b-p40: cordoned" in m and "NVIDIA-L4" not in m for n in names), timeout=60)
+            and "b-p40: cordoned" in m and "NVIDIA-L4" not in m for n in names))
         resumed = operator_calls(emulator, "watch", "nodes", mark)
         assert len(resumed) >= 2, "the fault did not drop the node watch"
         assert len(operator_calls(emulator, "list", "nodes", mark)) <= 1

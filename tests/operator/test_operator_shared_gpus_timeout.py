@@ -12,12 +12,20 @@ import asyncio
 import pytest
 from aiohttp import ClientSession
 from kube_fixtures import job_body
-from kubelet import apply_job, call, finish_profilers, job_status, pods, set_pod, wait_for
+from kubelet import (
+    WAIT_SECONDS,
+    apply_job,
+    call,
+    finish_profilers,
+    job_status,
+    pods,
+    set_pod,
+    wait_for,
+)
 from shared_gpus_harness import NS, Cluster, cluster_fixture, plan_pools
 
 pytestmark = pytest.mark.asyncio
 __all__ = ["cluster_fixture"]
-WAIT_SECONDS = 60.0
 # Large enough that the planner (which may leave a GPU idle when it does not pay) uses every
 # GPU it is given, so what each job takes is known.
 BATCH = 4096
