@@ -290,6 +290,7 @@ def _reach_bounds(tables: list[ClassTable], threshold: float, batch: int) -> tup
     is in time for each class (low 0 or 1, c as large as it goes), so k such GPUs reach every
     sum in [k·low, k·c], and the classes together every sum in [Σ k·low, Σ k·c]."""
     most = least = contiguous = 0
+    runs = True  # every class has a run of batches from 0 or 1 in time
     for t in tables:
         ok = t.batch[t.seconds <= threshold]
         if ok.size == 0:
@@ -299,11 +300,16 @@ def _reach_bounds(tables: list[ClassTable], threshold: float, batch: int) -> tup
         present[ok] = True
         low = 0 if present[0] else 1
         if not present[low]:
-            return most >= batch, False
+            # No run from 0 or 1 (a fused-tail class whose smallest batch is several
+            # microbatches): nothing is sure, but the necessary test still needs every
+            # class's largest batch (returning here once undercounted it, and the search
+            # skipped the optimum: seed 1013 of the planner oracle).
+            runs = False
+            continue
         run_end = low + int(np.argmin(present[low:])) - 1  # last of the run from `low`
         least += t.count * low
         contiguous += t.count * run_end
-    return most >= batch, least <= batch <= contiguous
+    return most >= batch, runs and least <= batch <= contiguous
 
 
 def _bounded_memory_search(tables: list[ClassTable], batch: int, room: float,
