@@ -6,6 +6,7 @@ cluster, tests shorten the intervals.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, fields
@@ -40,6 +41,14 @@ class OperatorConfig:
     # CEPHALO_JOB_NETWORK_POLICIES (the chart's networkPolicy.enabled): give each job a
     # NetworkPolicy that admits only its own ranks (operator/netpol.py).
     job_network_policies: bool = False
+    # CEPHALO_GPU_PRICES_PER_HOUR (the chart's gpuPricesPerHour, as JSON): price of one GPU
+    # for an hour per GPU type, for jobs whose planner.gpuPricesPerHour is unset (the cost
+    # objective, and the prices every plan states). "" or "{}": none.
+    gpu_prices_per_hour: str = ""
+
+    def prices(self) -> dict[str, float]:
+        """The price list, parsed (checked at startup by `from_env`)."""
+        return _parse_prices(self.gpu_prices_per_hour)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> OperatorConfig:
@@ -60,7 +69,34 @@ class OperatorConfig:
             problem = _out_of_range(f.name, values[f.name])
             if problem:
                 raise ValueError(f"{name}={raw!r} {problem}")
+        if "gpu_prices_per_hour" in values:
+            try:
+                _parse_prices(values["gpu_prices_per_hour"])
+            except ValueError as err:
+                raise ValueError(f"CEPHALO_GPU_PRICES_PER_HOUR: {err}") from None
         return cls(**values)
+
+
+def _parse_prices(raw: str) -> dict[str, float]:
+    """A JSON object of GPU type -> positive finite price per hour (at most 64 types)."""
+    if not raw.strip():
+        return {}
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError:
+        raise ValueError(f"{raw[:80]!r} is not a JSON object such as "
+                         '{"NVIDIA-L4": 0.8}') from None
+    if not isinstance(data, dict) or len(data) > 64:
+        raise ValueError("must be a JSON object of at most 64 GPU types, e.g. "
+                         '{"NVIDIA-L4": 0.8}')
+    prices = {}
+    for gpu, price in data.items():
+        if isinstance(price, bool) or not isinstance(price, int | float) or \
+                not math.isfinite(price) or not 0 < price <= 100_000:
+            raise ValueError(f"the price of {str(gpu)[:64]!r} must be a number in (0, 100000], "
+                             f"not {price!r}")
+        prices[str(gpu)] = float(price)
+    return prices
 
 
 # What each number may be (minimum, whether the minimum itself is allowed, maximum; None: no

@@ -86,6 +86,15 @@ def _stop(process: BaseProcess) -> None:
     process.join(REAP_SECONDS)
 
 
+def with_price_list(spec: CephaloJobSpec, prices: dict[str, float]) -> CephaloJobSpec:
+    """The job as planned: its own planner.gpuPricesPerHour, else the operator's price list
+    (the chart's gpuPricesPerHour); a job's own list wins whole, it is not merged."""
+    if spec.planner.gpu_prices_per_hour is not None or not prices:
+        return spec
+    planner = spec.planner.model_copy(update={"gpu_prices_per_hour": dict(prices)})
+    return spec.model_copy(update={"planner": planner})
+
+
 async def plan_job(spec: CephaloJobSpec, cluster: ClusterSpec,
                    profiles: Mapping[str, GpuProfile] | None, *,
                    timeout_seconds: float, memory_bytes: int) -> Plan:

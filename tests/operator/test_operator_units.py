@@ -79,6 +79,41 @@ def test_config_out_of_range_is_refused(name: str, raw: str, problem: str) -> No
     assert str(caught.value) == f"{name}={raw!r} {problem}"
 
 
+@pytest.mark.parametrize(("raw", "problem"), [
+    ("[0.8]", "must be a JSON object of at most 64 GPU types"),
+    ("{L4: 0.8}", "is not a JSON object such as"),
+    ('{"L4": 0}', "the price of 'L4' must be a number in (0, 100000], not 0"),
+    ('{"L4": true}', "the price of 'L4' must be a number"),
+    ('{"L4": "cheap"}', "the price of 'L4' must be a number"),
+])
+def test_a_bad_price_list_stops_the_operator_at_startup(raw: str, problem: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        OperatorConfig.from_env({"CEPHALO_GPU_PRICES_PER_HOUR": raw})
+    assert str(caught.value).startswith("CEPHALO_GPU_PRICES_PER_HOUR: ")
+    assert problem in str(caught.value)
+
+
+def test_the_price_list_fills_in_for_jobs_without_prices_of_their_own() -> None:
+    from cephalo.api import parse_job
+    from cephalo.operator.planning import with_price_list
+
+    cfg = OperatorConfig.from_env({"CEPHALO_GPU_PRICES_PER_HOUR": '{"NVIDIA-L4": 0.8}'})
+    assert cfg.prices() == {"NVIDIA-L4": 0.8} and OperatorConfig().prices() == {}
+
+    def spec(**planner: object):
+        return parse_job({"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
+                          "metadata": {"name": "p"}, "spec": {
+                              "model": {"preset": "gpt-tiny"}, "globalBatchSize": 8,
+                              "planner": planner}}).spec
+
+    filled = with_price_list(spec(objective="cost"), cfg.prices())
+    assert filled.planner.gpu_prices_per_hour == {"NVIDIA-L4": 0.8}
+    own = spec(objective="cost", gpuPricesPerHour={"Tesla-T4": 0.35})
+    assert with_price_list(own, cfg.prices()) is own  # the job's own list wins whole
+    plain = spec()
+    assert with_price_list(plain, {}) is plain
+
+
 def test_config_defaults_are_in_range() -> None:
     from dataclasses import fields
 

@@ -96,6 +96,21 @@ BATTERY: list[tuple[str, dict[str, Any], bool]] = [
      False),
     ("profile-sizes-too-big", _job(planner={"profileMicroBatchSizes": [4097]}), False),
     ("profile-sizes-ok", _job(planner={"profileMicroBatchSizes": [1, 2, 4, 4096]}), True),
+    ("cost-objective", _job(planner={"objective": "cost",
+                                     "gpuPricesPerHour": {"NVIDIA-L4": 0.8}}), True),
+    ("cost-objective-with-floor", _job(planner={
+        "objective": "cost", "gpuPricesPerHour": {"L4": 0.8, "T4": 0.35},
+        "minSamplesPerSecond": 10, "deadlineSeconds": 3600}), True),
+    # The operator's price list may supply them: refused at planning, not at apply.
+    ("cost-objective-without-prices", _job(planner={"objective": "cost"}), True),
+    ("unknown-objective", _job(planner={"objective": "cheapest"}), False),
+    ("price-not-positive", _job(planner={"objective": "cost", "gpuPricesPerHour": {"L4": 0}}),
+     False),
+    ("prices-with-throughput", _job(planner={"gpuPricesPerHour": {"L4": 0.8}}), True),
+    ("floor-without-cost", _job(planner={"minSamplesPerSecond": 10}), False),
+    ("deadline-without-cost", _job(planner={"deadlineSeconds": 60}), False),
+    ("min-gain-negative", _job(planner={"minGainToIdleGpus": -0.1}), False),
+    ("min-gain-zero", _job(planner={"minGainToIdleGpus": 0}), True),
     ("pools-too-many", _job(gpuPools=[{"product": "Tesla-T4"}] * 65), False),
     ("pool-product-too-long", _job(gpuPools=[{"product": "T" * 64}]), False),
     ("pool-selector-too-many", _job(gpuPools=[{"nodeSelector": {

@@ -190,8 +190,22 @@ class GpuPoolSpec(CamelModel):
         description="Override the GPU memory (MiB) the planner assumes (at most 16 TiB).")
 
 
+# The rule of PlannerSpec that pydantic checks in `_floor_needs_cost`, as CEL for the API
+# server. (objective cost without prices is refused at planning, not here: the operator's
+# price list may supply them.)
+_FLOOR_NEEDS_COST = ("planner.minSamplesPerSecond and planner.deadlineSeconds bound the cost "
+                     "objective: set planner.objective: cost, or leave them out")
+_PLANNER_RULES: list[JsonValue] = [
+    {"rule": "(has(self.objective) && self.objective == 'cost') || "
+             "(!has(self.minSamplesPerSecond) && !has(self.deadlineSeconds))",
+     "message": _FLOOR_NEEDS_COST},
+]
+
+
 class PlannerSpec(CamelModel):
-    """What the planner may use and assume: memory headroom, profiling sizes, network."""
+    """What the planner may use, assume and optimise (throughput, or price per sample)."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _PLANNER_RULES})
 
     memory_fraction: float = Field(default=0.8, gt=0, le=1, description=(
         "Fraction of each GPU's memory the plan may use (the paper caps at 80%)."))
@@ -218,6 +232,28 @@ class PlannerSpec(CamelModel):
         "With chooseGpus: leave GPUs idle only when fewer are predicted to give more than "
         "this fraction more throughput than every GPU (0.05: 5 %, about the cost model's "
         "error); 0: the fastest choice, however small its gain (at most 10)."))
+    objective: Literal["throughput", "cost"] = Field(default="throughput", description=(
+        "throughput: the fastest plan. cost: the least price per sample (gpuPricesPerHour of "
+        "the GPUs used, idle GPUs cost nothing), at least minSamplesPerSecond or fast enough "
+        "to finish the training steps within deadlineSeconds."))
+    gpu_prices_per_hour: dict[str, Annotated[float, Field(gt=0, le=100_000)]] | None = Field(
+        default=None, max_length=64, description=(
+        "Price of one GPU for an hour, per GPU type (catalog name or GPU Feature Discovery "
+        "product label, e.g. NVIDIA-L4: 0.8); any currency, USD in the examples. Default: "
+        "the operator's price list (chart value gpuPricesPerHour). At most 64 types."))
+    min_samples_per_second: float | None = Field(default=None, gt=0, le=1e12, description=(
+        "objective cost: the plan must predict at least this many samples per second."))
+    deadline_seconds: float | None = Field(default=None, gt=0, le=1e9, description=(
+        "objective cost: the plan must predict finishing the training steps (those left, "
+        "on a resume) within this many seconds."))
+
+    @model_validator(mode="after")
+    def _floor_needs_cost(self) -> PlannerSpec:
+        # The same rule as _PLANNER_RULES (the API server's), in the same words.
+        if self.objective != "cost" and (self.min_samples_per_second is not None or
+                                         self.deadline_seconds is not None):
+            raise ValueError(_FLOOR_NEEDS_COST)
+        return self
 
 
 class SchedulingPolicy(CamelModel):

@@ -40,7 +40,7 @@ def _omit_empty(data: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
 # Every field a plan carries is declared here (issue 17: nothing is fished back out of
 # `model_extra`). Unknown keys are ignored, so a plan written by a newer or older Cephalo, or
 # by hand, still loads: the trainer needs only the batch and shard fields.
-OPTIONAL_PLAN_FIELDS = ("idle_gpus", "optimality_gap_seconds", "unit_shard_ratios",
+OPTIONAL_PLAN_FIELDS = ("idle_gpus", "optimality_gap_seconds", "unit_shard_ratios", "cost",
                         "recompute", "pod_ranks", "model", "precision", "memory_fraction",
                         "state_bytes", "estimated_gpus", "assumptions", "search", "notes")
 
@@ -120,6 +120,27 @@ class BaselineResult(BaseModel):
         return _omit_empty(handler(self), ("predicted_step_seconds",))
 
 
+class PlanCost(BaseModel):
+    """What the plan's GPUs cost while it runs (the job's planner.gpuPricesPerHour; idle GPUs
+    cost nothing), in the prices' currency."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    objective: str  # the job's planner.objective: throughput or cost
+    price_per_hour: float = Field(ge=0)  # the GPUs used
+    price_per_million_samples: float = Field(ge=0)
+    price_per_million_tokens: float | None = Field(default=None, ge=0)  # text models
+    cluster_price_per_hour: float = Field(ge=0)  # every GPU given (what the baselines use)
+    # objective cost: the throughput floor the plan had to meet (None: no floor).
+    min_samples_per_second: float | None = None
+    prices_per_hour: dict[str, float] = Field(default_factory=dict)  # per GPU type
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _omit_empty(handler(self), ("price_per_million_tokens",
+                                           "min_samples_per_second"))
+
+
 class Plan(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -131,6 +152,8 @@ class Plan(BaseModel):
     baselines: dict[str, BaselineResult] = Field(default_factory=dict)
     # GPUs of the cluster the planner chose not to use (fewer GPUs made the step faster).
     idle_gpus: list[IdleGpus] = Field(default_factory=list)
+    # Prices of the plan and of every GPU given, where the job gives prices (None: omitted).
+    cost: PlanCost | None = None
     # Proven distance of predicted_step_seconds to the cost model's optimum on the GPUs
     # used (0: exact). Positive only when the large-batch aggregate-memory search could not
     # close its Lagrangian bound.

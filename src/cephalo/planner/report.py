@@ -44,14 +44,8 @@ def format_plan(plan: Plan, model_name: str) -> str:
     if plan.optimality_gap_seconds:
         lines.append(f"optimality gap: at most {plan.optimality_gap_seconds:.4g} s per step "
                      "above the cost model's optimum (proven bound)")
-    if plan.baselines:
-        lines += ["", f"{'baseline':<22} {'samples/s':>10}  {'Cephalo is':>10}"]
-    for name, base in plan.baselines.items():
-        if base.feasible and base.predicted_samples_per_second:
-            ratio = (plan.predicted_samples_per_second or 0) / base.predicted_samples_per_second
-            lines.append(f"{name:<22} {base.predicted_samples_per_second:>10.2f}  {ratio:>9.2f}x")
-        else:
-            lines.append(f"{name:<22} {'does not fit':>10}  ({base.reason})")
+    lines += cost_lines(plan)
+    lines += baseline_lines(plan)
     notes = list(plan.notes)
     if any(r.estimated for r in plan.ranks):
         notes = [*notes, "* = estimated from the GPU catalog; measure with "
@@ -132,3 +126,40 @@ def unit_sharding_line(plan: Plan) -> str:
                 f"unit_shard_ratios)")
     return (f"units: {len(listed)} with their own ratios (unit_shard_ratios), "
             f"{listed_even} of them even")
+
+
+def cost_lines(plan: Plan) -> list[str]:
+    """What the plan costs (planner.gpuPricesPerHour): per hour for the GPUs used, per
+    million samples (and tokens), and what every GPU given would cost per hour."""
+    cost = plan.cost
+    if cost is None:
+        return []
+    tokens = ("" if cost.price_per_million_tokens is None
+              else f", ${cost.price_per_million_tokens:.4g} per million tokens")
+    line = (f"cost: ${cost.price_per_hour:.4g}/hour for the {plan.world_size} GPUs used, "
+            f"${cost.price_per_million_samples:.4g} per million samples{tokens}")
+    if plan.idle_gpus:
+        line += f"; every GPU given: ${cost.cluster_price_per_hour:.4g}/hour"
+    if cost.min_samples_per_second is not None:
+        line += f" (floor {cost.min_samples_per_second:.4g} samples/s)"
+    return [line]
+
+
+def baseline_lines(plan: Plan) -> list[str]:
+    """The baselines side by side (on every GPU given), with their price per million
+    samples where the plan has prices."""
+    if not plan.baselines:
+        return []
+    cost = plan.cost
+    priced = f"  {'$/M samples':>11}" if cost else ""
+    lines = ["", f"{'baseline':<22} {'samples/s':>10}  {'Cephalo is':>10}{priced}"]
+    for name, base in plan.baselines.items():
+        if base.feasible and base.predicted_samples_per_second:
+            sps = base.predicted_samples_per_second
+            ratio = (plan.predicted_samples_per_second or 0) / sps
+            price = "" if cost is None else \
+                f"  {cost.cluster_price_per_hour / 3600 / sps * 1e6:>11.4g}"
+            lines.append(f"{name:<22} {sps:>10.2f}  {ratio:>9.2f}x{price}")
+        else:
+            lines.append(f"{name:<22} {'does not fit':>10}  ({base.reason})")
+    return lines

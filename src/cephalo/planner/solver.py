@@ -18,6 +18,14 @@ from cephalo.planner.baselines import compute_baselines
 from cephalo.planner.costmodel import UNEVEN_COLLECTIVE_OVERHEAD
 from cephalo.planner.evaluate import Evaluation, score
 from cephalo.planner.offload import offload_plan, plan_fused_tail_blocks
+from cephalo.planner.pricing import (
+    THROUGHPUT,
+    FloorNotMetError,
+    Objective,
+    floor_message,
+    objective_for,
+    plan_cost,
+)
 from cephalo.planner.problem import (
     InfeasibleError,
     Problem,
@@ -34,15 +42,32 @@ from cephalo.planner.unit_shards import EvenUnits, unit_shard_ratios
 
 def solve(spec: CephaloJobSpec, cluster: ClusterSpec,
           profiles: Mapping[str, GpuProfile] | None = None, *,
-          choose_gpus: bool | None = None) -> Plan:
-    """The plan of least predicted step time; InfeasibleError (with numbers) if none fits.
+          choose_gpus: bool | None = None, remaining_steps: int | None = None) -> Plan:
+    """The plan of least predicted step time (or, `planner.objective: cost`, of least price
+    per sample within the throughput floor); InfeasibleError (with numbers) if none fits.
 
     `choose_gpus` (default: the job's `planner.chooseGpus`, true unless set) also chooses
     which GPUs to use (subset.py) and leaves the rest idle, named in the plan with the
-    reason; false gives every GPU a rank."""
+    reason; false gives every GPU a rank. `remaining_steps`: the steps a deadline covers
+    (default: the job's training.steps)."""
     if choose_gpus is None:
         choose_gpus = spec.planner.choose_gpus
     problem = build_problem(spec, cluster, profiles)
+    objective = objective_for(spec, problem, remaining_steps)
+    try:
+        return _solve(spec, problem, choose_gpus, objective)
+    except FloorNotMetError as err:
+        fastest = err.fastest_step_seconds
+        if fastest is None:  # every choice was proven too slow unsolved: find the fastest
+            exact = spec.planner.model_copy(update={"min_gain_to_idle_gpus": 0.0})
+            fastest = _solve(spec.model_copy(update={"planner": exact}), problem, choose_gpus,
+                             THROUGHPUT).predicted_step_seconds
+        raise InfeasibleError(floor_message(spec, objective, fastest,
+                                            problem.global_batch_size)) from None
+
+
+def _solve(spec: CephaloJobSpec, problem: Problem, choose_gpus: bool,
+           objective: Objective) -> Plan:
     # Keeping everything (no recompute) is job-wide (it changes every rank's collectives);
     # recompute mode chooses per rank how many blocks keep their graphs. Each mode is solved
     # exactly and the faster kept, so the plan is the optimum over both. Keeping everything
@@ -53,20 +78,31 @@ def solve(spec: CephaloJobSpec, cluster: ClusterSpec,
     # on every working rank, run per microbatch with the head): no recompute, no second
     # gather, one microbatch's graphs. It beats a tie of recompute mode (it gathers less) and
     # loses one to keeping everything (which does not gather the embedding again).
-    best = _solve_mode(problem, choose_gpus)
-    modes = [best]
-    for priced in (fused_everything(problem), without_recompute(problem)):
+    modes: list[tuple[Choice, int, bool]] = []
+    floor_missed: FloorNotMetError | None = None
+    for priced in (problem, fused_everything(problem), without_recompute(problem)):
         if priced is None:
             continue
         try:
-            mode = _solve_mode(priced, choose_gpus)
+            mode = _solve_mode(priced, choose_gpus, objective)
+        except FloorNotMetError as err:
+            floor_missed = _faster_miss(floor_missed, err)
+            continue
         except InfeasibleError:
+            if priced is problem:
+                raise  # recompute mode fits wherever any mode does: its error says why
             continue
         modes.append(mode)
-        if mode[0].step_seconds <= best[0].step_seconds * (1 + 1e-12):
+    if not modes:
+        assert floor_missed is not None
+        raise floor_missed
+    best = modes[0]
+    for mode in modes[1:]:
+        if objective.key(mode[0].counts, mode[0].step_seconds) <= objective.key(
+                best[0].counts, best[0].step_seconds) * (1 + 1e-12):
             best = mode
     fastest = best[0]
-    everything = _every_gpu(modes) if choose_gpus else None
+    everything = _every_gpu(modes) if choose_gpus and not objective.is_cost else None
     min_gain = spec.planner.min_gain_to_idle_gpus
     kept_every_gpu = everything is not None and everything[0] is not fastest and \
         everything[0].step_seconds <= fastest.step_seconds * (1 + min_gain)
@@ -95,6 +131,11 @@ def solve(spec: CephaloJobSpec, cluster: ClusterSpec,
     plan = _plan(problem, choice, sol, evaluation, solved, exhaustive, choose_gpus)
     if choose_gpus:
         _note_min_gain(plan, choice, fastest, min_gain, kept_every_gpu)
+    plan.cost = plan_cost(spec, problem, choice.counts, evaluation.step_seconds, objective)
+    if objective.is_cost:
+        plan.search["objective"] = "cost"
+        if choice.full_step_seconds is not None and plan.idle_gpus:
+            _cost_idle_reason(plan, objective, problem, choice)
     if choice.problem.rank_cost(0).fused_all:
         # The engine decides the fused tail from the plan alone: it must run what was priced.
         assert plan_fused_tail_blocks(plan) == problem.model.num_layers, plan.ranks
@@ -143,16 +184,46 @@ def _gap(choice: Choice) -> float:
     return solution.gap_seconds
 
 
-def _solve_mode(problem: Problem, choose_gpus: bool) -> tuple[Choice, int, bool]:
+def _solve_mode(problem: Problem, choose_gpus: bool,
+                objective: Objective) -> tuple[Choice, int, bool]:
     """The best choice of GPUs and split for `problem`'s recompute mode, how many GPU sets
     were solved and whether that was all of them."""
     if choose_gpus:
-        return search_subsets(problem, solve_fixed, _solution_step)
+        return search_subsets(problem, solve_fixed, _solution_step, objective)
     fixed = solve_fixed(problem)
     everything = list(range(problem.world_size))
     choice = Choice([len(c.slots) for c in problem.classes], problem, everything, fixed,
                     _solution_step(problem, fixed))
+    choice.full = choice
+    if not objective.meets_floor(choice.step_seconds):
+        raise FloorNotMetError(choice.step_seconds)
     return choice, 1, True  # exact for the GPUs given: no other set was asked
+
+
+def _faster_miss(seen: FloorNotMetError | None, err: FloorNotMetError) -> FloorNotMetError:
+    """Of two modes that miss the floor, the one that came closer (the error quotes it)."""
+    if seen is None or seen.fastest_step_seconds is None:
+        return err
+    if err.fastest_step_seconds is not None and \
+            err.fastest_step_seconds < seen.fastest_step_seconds:
+        return err
+    return seen
+
+
+def _cost_idle_reason(plan: Plan, objective: Objective, problem: Problem,
+                      choice: Choice) -> None:
+    """The idle GPUs' reason under the cost objective: both prices per sample."""
+    assert choice.full_step_seconds is not None and plan.cost is not None
+    full = [len(c.slots) for c in problem.classes]
+    every = objective.key(full, choice.full_step_seconds) / problem.global_batch_size * 1e6
+    reason = (f"fewer GPUs are cheaper per sample: {choice.problem.world_size} of the "
+              f"{problem.world_size} cost ${plan.cost.price_per_hour:.4g}/h and "
+              f"${plan.cost.price_per_million_samples:.4g} per million samples at "
+              f"{plan.predicted_step_seconds:.4g} s per step; all of them "
+              f"${objective.hourly(full):.4g}/h and ${every:.4g} per million samples at "
+              f"{choice.full_step_seconds:.4g} s (planner.objective: cost)")
+    for idle in plan.idle_gpus:
+        idle.reason = reason
 
 
 @dataclass

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from cephalo.planner.costmodel import UnitComm
+from cephalo.planner.pricing import THROUGHPUT, FloorNotMetError, Objective
 from cephalo.planner.problem import (
     InfeasibleError,
     Problem,
@@ -208,11 +209,13 @@ def _largest_batch(cls, comm, batch: int, step_seconds: float, state_only: bool,
     return largest
 
 
-def search_subsets(problem: Problem, solve_fixed, score_step) -> tuple[Choice, int, bool]:
+def search_subsets(problem: Problem, solve_fixed, score_step,
+                   objective: Objective = THROUGHPUT) -> tuple[Choice, int, bool]:
     """The best choice, how many choices were solved, and whether all were considered.
 
     `solve_fixed(problem) -> Solution` raises InfeasibleError; `score_step(problem,
-    solution) -> seconds`."""
+    solution) -> seconds`. `objective` (pricing.py): the least step time, or the least price
+    per sample among the choices within the throughput floor (FloorNotMetError: none)."""
     candidates, exhaustive = choices(problem)
     # The whole cluster first (its time is the idle GPUs' reason), then the smallest choices:
     # they are quick to solve, and their step time prunes most of the larger ones unsolved.
@@ -221,12 +224,19 @@ def search_subsets(problem: Problem, solve_fixed, score_step) -> tuple[Choice, i
     first_error: InfeasibleError | None = None
     solved = 0
     full: Choice | None = None
+    fastest = math.inf  # least step of any choice solved (the floor's error says it)
+    floor_pruned = False  # a choice was proven slower than the floor before any fit
     lowest = float("inf")  # least proven lower bound among the choices solved
     for counts in candidates:
         keep = first_gpus(problem, counts)
         sub = subset_problem(problem, keep)
 
-        if best is not None and cannot_beat(sub, best.step_seconds):
+        # A choice that cannot run B samples below the step it must beat (or the floor's)
+        # is pruned unsolved.
+        beat = objective.step_to_beat(counts, math.inf if best is None else
+                                      objective.key(best.counts, best.step_seconds))
+        if beat < math.inf and cannot_beat(sub, beat):
+            floor_pruned = floor_pruned or best is None
             continue
         try:
             solution = solve_fixed(sub)
@@ -240,20 +250,42 @@ def search_subsets(problem: Problem, solve_fixed, score_step) -> tuple[Choice, i
         choice = Choice(counts, sub, keep, solution, step)
         if counts == candidates[0]:
             full = choice
-        # Strictly faster, or as fast on more GPUs (choices that could only tie are pruned
-        # unsolved, so a tie may also go to fewer GPUs).
-        if best is None or step < best.step_seconds * (1 - 1e-12) or (
-                step <= best.step_seconds * (1 + 1e-12) and sum(counts) > sum(best.counts)):
+        fastest = min(step, fastest)
+        if not objective.meets_floor(step):
+            continue
+        if best is None or _better(objective, choice, best):
             best = choice
     if best is None:
+        if fastest < math.inf or floor_pruned:
+            raise FloorNotMetError(fastest if fastest < math.inf else None)
         raise first_error or InfeasibleError("no subset of the GPUs fits the job")
     best.full = full
     best.full_step_seconds = None if full is None else full.step_seconds
+    if objective.is_cost:
+        # The bounds below are of step times, not prices: the cost search is exact over the
+        # choices it considered (all of them when `exhaustive`), each to its solution's gap.
+        best.gap_seconds = best.solution.gap_seconds  # type: ignore[attr-defined]
+        return best, solved, exhaustive
     # Every choice is solved (bounded by its own gap) or proven unable to beat the best; a
     # partial search adds the bound over every subset.
     bound = lowest if exhaustive else min(lowest, subset_lower_bound(problem, best.step_seconds))
     best.gap_seconds = max(0.0, best.step_seconds - bound)
     return best, solved, exhaustive
+
+
+def _better(objective: Objective, choice: Choice, best: Choice) -> bool:
+    """Strictly better by the objective; at a tie faster, then on more GPUs (choices that
+    could only tie are pruned unsolved, so a tie may also go to fewer GPUs)."""
+    key = objective.key(choice.counts, choice.step_seconds)
+    best_key = objective.key(best.counts, best.step_seconds)
+    if key < best_key * (1 - 1e-12):
+        return True
+    if key > best_key * (1 + 1e-12):
+        return False
+    if choice.step_seconds < best.step_seconds * (1 - 1e-12):
+        return True
+    return choice.step_seconds <= best.step_seconds * (1 + 1e-12) and \
+        sum(choice.counts) > sum(best.counts)
 
 
 # Bisection steps on the time threshold of one world-size interval's bound.
