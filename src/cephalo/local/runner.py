@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from cephalo.api.cluster import ClusterSpec, GpuGroup
-from cephalo.api.job import CephaloJob, load_job
+from cephalo.api.job import CephaloJob, CephaloJobSpec, load_job
 from cephalo.api.plan import Plan, PlanError, load_plan
 from cephalo.api.profile import GpuProfile
 from cephalo.api.trainer_env import TrainerVars, to_environ
@@ -25,6 +25,7 @@ from cephalo.local.checks import (
     check_memory_scale,
     check_plan,
     choose_run_dir,
+    latest_complete_step,
     make_run_dir,
     remove_created,
 )
@@ -181,6 +182,32 @@ def plan_devices(plan: Plan, devices: list[LocalDevice]) -> list[LocalDevice]:
     return chosen
 
 
+def resume_command(options: RunOptions, run_dir: Path) -> str:
+    """The command that continues this run: the same job, devices, plan and step override."""
+    given = [("--devices", options.devices), ("--emulate", options.emulate),
+             ("--emulate-memory-scale", options.memory_scale), ("--plan", options.plan_path),
+             ("--steps", options.steps)]
+    extra = "".join(f" {flag} {value}" for flag, value in given if value is not None)
+    return f"cephalo run {options.job_path}{extra} --resume --run-dir {run_dir}"
+
+
+def interrupted_hint(options: RunOptions, spec: CephaloJobSpec, run_dir: Path) -> str:
+    """After Ctrl-C: `--resume` only where there is something to resume, naming its step."""
+    if spec.checkpoint.ephemeral:
+        return ("Interrupted: all ranks stopped. The job keeps no checkpoints "
+                "(checkpoint.ephemeral: true): run it again to start over.")
+    if spec.checkpoint.uri:  # object storage: the ranks' checkpoints are not listed here
+        return (f"Interrupted: all ranks stopped. Continue from the last complete checkpoint "
+                f"under {spec.checkpoint.uri} with: {resume_command(options, run_dir)}")
+    step = latest_complete_step(run_dir)
+    if step is None:
+        return ("Interrupted: all ranks stopped before any checkpoint was complete "
+                f"(checkpoint.intervalSteps: {spec.checkpoint.interval_steps}), so there is "
+                f"nothing to resume: run it again to start at step 0.")
+    return (f"Interrupted: all ranks stopped; the last complete checkpoint is step {step}. "
+            f"Continue from it with: {resume_command(options, run_dir)}")
+
+
 def run_job(options: RunOptions, out=print) -> int:
     try:
         job = load_job(options.job_path)
@@ -278,8 +305,7 @@ def _run_in(run_dir: Path, job: CephaloJob, options: RunOptions, devices: list[L
                     options.stop_after_step)
     labels = [d.label for d in devices]
     if result.returncode == 130:
-        out(f"\nInterrupted: all ranks stopped. Continue with: cephalo run {options.job_path} "
-            f"--resume --run-dir {run_dir}")
+        out("\n" + interrupted_hint(options, spec, run_dir))
         return 130
     if result.returncode != 0:
         out(f"\nrank {result.failed_rank} ({labels[result.failed_rank or 0]}) failed with "

@@ -1,0 +1,64 @@
+"""What a newcomer trips over (issue 26), checked at the unit level where a real run is not
+needed: the runner with its rank launcher replaced, the report and export helpers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cephalo.local import runner
+from cephalo.local.checks import RunOptions
+from cephalo.local.ranks import LaunchResult
+
+from .cli_helpers import TINY_JOB
+
+
+def _given_plan(folder: Path, batch_sizes: tuple[int, ...] = (4, 2)) -> Path:
+    n = len(batch_sizes)
+    plan = {"global_batch_size": sum(batch_sizes), "world_size": n,
+            "ranks": [{"rank": i, "gpu": "cpu", "batch_size": b, "micro_batch_size": b,
+                       "num_micro_batches": 1, "shard_ratio": 1 / n}
+                      for i, b in enumerate(batch_sizes)]}
+    path = folder / "plan.json"
+    path.write_text(json.dumps(plan))
+    return path
+
+
+def _options(tmp_path: Path, job_text: str | None = None, **extra) -> RunOptions:
+    job = tmp_path / "tiny.yaml"
+    job.write_text(job_text or TINY_JOB.format(name="tiny", batch=6, steps=4))
+    return RunOptions(job_path=str(job), devices="cpu:2",
+                      plan_path=str(_given_plan(tmp_path)),
+                      runs_root=str(tmp_path / "runs"), **extra)
+
+
+def _interrupted_after(checkpoint_steps: list[int]):
+    """A launcher that "ran" until Ctrl-C, leaving these complete checkpoints."""
+    def launch(plan, ranks, run_dir: Path, *args, **kwargs) -> LaunchResult:
+        for step in checkpoint_steps:
+            folder = run_dir / "checkpoints" / f"step-{step:08d}"
+            folder.mkdir(parents=True)
+            (folder / "COMPLETE").write_text("")
+        return LaunchResult(returncode=130, checkpoint_dir=str(run_dir / "checkpoints"))
+    return launch
+
+
+@pytest.mark.parametrize(("steps", "expected", "absent"), [
+    ([], "stopped before any checkpoint was complete", "--resume"),
+    ([2, 4], "the last complete checkpoint is step 4. Continue from it with: cephalo run ",
+     "nothing to resume"),
+])
+def test_ctrl_c_offers_resume_only_with_a_checkpoint(tmp_path, monkeypatch, steps, expected,
+                                                     absent) -> None:
+    """Issue 26 item 1: Ctrl-C before the first checkpoint offered `--resume`, which then
+    answered "holds no complete checkpoint"."""
+    monkeypatch.setattr(runner, "launch", _interrupted_after(steps))
+    printed: list[str] = []
+    assert runner.run_job(_options(tmp_path), out=printed.append) == 130
+    last = printed[-1]
+    assert expected in last and absent not in last, last
+    if steps:  # the same devices and plan again
+        assert (f"--devices cpu:2 --plan {tmp_path / 'plan.json'} --resume "
+                f"--run-dir {tmp_path / 'runs' / 'tiny'}/") in last, last
