@@ -209,6 +209,14 @@ def missing_token_file(d: Path) -> list[str]:
     return ["run", _job(d / "j.yaml", text), "--devices", "cpu:2"]
 
 
+def missing_token_file_with_a_plan(d: Path) -> list[str]:
+    """The same pre-flight checks with --plan (issue 26 item 6: the ranks started, exited 1
+    with the error on stdout and left a run folder)."""
+    (d / "plan.json").write_text(json.dumps(_plan([4, 4])))
+    text = _tiny(**{"checkpoint:": "data: {tokenFile: {path: missing.bin}}\n  checkpoint:"})
+    return ["run", _job(d / "j.yaml", text), "--devices", "cpu:2", "--plan", "plan.json"]
+
+
 def token_file_is_a_folder(d: Path) -> list[str]:
     (d / "tokens").mkdir()
     text = _tiny(**{"checkpoint:": "data: {tokenFile: {path: tokens}}\n  checkpoint:"})
@@ -317,6 +325,7 @@ CASES: list[tuple[Setup, str]] = [  # (setup, a phrase the one line must contain
     (memory_scale_negative, "--emulate-memory-scale -1.0 must be in (0, 1]"),
     (memory_scale_without_emulation, "--emulate-memory-scale applies to emulated GPUs only"),
     (missing_token_file, "missing.bin does not exist"),
+    (missing_token_file_with_a_plan, "missing.bin does not exist"),
     (token_file_is_a_folder, "tokens is a folder"),
     (plan_job_is_a_folder, "is a folder"),
     (plan_unknown_gpu, "unknown GPU 'Voodoo-5'"),

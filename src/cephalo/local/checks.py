@@ -145,7 +145,7 @@ def check_inputs(spec: CephaloJobSpec, options: RunOptions) -> None:
     token = spec.data.token_file
     if token is not None and "://" in token.path:  # object storage: the ranks download it
         check_remote_file(token.path, "data.tokenFile.path")
-    elif token is not None and token.claim_name is None and not options.plan_path:
+    elif token is not None and token.claim_name is None:
         path = Path(token.path)
         if not path.is_file():
             what = "is a folder" if path.is_dir() else "does not exist"
