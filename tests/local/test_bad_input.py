@@ -183,6 +183,18 @@ def plan_emulated_without_capacity(d: Path) -> list[str]:
             "plan.json"]
 
 
+def plan_of_real_gpus_under_emulation(d: Path) -> list[str]:
+    """A plan `cephalo plan --json` made from catalog estimates of real GPUs (issue 26
+    item 3: run on emulated ones it printed 'compute x1.00 slower', capped memory at the real
+    card's 22 GiB and reported 0.06x its prediction)."""
+    plan = _plan([4, 4])
+    for rank, gpu in zip(plan["ranks"], ["RTX-A6000", "P40"], strict=True):
+        rank.update(gpu=gpu, estimated=True, memory_capacity_bytes=24 * 2**30)
+    (d / "plan.json").write_text(json.dumps(plan))
+    return ["run", _job(d / "j.yaml", _tiny()), "--emulate", "RTX-A6000,P40", "--plan",
+            "plan.json"]
+
+
 def steps_beyond_the_limit(d: Path) -> list[str]:
     """--steps overrides the job's steps within the job's own limits (the error named the
     job.yaml of a run folder it had written and then removed)."""
@@ -319,6 +331,8 @@ CASES: list[tuple[Setup, str]] = [  # (setup, a phrase the one line must contain
     (plan_deep_json, "not valid JSON"),
     (plan_emulated_without_capacity, "rank 0 (emulated RTX-A6000) records no "
      "memory_capacity_bytes"),
+    (plan_of_real_gpus_under_emulation, "rank 0's times are catalog estimates for a real "
+     "RTX-A6000"),
     (steps_beyond_the_limit, "--steps 100000000000: steps: Input should be less than or equal "
      "to 100000000"),
     (memory_scale_nan, "--emulate-memory-scale nan must be in (0, 1]"),
