@@ -68,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from cephalo.trainer.checkpoint import find_latest, full_state_dict
-    from cephalo.trainer.storage import Store, describe
+    from cephalo.trainer.checkpoint_check import check_checkpoint
+    from cephalo.trainer.storage import CheckpointError, Store, describe
 
     root = args.checkpoint_dir
     try:
@@ -106,14 +107,13 @@ def run(args: argparse.Namespace) -> int:
     if info is None:
         raise ExportError(f"{root}: no complete checkpoint (a checkpoint needs its COMPLETE "
                           f"marker, meta.json and intact rank-*.pt shards)")
-    try:
-        info.config  # noqa: B018 - validates the model recorded in meta.json
-    except (ValueError, TypeError, KeyError) as err:
-        raise ExportError(f"{info.path}/meta.json: the recorded model is not valid "
-                          f"({err}); the checkpoint's metadata is corrupted") from None
-    if hf:
-        return _export_hf(info, output, max_shard_bytes, tokenizer, args.config_output)
-    state = full_state_dict(info)
+    try:  # meta.json is trusted only as far as it fits the model and the shards
+        check_checkpoint(info)
+        if hf:
+            return _export_hf(info, output, max_shard_bytes, tokenizer, args.config_output)
+        state = full_state_dict(info)
+    except CheckpointError as err:
+        raise ExportError(str(err)) from None
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(output.name + ".tmp")
     torch.save(state, tmp)

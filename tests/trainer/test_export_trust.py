@@ -1,0 +1,104 @@
+"""`cephalo export` does not trust meta.json (issue 26 items 8 and 9): a checkpoint whose
+sizes and hashes match but whose recorded model, unit sizes, bounds or shard contents do not
+fit is one clean line (exit 2), never a traceback or an assert, and writes nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from cephalo.api.job import CephaloJobSpec
+from cephalo.cli import main as cli_main
+from cephalo.trainer.engine import Layout
+from cephalo.trainer.run import train
+from cephalo.trainer.spawn import spawn_ranks
+
+
+def _train_worker(rank: int, world_size: int, ckpt: str) -> int:
+    spec = CephaloJobSpec.model_validate({
+        "model": {"preset": "gpt-tiny"}, "globalBatchSize": 4,
+        "training": {"steps": 1, "learningRate": 1e-3}, "checkpoint": {"intervalSteps": 1}})
+    return train(spec, Layout([2, 2], [2, 2], [0.5, 0.5]), Path(ckpt), verbose=False).last_step
+
+
+@pytest.fixture(scope="module")
+def two_rank_checkpoint(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("export") / "ckpt"
+    assert spawn_ranks(_train_worker, 2, str(root)) == [1, 1]
+    return root / "step-00000001"
+
+
+class _NotAShard:  # unpicklable under weights_only=True
+    pass
+
+
+def _meta(folder: Path) -> dict:
+    return json.loads((folder / "meta.json").read_text())
+
+
+def _rewrite(folder: Path, change: Callable[[dict], None]) -> None:
+    meta = _meta(folder)
+    change(meta)
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def _other_model(meta: dict) -> None:
+    meta["model"]["num_layers"] += 1  # a valid config, but not the one whose units are here
+
+
+def _unit_numels(meta: dict) -> None:
+    meta["unit_numels"][0] += 8
+
+
+def _bounds_gap(meta: dict) -> None:
+    (s, e), (s2, e2) = meta["bounds"][1]
+    meta["bounds"][1] = [[s, e - 4], [s2, e2]]
+
+
+def _bounds_moved(meta: dict) -> None:  # covers the unit, but not where the shards hold it
+    (s, e), (s2, e2) = meta["bounds"][1]
+    meta["bounds"][1] = [[s, e + 4], [s2 + 4, e2]]
+
+
+def _model_out_of_range(meta: dict) -> None:
+    meta["model"]["num_heads"] = 10**9
+
+
+def _shard_pickle(folder: Path) -> None:
+    shard = folder / "rank-00001.pt"
+    shard.write_bytes(pickle.dumps(_NotAShard()))
+    data = shard.read_bytes()
+    _rewrite(folder, lambda m: m["files"]["rank-00001.pt"].update(
+        size_bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
+
+
+CASES: list[tuple[Callable[[Path], None], str]] = [
+    (lambda f: _rewrite(f, _other_model), "does not match its unit sizes"),
+    (lambda f: _rewrite(f, _unit_numels), "unit_numels"),
+    (lambda f: _rewrite(f, _bounds_gap), "bounds of unit 1"),
+    (lambda f: _rewrite(f, _bounds_moved), "rank-00000.pt holds unit 1 at"),
+    (lambda f: _rewrite(f, _model_out_of_range), "num_heads: Input should be less than"),
+    (_shard_pickle, "rank-00001.pt is not a Cephalo checkpoint shard"),
+]
+
+
+@pytest.mark.parametrize(("tamper", "phrase"), CASES,
+                         ids=["other_model", "unit_numels", "bounds_gap", "bounds_moved",
+                              "model_out_of_range", "shard_pickle"])
+def test_a_checkpoint_that_does_not_fit_its_meta_is_one_line(
+        tmp_path, two_rank_checkpoint, capsys, tamper, phrase) -> None:
+    folder = tmp_path / "step-00000001"
+    shutil.copytree(two_rank_checkpoint, folder)
+    tamper(folder)
+    out = tmp_path / "out" / "model.pt"
+    assert cli_main(["export", str(folder), "--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("cephalo export: error: "), err
+    assert phrase in err[0], err[0]
+    assert not (tmp_path / "out").exists()
