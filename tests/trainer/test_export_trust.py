@@ -102,3 +102,26 @@ def test_a_checkpoint_that_does_not_fit_its_meta_is_one_line(
     assert len(err) == 1 and err[0].startswith("cephalo export: error: "), err
     assert phrase in err[0], err[0]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("config_output", ["is-a-folder", "ckpt/config.json"])
+def test_every_output_is_checked_before_any_is_written(tmp_path, two_rank_checkpoint,
+                                                       capsys, config_output) -> None:
+    """A --config-output that cannot be written is refused before model.pt is written (into
+    a missing folder it wrote model.pt, then failed with a traceback and left it behind)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(two_rank_checkpoint, ckpt)
+    (tmp_path / "is-a-folder").mkdir()
+    before = sorted(tmp_path.rglob("*"))
+    code = cli_main(["export", str(ckpt), "--output", str(tmp_path / "model.pt"),
+                     "--config-output", str(tmp_path / config_output)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--config-output" in err[0], err
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_both_outputs_go_into_new_folders(tmp_path, two_rank_checkpoint, capsys) -> None:
+    model, config = tmp_path / "a" / "model.pt", tmp_path / "b" / "config.json"
+    assert cli_main(["export", str(two_rank_checkpoint), "--output", str(model),
+                     "--config-output", str(config)]) == 0, capsys.readouterr().err
+    assert model.is_file() and json.loads(config.read_text())["family"] == "gpt"

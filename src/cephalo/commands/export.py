@@ -100,6 +100,15 @@ def run(args: argparse.Namespace) -> int:
     elif output.is_dir():
         raise ExportError(f"--output {output} is a directory; give a file name such as "
                           f"{output / 'model.pt'}")
+    config_output = Path(args.config_output) if args.config_output else None
+    if config_output is not None:  # checked with --output, before either is written
+        if config_output.is_dir():
+            raise ExportError(f"--config-output {config_output} is a directory; give a file "
+                              f"name such as {config_output / 'config.json'}")
+        if store.is_local and config_output.resolve().is_relative_to(
+                Path(store.root).resolve()):
+            raise ExportError(f"--config-output {config_output} lies inside the checkpoint "
+                              f"directory {root}; write it somewhere else")
     try:
         info = find_latest(store)
     except OSError as err:  # credentials, missing bucket, network
@@ -110,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     try:  # meta.json is trusted only as far as it fits the model and the shards
         check_checkpoint(info)
         if hf:
-            return _export_hf(info, output, max_shard_bytes, tokenizer, args.config_output)
+            return _export_hf(info, output, max_shard_bytes, tokenizer, config_output)
         state = full_state_dict(info)
     except CheckpointError as err:
         raise ExportError(str(err)) from None
@@ -118,16 +127,27 @@ def run(args: argparse.Namespace) -> int:
     tmp = output.with_name(output.name + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, output)
-    if args.config_output:
-        Path(args.config_output).write_text(json.dumps(info.meta["model"], indent=2) + "\n")
+    write_config(info, config_output)
     numel = sum(t.numel() for t in state.values())
     print(f"exported step {info.step} of {info.path} ({len(state)} tensors, {numel:,} "
           f"parameters, {info.config.family}) to {output}")
     return 0
 
 
+def write_config(info: Any, config_output: Path | None) -> None:
+    """--config-output: the ModelConfig as JSON (its folder made as --output's is; checked
+    with --output before anything was written)."""
+    if config_output is None:
+        return
+    try:
+        config_output.parent.mkdir(parents=True, exist_ok=True)
+        config_output.write_text(json.dumps(info.meta["model"], indent=2) + "\n")
+    except OSError as err:
+        raise ExportError(f"--config-output {config_output}: {err.strerror or err}") from None
+
+
 def _export_hf(info: Any, output: Path, max_shard_bytes: int, tokenizer: Path | None,
-               config_output: str | None) -> int:
+               config_output: Path | None) -> int:
     from cephalo.api.hf_config import PretrainedError
     from cephalo.trainer.hf_export import export_hf
 
@@ -135,8 +155,7 @@ def _export_hf(info: Any, output: Path, max_shard_bytes: int, tokenizer: Path | 
         written = export_hf(info, output, max_shard_bytes, tokenizer)
     except PretrainedError as err:
         raise ExportError(f"{info.path}: {err}") from None
-    if config_output:
-        Path(config_output).write_text(json.dumps(info.meta["model"], indent=2) + "\n")
+    write_config(info, config_output)
     print(f"exported step {info.step} of {info.path} ({info.config.family}) as a Hugging Face "
           f"checkpoint to {output}: {', '.join(written)}")
     return 0
