@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cephalo.local import runner
@@ -62,3 +63,15 @@ def test_ctrl_c_offers_resume_only_with_a_checkpoint(tmp_path, monkeypatch, step
     if steps:  # the same devices and plan again
         assert (f"--devices cpu:2 --plan {tmp_path / 'plan.json'} --resume "
                 f"--run-dir {tmp_path / 'runs' / 'tiny'}/") in last, last
+
+
+def test_tokenize_defaults_to_byte_level(tmp_path, capsys) -> None:
+    """Issue 26 item 10: `cephalo tokenize` required --tokenizer, though byte-level is the
+    default everywhere else (data.text.tokenizer, scripts/text_to_tokens.py)."""
+    from cephalo.cli import main
+
+    (tmp_path / "a.txt").write_text("hi\n")
+    out = tmp_path / "t.bin"
+    assert main(["tokenize", str(tmp_path / "a.txt"), "--output", str(out)]) == 0
+    assert "tokenizer byte-level" in capsys.readouterr().out
+    assert np.fromfile(out, dtype=np.uint16).tolist() == [*b"hi\n", 10]  # text, then EOS

@@ -125,3 +125,45 @@ def test_both_outputs_go_into_new_folders(tmp_path, two_rank_checkpoint, capsys)
     assert cli_main(["export", str(two_rank_checkpoint), "--output", str(model),
                      "--config-output", str(config)]) == 0, capsys.readouterr().err
     assert model.is_file() and json.loads(config.read_text())["family"] == "gpt"
+
+
+def _word_tokenizer(folder: Path, vocab_size: int) -> Path:
+    from tests.local.test_tokenize import build_wide
+
+    folder.mkdir()
+    build_wide(folder / "tokenizer.json", vocab_size)
+    return folder
+
+
+@pytest.mark.parametrize(("setup", "phrase"), [
+    (lambda d: (d / "tok").mkdir(), "--tokenizer tok holds no tokenizer files"),
+    (lambda d: _word_tokenizer(d / "tok", 600), "600 token ids, more than the model's "
+     "vocabulary of 256"),
+])
+def test_an_unusable_tokenizer_is_refused(tmp_path, two_rank_checkpoint, capsys, monkeypatch,
+                                          setup, phrase) -> None:
+    """Issue 26 item 10: an empty --tokenizer folder exported and copied nothing; a
+    600-token tokenizer went beside a 256-token model without a word."""
+    monkeypatch.chdir(tmp_path)
+    setup(tmp_path)
+    code = cli_main(["export", str(two_rank_checkpoint), "--format", "hf", "--output", "hf",
+                     "--tokenizer", "tok"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and phrase in err[0], err
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize(("fmt", "output"), [("hf", "hf"), ("pt", "model.pt")])
+def test_an_existing_output_needs_force(tmp_path, two_rank_checkpoint, capsys, monkeypatch,
+                                        fmt, output) -> None:
+    """As `cephalo tokenize` does: an existing export is overwritten only with --force."""
+    monkeypatch.chdir(tmp_path)
+    args = ["export", str(two_rank_checkpoint), "--format", fmt, "--output", output]
+    assert cli_main(args) == 0
+    first = sorted((p.name, p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"cephalo export: error: --output {output} exists; pass --force to "
+                   "overwrite it"], err
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in tmp_path.rglob("*")) == first
+    assert cli_main([*args, "--force"]) == 0
