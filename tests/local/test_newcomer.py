@@ -75,3 +75,38 @@ def test_tokenize_defaults_to_byte_level(tmp_path, capsys) -> None:
     assert main(["tokenize", str(tmp_path / "a.txt"), "--output", str(out)]) == 0
     assert "tokenizer byte-level" in capsys.readouterr().out
     assert np.fromfile(out, dtype=np.uint16).tolist() == [*b"hi\n", 10]  # text, then EOS
+
+
+def _finished(run_dir: Path):
+    def launch(*args, **kwargs) -> LaunchResult:
+        return LaunchResult(returncode=0, checkpoint_dir=str(run_dir / "checkpoints"))
+    return launch
+
+
+def test_resume_with_other_steps_says_how_the_schedule_changes(tmp_path, monkeypatch) -> None:
+    """Issue 26 item 5: `--resume --steps 60` after a 200-step run changed the cosine
+    schedule without a word (lr 2.91e-03 -> 1.95e-03 at the step it resumed from)."""
+    run_dir = tmp_path / "runs" / "tiny" / "20260101-000000"
+    (run_dir / "checkpoints" / "step-00000040").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step-00000040" / "COMPLETE").write_text("")
+    first = _options(tmp_path, TINY_JOB.format(name="tiny", batch=6, steps=200))
+    runner.write_job(runner.load_job(first.job_path), first, run_dir)  # as the first run did
+    monkeypatch.setattr(runner, "launch", _finished(run_dir))
+    printed: list[str] = []
+    options = _options(tmp_path, TINY_JOB.format(name="tiny", batch=6, steps=200),
+                       resume=True, steps=60)
+    assert runner.run_job(options, out=printed.append) == 0
+    from cephalo.api.job import TrainingSpec
+    from cephalo.trainer.optim import learning_rate
+
+    before = learning_rate(TrainingSpec(steps=200, learningRate=1e-2), 40)
+    after = learning_rate(TrainingSpec(steps=60, learningRate=1e-2), 40)
+    note = [line for line in printed if "learning-rate schedule" in line]
+    assert note == [f"Resuming after step 40 with training.steps 60 (the run had 200): the "
+                    f"learning-rate schedule now ends at step 60; lr at step 41 "
+                    f"{before:.2e} -> {after:.2e}"], printed
+    # The same steps again: nothing to say.
+    printed.clear()
+    assert runner.run_job(_options(tmp_path, resume=True, steps=60),
+                          out=printed.append) == 0
+    assert not [line for line in printed if "learning-rate schedule" in line], printed

@@ -12,11 +12,13 @@ import sys
 from pathlib import Path
 
 import yaml
+from pydantic.alias_generators import to_camel
 
 from cephalo.api.cluster import ClusterSpec, GpuGroup
-from cephalo.api.job import CephaloJob, CephaloJobSpec, load_job
+from cephalo.api.job import CephaloJob, CephaloJobSpec, TrainingSpec, load_job
 from cephalo.api.plan import Plan, PlanError, load_plan
 from cephalo.api.profile import GpuProfile
+from cephalo.api.schedule import learning_rate
 from cephalo.api.trainer_env import TrainerVars, to_environ
 from cephalo.local.checks import (
     RunError,
@@ -208,6 +210,29 @@ def interrupted_hint(options: RunOptions, spec: CephaloJobSpec, run_dir: Path) -
             f"Continue from it with: {resume_command(options, run_dir)}")
 
 
+SCHEDULE_FIELDS = ("steps", "learning_rate", "schedule", "warmup_steps", "min_learning_rate_ratio")
+
+
+def schedule_change(run_dir: Path, training: TrainingSpec, steps: int | None) -> str | None:
+    """On --resume: what a changed training section (say `--steps 60` after a 200-step run)
+    does to the learning-rate schedule at the step the run continues from, or None."""
+    step = latest_complete_step(run_dir)
+    try:
+        before = load_job(str(run_dir / "job.yaml")).spec.training
+    except (OSError, ValueError):
+        return None  # the run's own job.yaml is gone: nothing to compare with
+    after = training if steps is None else training.model_copy(update={"steps": steps})
+    changed = [(f, getattr(before, f), getattr(after, f)) for f in SCHEDULE_FIELDS
+               if getattr(before, f) != getattr(after, f)]
+    if step is None or not changed:
+        return None
+    what = ", ".join(f"training.{to_camel(f)} {new} (the run had {old})"
+                     for f, old, new in changed)
+    return (f"Resuming after step {step} with {what}: the learning-rate schedule now ends at "
+            f"step {after.steps}; lr at step {step + 1} {learning_rate(before, step):.2e} -> "
+            f"{learning_rate(after, step):.2e}")
+
+
 def run_job(options: RunOptions, out=print) -> int:
     try:
         job = load_job(options.job_path)
@@ -245,6 +270,10 @@ def run_job(options: RunOptions, out=print) -> int:
             except ValueError as err:
                 raise RunError(str(err)) from None
     run_dir = choose_run_dir(job, options)
+    if options.resume:
+        note = schedule_change(run_dir, job.spec.training, options.steps)
+        if note:
+            out(note)
     created = make_run_dir(run_dir)
     run_dir = run_dir.resolve()
     try:
