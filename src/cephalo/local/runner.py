@@ -325,6 +325,11 @@ def _run_in(run_dir: Path, job: CephaloJob, options: RunOptions, devices: list[L
     out(format_plan(plan, title))
     out(f"\nRun directory: {run_dir}")
     devices = plan_devices(plan, devices)
+    cpu_ranks, cores = sum(d.kind == "cpu" for d in devices), os.cpu_count() or 1
+    if cpu_ranks > cores:  # the profile measured one rank per core; the ranks will not get it
+        out(f"note: {cpu_ranks} CPU ranks on {cores} cores: ranks share cores, and each "
+            "collective waits for ranks the OS has not scheduled (expect slower steps than "
+            f"predicted); --devices cpu:{cores} gives each its own")
     ranks = [RankEnv(d,
                      emulation.dilation[d.product] if emulation and d.emulated else 1.0,
                      emulation.capacity_bytes[d.product] if emulation and d.emulated else None)

@@ -17,18 +17,16 @@ def format_plan(plan: Plan, model_name: str) -> str:
              f"{plan.world_size} GPUs (memory fraction {fraction:.0%})",
              ""]
     header = f"{'rank':>4}  {'GPU':<10} {'batch':>5}  {'micro x n':>9}  {'shard':>6}  " \
-             f"{'memory used / cap':>19}  {'step s':>8}"
+             f"{'memory used / cap':>21}  {'step s':>8}"
     lines += [header, "-" * len(header)]
-    smallest = min((r.memory_capacity_bytes or GIB) for r in plan.ranks)
-    unit, scale = ("GiB", GIB) if smallest >= GIB else ("MiB", 1024**2)
     for r in plan.ranks:
         est = "*" if r.estimated else " "
-        mem = (f"{(r.predicted_memory_bytes or 0) / scale:7.1f} / "
-               f"{(r.memory_capacity_bytes or 0) / scale:5.1f} {unit}")
+        mem = (f"{memory_size(r.predicted_memory_bytes or 0, 5)} / "
+               f"{memory_size(r.memory_capacity_bytes or 0, 5)}")
         micro = f"{r.micro_batch_size}x{r.num_micro_batches}" if r.batch_size else "state"
         seconds = r.predicted_step_seconds or 0.0
         lines.append(f"{r.rank:>4}  {r.gpu:<10} {r.batch_size:>5}  {micro:>9}  "
-                     f"{r.shard_ratio:>6.1%}  {mem:>19}  {seconds:>8.3f}{est}")
+                     f"{r.shard_ratio:>6.1%}  {mem:>21}  {seconds:>8.3f}{est}")
     lines.append("-" * len(header))
     if plan.predicted_step_seconds and plan.predicted_samples_per_second:
         lines.append(f"predicted step {plan.predicted_step_seconds:.3f} s, "
@@ -59,6 +57,13 @@ def format_plan(plan: Plan, model_name: str) -> str:
     if notes:
         lines += ["", *(f"note: {n}" for n in notes)]
     return "\n".join(lines)
+
+
+def memory_size(num_bytes: float, width: int = 0) -> str:
+    """`40.0 MiB` below a GiB, else `22.5 GiB`: each figure in a unit that shows it (CPU
+    ranks' 40 MiB read `0.0 / 2.9 GiB` with one unit for the table)."""
+    unit, scale = ("GiB", GIB) if num_bytes >= GIB else ("MiB", 1024**2)
+    return f"{num_bytes / scale:{width}.1f} {unit}"
 
 
 def activations_line(plan: Plan) -> str:
