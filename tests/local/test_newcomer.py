@@ -130,3 +130,44 @@ def test_more_cpu_ranks_than_cores_is_said(tmp_path, monkeypatch, extra_ranks) -
                        "each collective waits for ranks the OS has not scheduled (expect "
                        f"slower steps than predicted); --devices cpu:{cores} gives each its "
                        "own"] if extra_ranks else []), printed
+
+
+def _record(step: int, world: int = 2) -> dict:
+    rank = {"compute_seconds": 0.1, "collective_wait_seconds": 0.02}
+    return {"step": step, "loss": 6.0 - step / 100, "step_seconds": 0.15,
+            "samples_per_second": 40.0, "ranks": [rank] * world}
+
+
+def test_loss_plot_shows_the_whole_history_with_whole_steps(tmp_path) -> None:
+    """Issue 26 item 2: after --resume loss.png showed only the resumed steps (61-80 of 80 in
+    metrics.jsonl), with ticks at 62.5 and 67.5."""
+    from cephalo.local.report import loss_figure, read_history
+
+    history = [_record(s) for s in range(1, 81)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
+    figure = loss_figure(read_history(tmp_path / "metrics.jsonl"))
+    ax = figure.axes[0]
+    assert list(ax.lines[0].get_xdata()) == list(range(1, 81))
+    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    short = loss_figure([_record(s) for s in range(61, 81)]).axes[0]  # was 62.5, 67.5, ...
+    ticks = [t for t in short.get_xticks() if short.get_xlim()[0] <= t <= short.get_xlim()[1]]
+    assert all(float(t).is_integer() for t in ticks), ticks
+
+
+def test_resume_plots_the_runs_whole_history(tmp_path, monkeypatch) -> None:
+    run_dir = tmp_path / "runs" / "tiny" / "20260101-000000"
+    (run_dir / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step-00000002" / "COMPLETE").write_text("")
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(_record(s)) + "\n"
+                                                   for s in (1, 2, 3, 4)))
+
+    def launch(*args, **kwargs) -> LaunchResult:  # this segment: steps 3-4
+        return LaunchResult(0, records=[_record(3), _record(4)],
+                            checkpoint_dir=str(run_dir / "checkpoints"))
+    plotted: list[list[int]] = []
+    monkeypatch.setattr(runner, "launch", launch)
+    monkeypatch.setattr(runner, "write_plots", lambda history, *a, **k: plotted.append(
+        [r["step"] for r in history]) or [])
+    assert runner.run_job(_options(tmp_path, resume=True), out=lambda *_: None) == 0
+    assert plotted == [[1, 2, 3, 4]]

@@ -3,13 +3,14 @@ throughput, per-rank time breakdown) and PNG plots in the run directory."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from cephalo.api.plan import Plan
 
@@ -119,30 +120,56 @@ def format_summary(summary: Summary, plan: Plan, labels: list[str]) -> str:
     return "\n".join(lines)
 
 
-def write_plots(records: Sequence[dict], summary: Summary, labels: list[str],
-                run_dir: Path) -> list[Path]:
-    """loss.png and time_breakdown.png; nothing (and no error) without matplotlib."""
+def read_history(metrics_file: Path) -> list[dict]:
+    """Every step the run has logged, over all its segments (a resumed run appends)."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+        lines = metrics_file.read_text(encoding="utf-8").splitlines()
+    except OSError:
         return []
-    written = []
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def loss_figure(history: Sequence[dict]) -> Any:
+    """The loss over the run's whole history (steps as whole numbers on the axis)."""
+    from matplotlib.ticker import MaxNLocator
+
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".",
+    ax.plot([r["step"] for r in history], [r["loss"] for r in history], marker=".",
             label="training (mean over the global batch)")
-    points = validation_points(records)
+    points = validation_points(history)
     if points:
         ax.plot([s for s, _ in points], [v for _, v in points], marker="o", linestyle="--",
                 color="#dd8452", label="validation (held-out set)")
         ax.legend(fontsize="small")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title("Loss")
     ax.grid(alpha=0.3)
     fig.tight_layout()
+    return fig
+
+
+def write_plots(history: Sequence[dict], summary: Summary, labels: list[str],
+                run_dir: Path) -> list[Path]:
+    """loss.png (the run's whole `history`) and time_breakdown.png (this segment's
+    `summary`); nothing (and no error) without matplotlib."""
+    try:
+        plt = _pyplot()
+    except ImportError:
+        return []
+    written = []
+    fig = loss_figure(history)
     fig.savefig(run_dir / "loss.png", dpi=100)
     plt.close(fig)
     written.append(run_dir / "loss.png")

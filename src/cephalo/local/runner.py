@@ -39,7 +39,13 @@ from cephalo.local.emulate import (
     plan_emulation,
 )
 from cephalo.local.ranks import RankEnv, launch
-from cephalo.local.report import Progress, format_summary, summarize, write_plots
+from cephalo.local.report import (
+    Progress,
+    format_summary,
+    read_history,
+    summarize,
+    write_plots,
+)
 from cephalo.planner import solve
 from cephalo.planner.report import format_plan
 
@@ -351,7 +357,8 @@ def _run_in(run_dir: Path, job: CephaloJob, options: RunOptions, devices: list[L
         out("\nNo steps were run (the job was already complete?).")
         return 0
     out(format_summary(summary, plan, labels))
-    plots = write_plots(result.records, summary, labels, run_dir)
+    plots = write_plots(read_history(run_dir / "metrics.jsonl") or result.records, summary,
+                        labels, run_dir)
     if plots:
         out("  plots       " + ", ".join(str(p) for p in plots))
     if result.checkpoint_dir:
