@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cephalo.api.plan import Plan
 from cephalo.local import runner
 from cephalo.local.checks import RunOptions
 from cephalo.local.ranks import LaunchResult
@@ -74,7 +75,9 @@ def test_tokenize_defaults_to_byte_level(tmp_path, capsys) -> None:
     (tmp_path / "a.txt").write_text("hi\n")
     out = tmp_path / "t.bin"
     assert main(["tokenize", str(tmp_path / "a.txt"), "--output", str(out)]) == 0
-    assert "tokenizer byte-level" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "tokenizer byte-level" in said
+    assert "of 1 document from 1 file to" in said, said  # issue 26 item 13: '1 documents'
     assert np.fromfile(out, dtype=np.uint16).tolist() == [*b"hi\n", 10]  # text, then EOS
 
 
@@ -171,3 +174,36 @@ def test_resume_plots_the_runs_whole_history(tmp_path, monkeypatch) -> None:
         [r["step"] for r in history]) or [])
     assert runner.run_job(_options(tmp_path, resume=True), out=lambda *_: None) == 0
     assert plotted == [[1, 2, 3, 4]]
+
+
+def test_version(capsys) -> None:
+    """Issue 26 item 13: no `cephalo --version`."""
+    from importlib.metadata import version
+
+    from cephalo.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"cephalo {version('cephalo')}"
+
+
+def test_time_breakdown_fills_its_image_and_shows_the_predicted_step(tmp_path) -> None:
+    """Issue 26 item 13: a third of time_breakdown.png was empty between the axis and the
+    legend below it, and the predicted step was not shown."""
+    from cephalo.local.report import breakdown_figure, summarize
+
+    plan = Plan.model_validate(json.loads(_given_plan(tmp_path).read_text()) | {
+        "predicted_step_seconds": 0.13})
+    summary = summarize([_record(s) for s in (1, 2, 3)], plan)
+    assert summary is not None
+    figure = breakdown_figure(summary, ["cpu:0", "cpu:1"], plan.predicted_step_seconds)
+    ax = figure.axes[0]
+    assert [line.get_label() for line in ax.lines] == ["predicted step 0.130 s"]
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    (legend,) = [*figure.legends, *filter(None, [ax.get_legend()])]
+    box, image = legend.get_window_extent(renderer), figure.bbox
+    assert image.x0 <= box.x0 and box.x1 <= image.x1 and image.y0 <= box.y0  # on the image
+    used = box.union([box, ax.get_tightbbox(renderer)])  # axes, labels, title and legend
+    assert used.height >= 0.9 * image.height, (used.height, image.height)

@@ -3,8 +3,11 @@ figures a newcomer reads (issue 26 items 4, 7 and 13)."""
 
 from __future__ import annotations
 
+import pytest
+
+from cephalo.api.job import ModelSpec
 from cephalo.api.plan import Plan
-from cephalo.planner.report import format_plan
+from cephalo.planner.report import format_plan, model_title
 
 
 def _plan(world: int = 2, used_bytes: int = 40 * 2**20, cap_bytes: int = 3 * 2**30,
@@ -24,3 +27,29 @@ def test_memory_shows_each_figure_in_a_unit_that_shows_it() -> None:
     assert "40.0 MiB /   3.0 GiB" in row, row
     big = format_plan(_plan(used_bytes=5 * 2**30, cap_bytes=24 * 2**30), "x").splitlines()[4]
     assert "5.0 GiB /  24.0 GiB" in big, big
+
+
+@pytest.mark.parametrize(("world", "words"), [(1, "on 1 GPU ("), (2, "on 2 GPUs (")])
+def test_plural_words(world: int, words: str) -> None:
+    """Issue 26 item 13: 'on 1 GPUs'."""
+    assert words in format_plan(_plan(world), "gpt-tiny").splitlines()[0]
+
+
+@pytest.mark.parametrize(("model", "title"), [
+    ({"preset": "gpt-small"}, "gpt-small"),
+    ({"family": "gpt", "numLayers": 2, "hiddenSize": 64, "numHeads": 4}, "gpt"),
+    ({"pretrained": "data/tiny-llama", "family": "llama"}, "tiny-llama (pretrained llama)"),
+    ({"pretrained": "s3://bucket/models/llama-3/"}, "llama-3 (pretrained)"),
+])
+def test_the_model_is_named_as_the_job_names_it(model: dict, title: str) -> None:
+    """'Plan for llama' for a pretrained model: its folder names it."""
+    assert model_title(ModelSpec.model_validate(model)) == title
+
+
+def test_one_note_for_ranks_that_share_it() -> None:
+    """Issue 26 item 13: one offload note per rank (8 identical lines for vit-e's V100s)."""
+    same = "offloads its boundary activations (917.1 MiB would not fit): 0.0007 s per step"
+    notes = [f"rank {r} (V100-16GB) {same}" for r in range(2, 6)] + ["something else"]
+    text = format_plan(_plan(6, notes=notes), "vit-e")
+    lines = [line for line in text.splitlines() if line.startswith("note:")]
+    assert lines == [f"note: ranks 2-5 (4 x V100-16GB): each {same}", "note: something else"]

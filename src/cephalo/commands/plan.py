@@ -14,7 +14,7 @@ from cephalo.api.cluster import MAX_GPUS_PER_GROUP
 from cephalo.api.job import CephaloJobSpec, format_validation_error
 from cephalo.api.safeyaml import YamlError, read_text_file
 from cephalo.cli import UserError
-from cephalo.planner.report import format_plan
+from cephalo.planner.report import format_plan, model_title
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,5 +131,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(plan.to_json())
     else:
-        print(format_plan(plan, spec.model.preset or spec.model.family or "model"))
+        print(format_plan(plan, model_title(spec.model)))
     return 0

@@ -76,8 +76,10 @@ def run(args: argparse.Namespace) -> int:
     corpus = _corpus(args)
     summary = tokenize_corpus(corpus, tokenizer, output, workers=args.workers)
     rate = summary.num_tokens / max(summary.seconds, 1e-9)
+    documents = "document" if summary.num_documents == 1 else "documents"
+    files = "file" if len(corpus.files) == 1 else "files"
     print(f"wrote {summary.num_tokens:,} tokens ({summary.dtype}) of "
-          f"{summary.num_documents:,} documents from {len(corpus.files)} file(s) to "
+          f"{summary.num_documents:,} {documents} from {len(corpus.files)} {files} to "
           f"{summary.output} in {summary.seconds:.1f} s ({rate:,.0f} tokens/s); tokenizer "
           f"{tokenizer.name}, EOS id {tokenizer.eos_id}: use model.vocabSize >= "
           f"{tokenizer.vocab_size} and data.tokenFile.dtype: {summary.dtype}")

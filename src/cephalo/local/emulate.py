@@ -33,8 +33,11 @@ class Emulation:
 
     def describe(self, product: str) -> str:
         gpu = lookup_gpu(product)
-        return (f"emulated {product}: compute x{self.dilation[product]:.2f} slower than this "
-                f"CPU, memory {gpu.memory_bytes / 2**30:.0f} GiB -> "
+        d = self.dilation[product]
+        speed = "at this CPU's speed (the fastest emulated GPU)" if d == 1.0 else \
+            f"{d:.2f}x slower than this CPU"
+        return (f"emulated {product}: compute {speed}, memory "
+                f"{gpu.memory_bytes / 2**30:.0f} GiB -> "
                 f"{self.capacity_bytes[product] / 2**20:.1f} MiB")
 
 

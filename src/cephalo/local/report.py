@@ -161,7 +161,7 @@ def loss_figure(history: Sequence[dict]) -> Any:
 
 
 def write_plots(history: Sequence[dict], summary: Summary, labels: list[str],
-                run_dir: Path) -> list[Path]:
+                run_dir: Path, predicted_step_seconds: float | None = None) -> list[Path]:
     """loss.png (the run's whole `history`) and time_breakdown.png (this segment's
     `summary`); nothing (and no error) without matplotlib."""
     try:
@@ -173,7 +173,20 @@ def write_plots(history: Sequence[dict], summary: Summary, labels: list[str],
     fig.savefig(run_dir / "loss.png", dpi=100)
     plt.close(fig)
     written.append(run_dir / "loss.png")
-    fig, ax = plt.subplots(figsize=(7, 0.6 * len(labels) + 1.5))
+    fig = breakdown_figure(summary, labels, predicted_step_seconds)
+    fig.savefig(run_dir / "time_breakdown.png", dpi=100)
+    plt.close(fig)
+    written.append(run_dir / "time_breakdown.png")
+    return written
+
+
+def breakdown_figure(summary: Summary, labels: list[str],
+                     predicted_step_seconds: float | None = None) -> Any:
+    """Each rank's median step split into compute / waiting / idle, with the plan's
+    predicted step as a line; the legend in one row under the axis (constrained layout: the
+    image holds no empty band, as the legend placed below by hand left a third of it)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 0.5 * len(labels) + 1.6), layout="constrained")
     ys = list(range(len(labels)))
     left = [0.0] * len(labels)
     for name, values, color in (("compute", summary.rank_compute_seconds, "#4c72b0"),
@@ -181,13 +194,13 @@ def write_plots(history: Sequence[dict], summary: Summary, labels: list[str],
                                 ("idle", summary.rank_idle_seconds, "#cccccc")):
         ax.barh(ys, values, left=left, label=name, color=color)
         left = [a + b for a, b in zip(left, values, strict=True)]
+    if predicted_step_seconds:
+        ax.axvline(predicted_step_seconds, color="black", linestyle="--", linewidth=1,
+                   label=f"predicted step {predicted_step_seconds:.3f} s")
     ax.set_yticks(ys, [f"rank {i}: {label}" for i, label in enumerate(labels)])
-    ax.invert_yaxis()
+    ax.set_ylim(len(labels) - 0.5, -0.5)  # rank 0 on top
     ax.set_xlabel("seconds per step (median)")
+    ax.set_xlim(0, max([*left, predicted_step_seconds or 0.0]) * 1.05 or 1.0)
     ax.set_title("Where each rank's step time goes")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, fontsize="small")
-    fig.tight_layout()
-    fig.savefig(run_dir / "time_breakdown.png", dpi=100)
-    plt.close(fig)
-    written.append(run_dir / "time_breakdown.png")
-    return written
+    fig.legend(loc="outside lower center", ncol=4, fontsize="small", frameon=False)
+    return fig

@@ -47,7 +47,7 @@ from cephalo.local.report import (
     write_plots,
 )
 from cephalo.planner import solve
-from cephalo.planner.report import format_plan
+from cephalo.planner.report import format_plan, model_title
 
 # Collectives between local processes: gloo over loopback, or NCCL over PCIe.
 LOOPBACK_BANDWIDTH_BYTES_PER_SECOND = 2e9
@@ -119,7 +119,7 @@ def write_job(job: CephaloJob, options: RunOptions, run_dir: Path) -> Path:
 
 
 def profile_devices(devices: list[LocalDevice], job_file: Path, run_dir: Path,
-                    threads: int) -> dict[str, GpuProfile]:
+                    threads: int, out=print) -> dict[str, GpuProfile]:
     """One profile per distinct real device type (cached between runs by the profiler)."""
     profiles: dict[str, GpuProfile] = {}
     folder = run_dir / "profiles"
@@ -153,6 +153,9 @@ def profile_devices(devices: list[LocalDevice], job_file: Path, run_dir: Path,
             raise RunError(f"profiling {device.label} failed: "
                            f"{(done.stderr or done.stdout).strip().splitlines()[-1:]}")
         profiles[kind] = GpuProfile.model_validate_json(output.read_text())
+        said = [line for line in done.stderr.splitlines() if line.startswith("profile: wrote")]
+        if said:  # what was measured, what came from the cache, and how long it took
+            out("  " + said[-1].replace(f"profile: wrote {output}", f"profiled {kind}", 1))
     measured = [p.collectives for p in profiles.values() if p.collectives is not None]
     if measured:  # the run's collectives hold for every device type in it
         profiles = {k: p.model_copy(update={"collectives": measured[0]})
@@ -300,8 +303,10 @@ def _run_in(run_dir: Path, job: CephaloJob, options: RunOptions, devices: list[L
             for product in sorted(emulation.dilation):
                 out(f"  EMULATION: {emulation.describe(product)}")
     else:
-        out(f"Profiling {len({d.product for d in devices})} device type(s) …")
-        measured = profile_devices(devices, job_file, run_dir, threads)
+        kinds = sorted({"cpu" if d.kind == "cpu" else d.product for d in devices})
+        out(f"Profiling {', '.join(kinds)} (compute profiles are cached between runs; the "
+            f"collectives are measured every run) …")
+        measured = profile_devices(devices, job_file, run_dir, threads, out)
         profiles = dict(measured)
         if any(d.emulated for d in devices):
             model = spec.model.resolve()
@@ -325,7 +330,7 @@ def _run_in(run_dir: Path, job: CephaloJob, options: RunOptions, devices: list[L
             raise RunError(f"planning failed: {err}") from None
     plan_file = run_dir / "plan.json"
     plan_file.write_text(plan.to_json())
-    title = spec.model.preset or spec.model.family or "model"
+    title = model_title(spec.model)
     if emulation:
         title += " (EMULATED GPUs on this CPU)"
     out(format_plan(plan, title))
@@ -358,7 +363,7 @@ def _run_in(run_dir: Path, job: CephaloJob, options: RunOptions, devices: list[L
         return 0
     out(format_summary(summary, plan, labels))
     plots = write_plots(read_history(run_dir / "metrics.jsonl") or result.records, summary,
-                        labels, run_dir)
+                        labels, run_dir, plan.predicted_step_seconds)
     if plots:
         out("  plots       " + ", ".join(str(p) for p in plots))
     if result.checkpoint_dir:

@@ -3,7 +3,10 @@ baselines side by side (`cephalo plan` prints it; `cephalo run` shows it before 
 
 from __future__ import annotations
 
+import re
+
 from cephalo.api import Plan
+from cephalo.api.job import ModelSpec
 from cephalo.api.plan import SHARD_RATIO_TOLERANCE
 from cephalo.planner.offload import boundary_activations_line, plan_fused_tail_blocks
 
@@ -14,7 +17,7 @@ def format_plan(plan: Plan, model_name: str) -> str:
     """The human-readable table: one row per rank, totals, baselines side by side."""
     fraction = plan.memory_fraction if plan.memory_fraction is not None else 0.8
     lines = [f"Plan for {model_name}: global batch {plan.global_batch_size} on "
-             f"{plan.world_size} GPUs (memory fraction {fraction:.0%})",
+             f"{plural(plan.world_size, 'GPU')} (memory fraction {fraction:.0%})",
              ""]
     header = f"{'rank':>4}  {'GPU':<10} {'batch':>5}  {'micro x n':>9}  {'shard':>6}  " \
              f"{'memory used / cap':>21}  {'step s':>8}"
@@ -50,13 +53,59 @@ def format_plan(plan: Plan, model_name: str) -> str:
             lines.append(f"{name:<22} {base.predicted_samples_per_second:>10.2f}  {ratio:>9.2f}x")
         else:
             lines.append(f"{name:<22} {'does not fit':>10}  ({base.reason})")
-    notes = list(plan.notes)
+    notes = grouped_notes(plan.notes)
     if any(r.estimated for r in plan.ranks):
         notes = [*notes, "* = estimated from the GPU catalog; measure with "
                          "`python -m cephalo.trainer.profile` and pass --profiles"]
     if notes:
         lines += ["", *(f"note: {n}" for n in notes)]
     return "\n".join(lines)
+
+
+def plural(count: int, noun: str) -> str:
+    """`1 GPU`, `2 GPUs`."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def model_title(model: ModelSpec) -> str:
+    """What the job calls its model: the preset, a pretrained model's folder name (with its
+    family when given), or the family of a custom architecture."""
+    if model.pretrained:
+        name = model.pretrained.rstrip("/").rsplit("/", 1)[-1] or model.pretrained
+        return f"{name} (pretrained {model.family})" if model.family else \
+            f"{name} (pretrained)"
+    return model.preset or model.family or "model"
+
+
+_RANK_NOTE = re.compile(r"rank (\d+) \(([^)]+)\) (.+)")
+
+
+def grouped_notes(notes: list[str]) -> list[str]:
+    """The plan's notes, one line for consecutive ranks of one GPU that share a note ('rank
+    32 (V100-16GB) offloads ...' eight times for vit-e on Cluster B)."""
+    out: list[str] = []
+    run: list[tuple[int, str, str]] = []  # (rank, gpu, rest) of the note being grouped
+
+    def flush() -> None:
+        if len(run) == 1:
+            out.append(f"rank {run[0][0]} ({run[0][1]}) {run[0][2]}")
+        elif run:
+            out.append(f"ranks {run[0][0]}-{run[-1][0]} ({len(run)} x {run[0][1]}): each "
+                       f"{run[0][2]}")
+        run.clear()
+
+    for note in notes:
+        match = _RANK_NOTE.fullmatch(note)
+        if match is None:
+            flush()
+            out.append(note)
+            continue
+        rank, gpu, rest = int(match.group(1)), match.group(2), match.group(3)
+        if run and (rank != run[-1][0] + 1 or gpu != run[-1][1] or rest != run[-1][2]):
+            flush()
+        run.append((rank, gpu, rest))
+    flush()
+    return out
 
 
 def memory_size(num_bytes: float, width: int = 0) -> str:
