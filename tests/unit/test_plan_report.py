@@ -53,3 +53,14 @@ def test_one_note_for_ranks_that_share_it() -> None:
     text = format_plan(_plan(6, notes=notes), "vit-e")
     lines = [line for line in text.splitlines() if line.startswith("note:")]
     assert lines == [f"note: ranks 2-5 (4 x V100-16GB): each {same}", "note: something else"]
+
+
+def test_the_header_states_what_the_plan_assumed() -> None:
+    """Issue 26 item 7: the plan never said which bandwidth it assumed (vit-e on Cluster B:
+    8 of 64 GPUs at the 10 Gbit/s default, 64 at the job's 100 Gbit/s)."""
+    plan = _plan(assumptions={"network_bandwidth_bytes_per_second": 12.5e9,
+                              "network_latency_seconds": 5e-5, "state_bytes_per_parameter": 16})
+    assert format_plan(plan, "vit-e").splitlines()[1] == (
+        "assumes: network 100 Gbit/s per GPU for collectives, latency 50 us, 16 bytes of "
+        "training state per parameter")
+    assert format_plan(_plan(), "x").splitlines()[1] == ""  # a hand-written plan: nothing

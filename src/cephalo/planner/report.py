@@ -18,7 +18,7 @@ def format_plan(plan: Plan, model_name: str) -> str:
     fraction = plan.memory_fraction if plan.memory_fraction is not None else 0.8
     lines = [f"Plan for {model_name}: global batch {plan.global_batch_size} on "
              f"{plural(plan.world_size, 'GPU')} (memory fraction {fraction:.0%})",
-             ""]
+             *assumptions_lines(plan), ""]
     header = f"{'rank':>4}  {'GPU':<10} {'batch':>5}  {'micro x n':>9}  {'shard':>6}  " \
              f"{'memory used / cap':>21}  {'step s':>8}"
     lines += [header, "-" * len(header)]
@@ -60,6 +60,24 @@ def format_plan(plan: Plan, model_name: str) -> str:
     if notes:
         lines += ["", *(f"note: {n}" for n in notes)]
     return "\n".join(lines)
+
+
+def assumptions_lines(plan: Plan) -> list[str]:
+    """What the plan took as given and a preview must match to mean anything: the network
+    (a job's planner.networkBandwidthGbps, `--bandwidth-gbps`, or measured collectives) and
+    the bytes of state per parameter. None for a plan without them (written by hand)."""
+    given = plan.assumptions
+    bandwidth = given.get("network_bandwidth_bytes_per_second")
+    if not isinstance(bandwidth, int | float):
+        return []
+    parts = [f"network {bandwidth * 8 / 1e9:.3g} Gbit/s per GPU for collectives"]
+    latency = given.get("network_latency_seconds")
+    if isinstance(latency, int | float):
+        parts.append(f"latency {latency * 1e6:.3g} us")
+    state = given.get("state_bytes_per_parameter")
+    if isinstance(state, int | float):
+        parts.append(f"{state:g} bytes of training state per parameter")
+    return ["assumes: " + ", ".join(parts)]
 
 
 def plural(count: int, noun: str) -> str:
