@@ -302,6 +302,32 @@ def export_pt_with_a_tokenizer(d: Path) -> list[str]:
     return ["export", "ckpt", "--output", "m.pt", "--tokenizer", "tok"]
 
 
+def plan_model_without_gpus(d: Path) -> list[str]:
+    return ["plan", "--model", "gpt-tiny", "--batch-size", "8"]
+
+
+def plan_job_without_pools(d: Path) -> list[str]:
+    """Without --gpus a job's gpuPools are the cluster; this job lists none."""
+    return ["plan", "--job", _job(d / "j.yaml", _tiny())]
+
+
+def export_config_output_is_a_folder(d: Path) -> list[str]:
+    (d / "ckpt").mkdir()
+    (d / "cfg").mkdir()
+    return ["export", "ckpt", "--output", "m.pt", "--config-output", "cfg"]
+
+
+def export_config_output_into_the_checkpoint(d: Path) -> list[str]:
+    (d / "ckpt").mkdir()
+    return ["export", "ckpt", "--output", "m.pt", "--config-output", "ckpt/config.json"]
+
+
+def export_over_an_existing_output(d: Path) -> list[str]:
+    (d / "ckpt").mkdir()
+    (d / "m.pt").write_bytes(b"an earlier export")
+    return ["export", "ckpt", "--output", "m.pt"]
+
+
 def export_missing_checkpoint(d: Path) -> list[str]:
     return ["export", "no-such-ckpt", "--output", "model.pt"]
 
@@ -353,6 +379,12 @@ CASES: list[tuple[Setup, str]] = [  # (setup, a phrase the one line must contain
     (export_pt_with_a_shard_size, "--max-shard-size applies to --format hf only"),
     (export_pt_with_a_tokenizer, "--tokenizer applies to --format hf only"),
     (export_missing_checkpoint, "no-such-ckpt: no such checkpoint directory"),
+    (plan_model_without_gpus, "--gpus is required with --model"),
+    (plan_job_without_pools, "--gpus is required: the job lists no gpuPools"),
+    (export_config_output_is_a_folder, "--config-output cfg is a directory"),
+    (export_config_output_into_the_checkpoint, "--config-output ckpt/config.json lies inside "
+     "the checkpoint directory ckpt"),
+    (export_over_an_existing_output, "--output m.pt exists; pass --force to overwrite it"),
 ]
 
 
