@@ -1,5 +1,5 @@
 """`python -m cephalo.trainer` (also under `torchrun -m cephalo.trainer`): one rank of a
-Cephalo job, driven entirely by the environment described in DESIGN.md.
+Cephalo job, driven entirely by the environment described in docs/architecture.md.
 
 A pod that holds several GPUs of a node (CEPHALO_RANKS_PER_POD = k > 1, set by the operator)
 runs k ranks: this process becomes a small launcher that starts k trainer processes, the

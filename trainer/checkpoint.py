@@ -53,6 +53,7 @@ needs. (Not benchmarked against DCP: the choice follows from the guarantees.)
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 import sys
 import tempfile
@@ -107,7 +108,9 @@ class CheckpointInfo:
 
     @property
     def config(self) -> ModelConfig:
-        return ModelConfig(**self.meta["model"])
+        from cephalo.trainer.checkpoint_check import recorded_config
+
+        return recorded_config(self)
 
 
 def _listed(store: Store, name: str) -> CheckpointInfo | None:
@@ -225,9 +228,35 @@ class ShardReader:
                     self._own_cache_dir = self._cache_dir
                 self._local[rank], _ = self.info.store.local_copy(
                     self.info.rel(rank_file_name(rank)), self._cache_dir)
-            self._files[rank] = torch.load(self._local[rank], map_location="cpu", mmap=True,
-                                           weights_only=True)
+            try:
+                data = torch.load(self._local[rank], map_location="cpu", mmap=True,
+                                  weights_only=True)
+            except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as err:
+                data = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}"
+            if not (isinstance(data, dict) and isinstance(data.get("units"), list)
+                    and "rng" in data):
+                raise CheckpointError(
+                    f"{self.info.path}: {rank_file_name(rank)} is not a Cephalo checkpoint "
+                    f"shard ({data if isinstance(data, str) else 'no units and rng state'})")
+            self._files[rank] = data
         return self._files[rank]
+
+    def entry(self, rank: int, unit: int, start: int, end: int) -> dict[str, Any]:
+        """Rank `rank`'s shard of `unit`, which meta.json says holds [start, end)."""
+        units = self._file(rank)["units"]
+        entry = units[unit] if unit < len(units) else None
+        where = f"{self.info.path}: {rank_file_name(rank)}"
+        if not isinstance(entry, dict) or "start" not in entry or "end" not in entry:
+            raise CheckpointError(f"{where} holds no shard of unit {unit}")
+        if (entry["start"], entry["end"]) != (start, end):
+            raise CheckpointError(f"{where} holds unit {unit} at [{entry['start']}, "
+                                  f"{entry['end']}), meta.json says [{start}, {end})")
+        for key in ("param", "exp_avg", "exp_avg_sq"):
+            tensor = entry.get(key)
+            if not isinstance(tensor, torch.Tensor) or tensor.numel() != end - start:
+                raise CheckpointError(f"{where}: unit {unit}'s {key} is not a tensor of "
+                                      f"{end - start} elements")
+        return entry
 
     def read(self, unit: int, start: int, end: int, key: str = "param") -> torch.Tensor:
         out = torch.empty(end - start, dtype=torch.float32)
@@ -236,11 +265,12 @@ class ShardReader:
             lo, hi = max(s, start), min(e, end)
             if hi <= lo:
                 continue
-            entry = self._file(rank)["units"][unit]
-            assert (entry["start"], entry["end"]) == (s, e), "shard offsets disagree with meta"
+            entry = self.entry(rank, unit, s, e)
             out[lo - start:hi - start].copy_(entry[key][lo - s:hi - s])
             covered += hi - lo
-        assert covered == end - start, "checkpoint shards do not cover the requested range"
+        if covered != end - start:
+            raise CheckpointError(f"{self.info.path}: the shards cover {covered} of unit "
+                                  f"{unit}'s elements [{start}, {end})")
         return out
 
     def rng_state(self, rank: int) -> torch.Tensor:
@@ -253,6 +283,8 @@ def restore(engine: Engine, info: CheckpointInfo, reader: ShardReader | None = N
     `state_dict()` in place (one unit at a time, no second copy of the state), which is then
     handed back through `load_state_dict`, as torch.distributed.checkpoint loads a
     `Stateful`."""
+    from cephalo.trainer.checkpoint_check import check_layout
+
     saved = info.config
     if saved != engine.config:
         raise ValueError(f"checkpoint {info.path} holds a different model ({saved.family}, "
@@ -261,6 +293,7 @@ def restore(engine: Engine, info: CheckpointInfo, reader: ShardReader | None = N
     if info.meta["unit_numels"] != numels:
         raise ValueError(f"checkpoint {info.path} unit sizes {info.meta['unit_numels']} "
                          f"differ from the model's {numels}")
+    check_layout(info, numels)
     reader = reader or ShardReader(info)
     state = engine.state_dict()
     opt = state["optimizer"]
@@ -281,11 +314,10 @@ def restore(engine: Engine, info: CheckpointInfo, reader: ShardReader | None = N
 
 def full_state_dict(info: CheckpointInfo) -> dict[str, torch.Tensor]:
     """The whole model as a plain state_dict for `build_model(info.config)`."""
+    from cephalo.trainer.checkpoint_check import check_checkpoint
     from cephalo.trainer.flat import param_specs, unflatten
-    from cephalo.trainer.models import build_model
 
-    with torch.device("meta"):
-        units = build_model(info.config).units
+    units = check_checkpoint(info)
     reader = ShardReader(info)
     state: dict[str, torch.Tensor] = {}
     try:

@@ -1,4 +1,4 @@
-"""The trainer's environment (DESIGN.md), validated up front on every rank.
+"""The trainer's environment (docs/architecture.md), validated up front on every rank.
 
 Every check here runs *before* the process group forms, so a bad environment makes every
 rank exit with the same one-line message instead of some ranks hanging in a collective.

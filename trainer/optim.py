@@ -1,4 +1,4 @@
-"""AdamW on flat shards and the learning-rate schedule.
+"""AdamW on flat shards (the learning-rate schedule is `cephalo.api.schedule`).
 
 AdamW is elementwise, so stepping each rank's shard with the full gradient's shard is the
 same computation as stepping the whole model on one device: the formula below is
@@ -15,22 +15,7 @@ from typing import TypedDict
 import torch
 
 from cephalo.api.job import TrainingSpec
-
-
-def learning_rate(spec: TrainingSpec, step: int) -> float:
-    """LR for optimizer step `step` (0-based): linear warm-up, then the schedule down to
-    `min_learning_rate_ratio` x peak at the last step."""
-    peak = spec.learning_rate
-    if step < spec.warmup_steps:
-        return peak * (step + 1) / spec.warmup_steps
-    if spec.schedule == "constant":
-        return peak
-    decay_steps = max(1, spec.steps - spec.warmup_steps - 1)
-    progress = min(1.0, (step - spec.warmup_steps) / decay_steps)
-    floor = peak * spec.min_learning_rate_ratio
-    if spec.schedule == "linear":
-        return peak - (peak - floor) * progress
-    return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
+from cephalo.api.schedule import learning_rate as learning_rate  # re-exported
 
 
 class OptimizerState(TypedDict):

@@ -213,6 +213,14 @@ def _read_cached(path: Path) -> GpuProfile | None:
         return None
 
 
+def usable_cached(path: Path | None, sizes: Sequence[int]) -> GpuProfile | None:
+    """The cached profile at `path` if it covers every micro-batch size wanted."""
+    cached = _read_cached(path) if path is not None else None
+    if cached is not None and {p.micro_batch_size for p in cached.points} >= set(sizes):
+        return cached
+    return None
+
+
 def profile_job(spec: CephaloJobSpec, *, device: torch.device | None = None,
                 micro_batch_sizes: Sequence[int] | None = None, repeats: int = 5,
                 warmup: int = 2, cache_dir: Path | None = None,
@@ -225,8 +233,8 @@ def profile_job(spec: CephaloJobSpec, *, device: torch.device | None = None,
     config = spec.model.resolve()
     sizes = list(micro_batch_sizes or spec.planner.profile_micro_batch_sizes)
     path = cache_path(cache_dir, facts.product, config, spec.precision) if cache_dir else None
-    cached = _read_cached(path) if path is not None else None
-    if cached is not None and {p.micro_batch_size for p in cached.points} >= set(sizes):
+    cached = usable_cached(path, sizes)
+    if cached is not None:
         return cached.model_copy(update={"collectives": collectives})
     profile = profile_device(config, spec.precision, sizes, device, facts, repeats, warmup,
                              spec.training)
@@ -341,9 +349,24 @@ def main(argv: list[str] | None = None) -> int:
         if collectives is None:  # not rank 0
             return 0
     cache = None if args.cache_dir == "none" else Path(args.cache_dir or default_cache_dir())
+    started = time.monotonic()
+    sizes = list(sizes or spec.planner.profile_micro_batch_sizes)
+    key = cache_path(cache, device_facts(device or torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")).product, spec.model.resolve(),
+        spec.precision) if cache else None
+    from_cache = usable_cached(key, sizes) is not None
     profile = profile_job(spec, device=device, micro_batch_sizes=sizes, repeats=args.repeats,
                           cache_dir=cache, collectives=collectives)
     write_profile(profile, args.output)
+    # What it did, on stderr (stdout may be the profile itself).
+    how = f"compute from the cache {key}" if from_cache else \
+        f"measured in {time.monotonic() - started:.1f} s"
+    if collectives is not None:
+        how += f", collectives measured over {collectives.world_size} ranks"
+    where = "stdout" if args.output == "-" else args.output
+    print(f"profile: wrote {where} ({profile.product}, "
+          f"{spec.model.preset or spec.model.family or 'model'}, micro-batch sizes "
+          f"{', '.join(map(str, sizes))}, {how})", file=sys.stderr)
     return 0
 
 

@@ -26,6 +26,15 @@ class UserError(CephaloError):
     """A mistake in the user's input: printed as one line, exit code 2."""
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cephalo")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser(load: list[str] | None = None,
                  commands: dict[str, argparse.ArgumentParser] | None = None
                  ) -> argparse.ArgumentParser:
@@ -33,6 +42,7 @@ def build_parser(load: list[str] | None = None,
     `commands`, when given, receives each subcommand's parser."""
     parser = argparse.ArgumentParser(
         prog="cephalo", description="Train transformers on mixed-GPU clusters.")
+    parser.add_argument("--version", action="version", version=f"cephalo {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

@@ -183,6 +183,18 @@ def plan_emulated_without_capacity(d: Path) -> list[str]:
             "plan.json"]
 
 
+def plan_of_real_gpus_under_emulation(d: Path) -> list[str]:
+    """A plan `cephalo plan --json` made from catalog estimates of real GPUs (issue 26
+    item 3: run on emulated ones it printed 'compute x1.00 slower', capped memory at the real
+    card's 22 GiB and reported 0.06x its prediction)."""
+    plan = _plan([4, 4])
+    for rank, gpu in zip(plan["ranks"], ["RTX-A6000", "P40"], strict=True):
+        rank.update(gpu=gpu, estimated=True, memory_capacity_bytes=24 * 2**30)
+    (d / "plan.json").write_text(json.dumps(plan))
+    return ["run", _job(d / "j.yaml", _tiny()), "--emulate", "RTX-A6000,P40", "--plan",
+            "plan.json"]
+
+
 def steps_beyond_the_limit(d: Path) -> list[str]:
     """--steps overrides the job's steps within the job's own limits (the error named the
     job.yaml of a run folder it had written and then removed)."""
@@ -207,6 +219,14 @@ def memory_scale_without_emulation(d: Path) -> list[str]:
 def missing_token_file(d: Path) -> list[str]:
     text = _tiny(**{"checkpoint:": "data: {tokenFile: {path: missing.bin}}\n  checkpoint:"})
     return ["run", _job(d / "j.yaml", text), "--devices", "cpu:2"]
+
+
+def missing_token_file_with_a_plan(d: Path) -> list[str]:
+    """The same pre-flight checks with --plan (issue 26 item 6: the ranks started, exited 1
+    with the error on stdout and left a run folder)."""
+    (d / "plan.json").write_text(json.dumps(_plan([4, 4])))
+    text = _tiny(**{"checkpoint:": "data: {tokenFile: {path: missing.bin}}\n  checkpoint:"})
+    return ["run", _job(d / "j.yaml", text), "--devices", "cpu:2", "--plan", "plan.json"]
 
 
 def token_file_is_a_folder(d: Path) -> list[str]:
@@ -282,6 +302,32 @@ def export_pt_with_a_tokenizer(d: Path) -> list[str]:
     return ["export", "ckpt", "--output", "m.pt", "--tokenizer", "tok"]
 
 
+def plan_model_without_gpus(d: Path) -> list[str]:
+    return ["plan", "--model", "gpt-tiny", "--batch-size", "8"]
+
+
+def plan_job_without_pools(d: Path) -> list[str]:
+    """Without --gpus a job's gpuPools are the cluster; this job lists none."""
+    return ["plan", "--job", _job(d / "j.yaml", _tiny())]
+
+
+def export_config_output_is_a_folder(d: Path) -> list[str]:
+    (d / "ckpt").mkdir()
+    (d / "cfg").mkdir()
+    return ["export", "ckpt", "--output", "m.pt", "--config-output", "cfg"]
+
+
+def export_config_output_into_the_checkpoint(d: Path) -> list[str]:
+    (d / "ckpt").mkdir()
+    return ["export", "ckpt", "--output", "m.pt", "--config-output", "ckpt/config.json"]
+
+
+def export_over_an_existing_output(d: Path) -> list[str]:
+    (d / "ckpt").mkdir()
+    (d / "m.pt").write_bytes(b"an earlier export")
+    return ["export", "ckpt", "--output", "m.pt"]
+
+
 def export_missing_checkpoint(d: Path) -> list[str]:
     return ["export", "no-such-ckpt", "--output", "model.pt"]
 
@@ -311,12 +357,15 @@ CASES: list[tuple[Setup, str]] = [  # (setup, a phrase the one line must contain
     (plan_deep_json, "not valid JSON"),
     (plan_emulated_without_capacity, "rank 0 (emulated RTX-A6000) records no "
      "memory_capacity_bytes"),
+    (plan_of_real_gpus_under_emulation, "rank 0's times are catalog estimates for a real "
+     "RTX-A6000"),
     (steps_beyond_the_limit, "--steps 100000000000: steps: Input should be less than or equal "
      "to 100000000"),
     (memory_scale_nan, "--emulate-memory-scale nan must be in (0, 1]"),
     (memory_scale_negative, "--emulate-memory-scale -1.0 must be in (0, 1]"),
     (memory_scale_without_emulation, "--emulate-memory-scale applies to emulated GPUs only"),
     (missing_token_file, "missing.bin does not exist"),
+    (missing_token_file_with_a_plan, "missing.bin does not exist"),
     (token_file_is_a_folder, "tokens is a folder"),
     (plan_job_is_a_folder, "is a folder"),
     (plan_unknown_gpu, "unknown GPU 'Voodoo-5'"),
@@ -330,6 +379,12 @@ CASES: list[tuple[Setup, str]] = [  # (setup, a phrase the one line must contain
     (export_pt_with_a_shard_size, "--max-shard-size applies to --format hf only"),
     (export_pt_with_a_tokenizer, "--tokenizer applies to --format hf only"),
     (export_missing_checkpoint, "no-such-ckpt: no such checkpoint directory"),
+    (plan_model_without_gpus, "--gpus is required with --model"),
+    (plan_job_without_pools, "--gpus is required: the job lists no gpuPools"),
+    (export_config_output_is_a_folder, "--config-output cfg is a directory"),
+    (export_config_output_into_the_checkpoint, "--config-output ckpt/config.json lies inside "
+     "the checkpoint directory ckpt"),
+    (export_over_an_existing_output, "--output m.pt exists; pass --force to overwrite it"),
 ]
 
 

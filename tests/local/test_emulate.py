@@ -33,3 +33,11 @@ def test_an_explicit_memory_scale_wins_and_covers_a_plan_without_capacities() ->
                                   for p in ("RTX-A6000", "P40")}
     with pytest.raises(ValueError, match="rank 1 \\(emulated P40\\) records no memory_capacity"):
         given_plan_emulation(_plan([1 << 20, None]), ["RTX-A6000", "P40"], "fp32", "p")
+
+
+def test_the_fastest_emulated_gpu_is_said_to_run_at_the_cpus_speed() -> None:
+    """Issue 26 item 13: 'compute x1.00 slower than this CPU'."""
+    emu = given_plan_emulation(_plan([40 << 20, 20 << 20]), ["RTX-A6000", "P40"], "fp32", "p")
+    assert emu.describe("RTX-A6000").startswith(
+        "emulated RTX-A6000: compute at this CPU's speed (the fastest emulated GPU), memory ")
+    assert emu.describe("P40").startswith("emulated P40: compute 3.29x slower than this CPU")

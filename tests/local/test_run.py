@@ -28,6 +28,9 @@ def test_run_trains_and_leaves_a_complete_run_directory(tmp_path, tiny_job) -> N
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert "EMULATION: emulated P40" in out and "(EMULATED GPUs on this CPU)" in out
+    # What the profiler did (issue 26 item 13: 'Profiling 2 device type(s)', then silence)
+    assert "Profiling cpu (compute profiles are cached" in out, out
+    assert "  profiled cpu (cpu, gpt-tiny, micro-batch sizes 1, 2, 4, measured in " in out, out
     assert "Summary" in out and "measured" in out and "predicted" in out
     run_dir = _run_dir(tmp_path, "tiny")
     for name in ("job.yaml", "plan.json", "metrics.jsonl", "loss.png", "time_breakdown.png",

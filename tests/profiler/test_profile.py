@@ -178,12 +178,16 @@ def test_profiles_are_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
                              cache_dir=tmp_path)
 
 
-def test_command_line_writes_the_profile(tmp_path: Path) -> None:
+def test_command_line_writes_the_profile(tmp_path: Path, capsys) -> None:
     job = tmp_path / "job.yaml"
     job.write_text(JOB.replace("PRESET", "bert-tiny"))
     out = tmp_path / "p.json"
     assert profiler.main(["--job", str(job), "--output", str(out), "--micro-batch-sizes",
                           "1,2", "--repeats", "1", "--cache-dir", "none"]) == 0
+    # It says what it did (issue 26 item 13: nothing was printed on success), on stderr.
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith(f"profile: wrote {out} (cpu, bert-tiny, "
+                                                 "micro-batch sizes 1, 2, measured in "), said
     assert [p.micro_batch_size for p in GpuProfile.model_validate_json(out.read_text()).points
             ] == [1, 2]
     assert profiler.main(["--job", str(job), "--micro-batch-sizes", "0"]) == 2

@@ -139,18 +139,18 @@ def _scratch(rank: int, world_size: int, ckpt: str) -> None:
 def test_a_model_trained_from_scratch_takes_its_special_ids_from_the_exported_tokenizer(
         tmp_path: Path) -> None:
     """No pretrained config names bos/eos/pad: the tokenizer exported with the model does
-    (`--tokenizer`), so `generate` stops at its eos. Ids outside the vocabulary, or tokens
-    the tokenizer lacks, stay null."""
+    (`--tokenizer`), so `generate` stops at its eos. Tokens the tokenizer lacks stay null (a
+    tokenizer with ids outside the model's vocabulary is refused: test_export_trust.py)."""
     ckpt, tok = tmp_path / "ckpt", tmp_path / "tok"
     spawn_ranks(_scratch, 1, str(ckpt))
     tok.mkdir()
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "[UNK]": 3} | {f"w{i}": 4 + i for i in range(300)}
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "[UNK]": 3} | {f"w{i}": 4 + i for i in range(252)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(str(tok / "tokenizer.json"))
     (tok / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": {"content": "<s>", "special": True}, "eos_token": "</s>",
-        "pad_token": "w299"}))  # id 303: outside gpt-tiny's 256 tokens
+        "pad_token": "w999"}))  # not a token of this tokenizer
     out = tmp_path / "hf"
     assert cli_main(["export", str(ckpt), "--format", "hf", "--output", str(out),
                      "--tokenizer", str(tok)]) == 0

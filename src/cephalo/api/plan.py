@@ -201,7 +201,7 @@ class Plan(BaseModel):
 
 
 def check_invariants(plan: Plan) -> None:
-    """DESIGN.md's invariants; raises PlanError with the numbers that are off."""
+    """The Plan invariants (docs/architecture.md); a PlanError gives the numbers that are off."""
     if len(plan.ranks) != plan.world_size:
         raise PlanError(f"plan has {len(plan.ranks)} ranks but world_size {plan.world_size}")
     for i, r in enumerate(plan.ranks):

@@ -1,5 +1,5 @@
-"""The trainer environment contract (DESIGN.md "Trainer environment"): every variable name,
-one writer (`to_environ`) and one reader (`read_env`).
+"""The trainer environment contract (docs/architecture.md, "Trainer environment"): every
+variable name, one writer (`to_environ`) and one reader (`read_env`).
 
 The operator (rank and profiler pods), `cephalo run` (local ranks) and the trainer all go
 through here, so a name is spelled once and a value is formatted and parsed one way. Like

@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None, metavar="DIR",
                         help="--format hf: copy tokenizer files from this folder (default: "
                              "those of the pretrained model the job started from, if any)")
+    parser.add_argument("--force", action="store_true",
+                        help="overwrite an existing --output (a file, or a folder that is not "
+                             "empty)")
 
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
@@ -68,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from cephalo.trainer.checkpoint import find_latest, full_state_dict
-    from cephalo.trainer.storage import Store, describe
+    from cephalo.trainer.checkpoint_check import check_checkpoint
+    from cephalo.trainer.storage import CheckpointError, Store, describe
 
     root = args.checkpoint_dir
     try:
@@ -99,6 +103,17 @@ def run(args: argparse.Namespace) -> int:
     elif output.is_dir():
         raise ExportError(f"--output {output} is a directory; give a file name such as "
                           f"{output / 'model.pt'}")
+    if not args.force and (output.is_file() or (output.is_dir() and any(output.iterdir()))):
+        raise ExportError(f"--output {output} exists; pass --force to overwrite it")
+    config_output = Path(args.config_output) if args.config_output else None
+    if config_output is not None:  # checked with --output, before either is written
+        if config_output.is_dir():
+            raise ExportError(f"--config-output {config_output} is a directory; give a file "
+                              f"name such as {config_output / 'config.json'}")
+        if store.is_local and config_output.resolve().is_relative_to(
+                Path(store.root).resolve()):
+            raise ExportError(f"--config-output {config_output} lies inside the checkpoint "
+                              f"directory {root}; write it somewhere else")
     try:
         info = find_latest(store)
     except OSError as err:  # credentials, missing bucket, network
@@ -106,28 +121,66 @@ def run(args: argparse.Namespace) -> int:
     if info is None:
         raise ExportError(f"{root}: no complete checkpoint (a checkpoint needs its COMPLETE "
                           f"marker, meta.json and intact rank-*.pt shards)")
-    try:
-        info.config  # noqa: B018 - validates the model recorded in meta.json
-    except (ValueError, TypeError, KeyError) as err:
-        raise ExportError(f"{info.path}/meta.json: the recorded model is not valid "
-                          f"({err}); the checkpoint's metadata is corrupted") from None
-    if hf:
-        return _export_hf(info, output, max_shard_bytes, tokenizer, args.config_output)
-    state = full_state_dict(info)
+    try:  # meta.json is trusted only as far as it fits the model and the shards
+        check_checkpoint(info)
+        if hf and tokenizer is not None:
+            check_tokenizer(tokenizer, args.tokenizer, info.config.vocab_size)
+        if hf:
+            return _export_hf(info, output, max_shard_bytes, tokenizer, config_output)
+        state = full_state_dict(info)
+    except CheckpointError as err:
+        raise ExportError(str(err)) from None
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(output.name + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, output)
-    if args.config_output:
-        Path(args.config_output).write_text(json.dumps(info.meta["model"], indent=2) + "\n")
+    write_config(info, config_output)
     numel = sum(t.numel() for t in state.values())
     print(f"exported step {info.step} of {info.path} ({len(state)} tensors, {numel:,} "
           f"parameters, {info.config.family}) to {output}")
     return 0
 
 
+def check_tokenizer(folder: Path, given: str, model_vocab_size: int | None) -> None:
+    """--tokenizer: a folder holding tokenizer files, whose ids the model's vocabulary
+    covers (else `generate` emits ids the tokenizer cannot decode, or the other way round)."""
+    from cephalo.tokenizer import TOKENIZER_FILE
+    from cephalo.trainer.hf_weights import SOURCE_FILES
+
+    names = [n for n in SOURCE_FILES if n not in ("config.json", "generation_config.json")]
+    if not any((folder / name).is_file() for name in names):
+        raise ExportError(f"--tokenizer {given} holds no tokenizer files (any of "
+                          f"{', '.join(names)}); give the folder a tokenizer was saved to")
+    if model_vocab_size and (folder / TOKENIZER_FILE).is_file():
+        from tokenizers import Tokenizer
+
+        try:
+            vocab = Tokenizer.from_file(str(folder / TOKENIZER_FILE)).get_vocab(
+                with_added_tokens=True)
+        except Exception as err:  # tokenizers raises a bare Exception on a bad definition
+            raise ExportError(f"--tokenizer {given}: {TOKENIZER_FILE} is not a tokenizers "
+                              f"tokenizer.json: {str(err)[:200]}") from None
+        ids = max(vocab.values(), default=-1) + 1
+        if ids > model_vocab_size:
+            raise ExportError(f"--tokenizer {given} has {ids} token ids, more than the model's "
+                              f"vocabulary of {model_vocab_size}; export with the tokenizer "
+                              "the model was trained with")
+
+
+def write_config(info: Any, config_output: Path | None) -> None:
+    """--config-output: the ModelConfig as JSON (its folder made as --output's is; checked
+    with --output before anything was written)."""
+    if config_output is None:
+        return
+    try:
+        config_output.parent.mkdir(parents=True, exist_ok=True)
+        config_output.write_text(json.dumps(info.meta["model"], indent=2) + "\n")
+    except OSError as err:
+        raise ExportError(f"--config-output {config_output}: {err.strerror or err}") from None
+
+
 def _export_hf(info: Any, output: Path, max_shard_bytes: int, tokenizer: Path | None,
-               config_output: str | None) -> int:
+               config_output: Path | None) -> int:
     from cephalo.api.hf_config import PretrainedError
     from cephalo.trainer.hf_export import export_hf
 
@@ -135,8 +188,7 @@ def _export_hf(info: Any, output: Path, max_shard_bytes: int, tokenizer: Path | 
         written = export_hf(info, output, max_shard_bytes, tokenizer)
     except PretrainedError as err:
         raise ExportError(f"{info.path}: {err}") from None
-    if config_output:
-        Path(config_output).write_text(json.dumps(info.meta["model"], indent=2) + "\n")
+    write_config(info, config_output)
     print(f"exported step {info.step} of {info.path} ({info.config.family}) as a Hugging Face "
           f"checkpoint to {output}: {', '.join(written)}")
     return 0

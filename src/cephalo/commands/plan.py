@@ -14,13 +14,14 @@ from cephalo.api.cluster import MAX_GPUS_PER_GROUP
 from cephalo.api.job import CephaloJobSpec, format_validation_error
 from cephalo.api.safeyaml import YamlError, read_text_file
 from cephalo.cli import UserError
-from cephalo.planner.report import format_plan
+from cephalo.planner.report import format_plan, model_title
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gpus", required=True, metavar="LIST",
+    parser.add_argument("--gpus", default=None, metavar="LIST",
                         help="GPUs as COUNTxNAME, comma-separated: 2xL4,1xRTX-A6000,3xP40 "
-                             "(catalog names or GPU Feature Discovery labels)")
+                             "(catalog names or GPU Feature Discovery labels; default with "
+                             "--job: the job's gpuPools, maxGpus of each)")
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", metavar="PRESET", help="model preset, e.g. gpt-2.7b")
     src.add_argument("--job", metavar="FILE", help="take model, batch and options from a "
@@ -31,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-fraction", type=float, default=None,
                         help="fraction of each GPU's memory the plan may use (default 0.8)")
     parser.add_argument("--bandwidth-gbps", type=float, default=None,
-                        help="network bandwidth per GPU for collectives (default 10)")
+                        help="network bandwidth per GPU for collectives (default: the "
+                             "job's planner.networkBandwidthGbps, else 10)")
     parser.add_argument("--profiles", metavar="DIR",
                         help="folder of measured GpuProfile JSON files (else catalog estimates)")
     parser.add_argument("--json", action="store_true",
@@ -70,6 +72,24 @@ def load_profiles(folder: str) -> dict[str, GpuProfile]:
                             f"{format_validation_error(err)}") from None
         profiles[gpu_key(profile.product)] = profile
     return profiles
+
+
+def pools_as_cluster(spec: CephaloJobSpec) -> ClusterSpec:
+    """Without --gpus: the job's gpuPools as the cluster, each pool's maxGpus GPUs of its
+    product (what the operator would plan on a cluster where all of them are free)."""
+    if not spec.gpu_pools:
+        raise UserError("--gpus is required: the job lists no gpuPools (give the GPUs, e.g. "
+                        "--gpus 2xL4,1xRTX-A6000)")
+    groups = []
+    for i, pool in enumerate(spec.gpu_pools):
+        if pool.product is None or pool.max_gpus is None:
+            missing = "product" if pool.product is None else "maxGpus to count its GPUs"
+            raise UserError(f"--gpus is required: the job's gpuPools[{i}] "
+                            f"({pool.product or 'any product'}) gives no {missing}")
+        groups.append(GpuGroup(product=pool.product, count=pool.max_gpus,
+                               memory_bytes=pool.memory_mi_b * 2**20 if pool.memory_mi_b
+                               else None))
+    return ClusterSpec(groups=groups)
 
 
 def match_profiles(cluster: ClusterSpec, profiles: dict[str, GpuProfile]) -> ClusterSpec:
@@ -126,10 +146,13 @@ def run(args: argparse.Namespace) -> int:
 
     spec = _spec(args)
     profiles = load_profiles(args.profiles) if args.profiles else {}
-    cluster = match_profiles(parse_gpus(args.gpus), profiles)
+    if args.gpus is None and not args.job:
+        raise UserError("--gpus is required with --model (e.g. --gpus 2xL4,1xRTX-A6000)")
+    cluster = match_profiles(parse_gpus(args.gpus) if args.gpus is not None
+                             else pools_as_cluster(spec), profiles)
     plan = solve(spec, cluster, profiles)  # planner.chooseGpus (default true)
     if args.json:
         sys.stdout.write(plan.to_json())
     else:
-        print(format_plan(plan, spec.model.preset or spec.model.family or "model"))
+        print(format_plan(plan, model_title(spec.model)))
     return 0

@@ -1,13 +1,13 @@
-"""`cephalo tokenize INPUT --tokenizer TOK --output train.bin`: text into the token file
+"""`cephalo tokenize INPUT [--tokenizer TOK] --output train.bin`: text into the token file
 `data.tokenFile` reads, with the EOS id after every document.
 
 INPUT is a .txt / .jsonl / .parquet / .arrow file, a folder of them, or a glob, local or an
 fsspec URL (s3://bucket/corpus/; the backend's usual credentials from the environment).
 TOK is a tokenizer.json or a Hugging Face tokenizer (or pretrained model) folder holding one;
-`--tokenizer byte-level` is the quickstart's byte tokenizer (ids 0-255, newline between
-documents). Streams the input (bounded memory) over --workers processes; the output and its
-sidecar <output>.json appear only when complete. See `cephalo.corpus` (reading) and
-`cephalo.tokenfile` (writing) for the details.
+without --tokenizer (or with `byte-level`), the quickstart's byte tokenizer (ids 0-255,
+newline between documents), the default everywhere else too. Streams the input (bounded
+memory) over --workers processes; the output and its sidecar <output>.json appear only
+when complete. See `cephalo.corpus` (reading) and `cephalo.tokenfile` (writing).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="+", metavar="INPUT",
                         help="text file, folder or glob (.txt, .jsonl, .parquet, .arrow), local "
                              "or an fsspec URL such as s3://bucket/corpus/")
-    parser.add_argument("--tokenizer", "-t", required=True,
+    parser.add_argument("--tokenizer", "-t", default="byte-level",
                         help="tokenizer.json, a Hugging Face tokenizer folder holding one, or "
-                             "'byte-level'")
+                             "'byte-level' (the default, as in data.text.tokenizer)")
     parser.add_argument("--output", "-o", required=True, help="token file to write (e.g. "
                         "data/train.bin); its metadata goes to <output>.json")
     parser.add_argument("--format", choices=["txt", "jsonl", "parquet", "arrow"], default=None,
@@ -76,8 +76,10 @@ def run(args: argparse.Namespace) -> int:
     corpus = _corpus(args)
     summary = tokenize_corpus(corpus, tokenizer, output, workers=args.workers)
     rate = summary.num_tokens / max(summary.seconds, 1e-9)
+    documents = "document" if summary.num_documents == 1 else "documents"
+    files = "file" if len(corpus.files) == 1 else "files"
     print(f"wrote {summary.num_tokens:,} tokens ({summary.dtype}) of "
-          f"{summary.num_documents:,} documents from {len(corpus.files)} file(s) to "
+          f"{summary.num_documents:,} {documents} from {len(corpus.files)} {files} to "
           f"{summary.output} in {summary.seconds:.1f} s ({rate:,.0f} tokens/s); tokenizer "
           f"{tokenizer.name}, EOS id {tokenizer.eos_id}: use model.vocabSize >= "
           f"{tokenizer.vocab_size} and data.tokenFile.dtype: {summary.dtype}")

@@ -51,7 +51,16 @@ def run_name(job: CephaloJob, job_path: str) -> str:
 
 def has_complete_checkpoint(run_dir: Path) -> bool:
     """A checkpoint the ranks can resume from (its COMPLETE marker is written last)."""
-    return any((run_dir / "checkpoints").glob("step-*/COMPLETE"))
+    return latest_complete_step(run_dir) is not None
+
+
+def latest_complete_step(run_dir: Path) -> int | None:
+    """The step of the run directory's last complete checkpoint (`step-00000040/COMPLETE`,
+    trainer/checkpoint.py), or None."""
+    steps = [int(marker.parent.name[len("step-"):])
+             for marker in (run_dir / "checkpoints").glob("step-*/COMPLETE")
+             if marker.parent.name[len("step-"):].isdigit()]
+    return max(steps, default=None)
 
 
 def _check_resumable(run_dir: Path, spec: CephaloJobSpec, what: str) -> None:
@@ -136,7 +145,7 @@ def check_inputs(spec: CephaloJobSpec, options: RunOptions) -> None:
     token = spec.data.token_file
     if token is not None and "://" in token.path:  # object storage: the ranks download it
         check_remote_file(token.path, "data.tokenFile.path")
-    elif token is not None and token.claim_name is None and not options.plan_path:
+    elif token is not None and token.claim_name is None:
         path = Path(token.path)
         if not path.is_file():
             what = "is a folder" if path.is_dir() else "does not exist"

@@ -33,8 +33,11 @@ class Emulation:
 
     def describe(self, product: str) -> str:
         gpu = lookup_gpu(product)
-        return (f"emulated {product}: compute x{self.dilation[product]:.2f} slower than this "
-                f"CPU, memory {gpu.memory_bytes / 2**30:.0f} GiB -> "
+        d = self.dilation[product]
+        speed = "at this CPU's speed (the fastest emulated GPU)" if d == 1.0 else \
+            f"{d:.2f}x slower than this CPU"
+        return (f"emulated {product}: compute {speed}, memory "
+                f"{gpu.memory_bytes / 2**30:.0f} GiB -> "
                 f"{self.capacity_bytes[product] / 2**20:.1f} MiB")
 
 
@@ -112,7 +115,17 @@ def given_plan_emulation(plan: Plan, products: list[str], precision: str, source
     recorded it (`memory_capacity_bytes`, the capacity it was planned against), or catalog
     memory x `memory_scale` when given. Without either there is nothing to cap the rank's
     memory at: an error, not a silently uncapped rank. `products`: each rank's emulated GPU
-    (the plan's ranks run on the devices in order, `check_plan`)."""
+    (the plan's ranks run on the devices in order, `check_plan`).
+
+    A plan timed from the catalog's estimates of the real GPUs (`cephalo plan` without
+    profiles) is refused: its step times and memory are a real card's, which CPU ranks do not
+    emulate (its prediction would be off by orders of magnitude, its cap a real card's)."""
+    for r, product in zip(plan.ranks, products, strict=True):
+        if r.estimated:
+            raise ValueError(
+                f"{source}: rank {r.rank}'s times are catalog estimates for a real {product}, "
+                f"not for a CPU rank emulating one; drop --plan to profile and plan here, or "
+                f"plan with `cephalo plan --profiles RUN_DIR/profiles` from an emulated run")
     if memory_scale is not None:
         capacity = _scaled_capacity(products, memory_scale)
     else:

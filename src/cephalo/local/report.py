@@ -3,13 +3,14 @@ throughput, per-rank time breakdown) and PNG plots in the run directory."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from cephalo.api.plan import Plan
 
@@ -119,34 +120,73 @@ def format_summary(summary: Summary, plan: Plan, labels: list[str]) -> str:
     return "\n".join(lines)
 
 
-def write_plots(records: Sequence[dict], summary: Summary, labels: list[str],
-                run_dir: Path) -> list[Path]:
-    """loss.png and time_breakdown.png; nothing (and no error) without matplotlib."""
+def read_history(metrics_file: Path) -> list[dict]:
+    """Every step the run has logged, over all its segments (a resumed run appends)."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+        lines = metrics_file.read_text(encoding="utf-8").splitlines()
+    except OSError:
         return []
-    written = []
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def loss_figure(history: Sequence[dict]) -> Any:
+    """The loss over the run's whole history (steps as whole numbers on the axis)."""
+    from matplotlib.ticker import MaxNLocator
+
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".",
+    ax.plot([r["step"] for r in history], [r["loss"] for r in history], marker=".",
             label="training (mean over the global batch)")
-    points = validation_points(records)
+    points = validation_points(history)
     if points:
         ax.plot([s for s, _ in points], [v for _, v in points], marker="o", linestyle="--",
                 color="#dd8452", label="validation (held-out set)")
         ax.legend(fontsize="small")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title("Loss")
     ax.grid(alpha=0.3)
     fig.tight_layout()
+    return fig
+
+
+def write_plots(history: Sequence[dict], summary: Summary, labels: list[str],
+                run_dir: Path, predicted_step_seconds: float | None = None) -> list[Path]:
+    """loss.png (the run's whole `history`) and time_breakdown.png (this segment's
+    `summary`); nothing (and no error) without matplotlib."""
+    try:
+        plt = _pyplot()
+    except ImportError:
+        return []
+    written = []
+    fig = loss_figure(history)
     fig.savefig(run_dir / "loss.png", dpi=100)
     plt.close(fig)
     written.append(run_dir / "loss.png")
-    fig, ax = plt.subplots(figsize=(7, 0.6 * len(labels) + 1.5))
+    fig = breakdown_figure(summary, labels, predicted_step_seconds)
+    fig.savefig(run_dir / "time_breakdown.png", dpi=100)
+    plt.close(fig)
+    written.append(run_dir / "time_breakdown.png")
+    return written
+
+
+def breakdown_figure(summary: Summary, labels: list[str],
+                     predicted_step_seconds: float | None = None) -> Any:
+    """Each rank's median step split into compute / waiting / idle, with the plan's
+    predicted step as a line; the legend in one row under the axis (constrained layout: the
+    image holds no empty band, as the legend placed below by hand left a third of it)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 0.5 * len(labels) + 1.6), layout="constrained")
     ys = list(range(len(labels)))
     left = [0.0] * len(labels)
     for name, values, color in (("compute", summary.rank_compute_seconds, "#4c72b0"),
@@ -154,13 +194,13 @@ def write_plots(records: Sequence[dict], summary: Summary, labels: list[str],
                                 ("idle", summary.rank_idle_seconds, "#cccccc")):
         ax.barh(ys, values, left=left, label=name, color=color)
         left = [a + b for a, b in zip(left, values, strict=True)]
+    if predicted_step_seconds:
+        ax.axvline(predicted_step_seconds, color="black", linestyle="--", linewidth=1,
+                   label=f"predicted step {predicted_step_seconds:.3f} s")
     ax.set_yticks(ys, [f"rank {i}: {label}" for i, label in enumerate(labels)])
-    ax.invert_yaxis()
+    ax.set_ylim(len(labels) - 0.5, -0.5)  # rank 0 on top
     ax.set_xlabel("seconds per step (median)")
+    ax.set_xlim(0, max([*left, predicted_step_seconds or 0.0]) * 1.05 or 1.0)
     ax.set_title("Where each rank's step time goes")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, fontsize="small")
-    fig.tight_layout()
-    fig.savefig(run_dir / "time_breakdown.png", dpi=100)
-    plt.close(fig)
-    written.append(run_dir / "time_breakdown.png")
-    return written
+    fig.legend(loc="outside lower center", ncol=4, fontsize="small", frameon=False)
+    return fig

@@ -12,11 +12,13 @@ import sys
 from pathlib import Path
 
 import yaml
+from pydantic.alias_generators import to_camel
 
 from cephalo.api.cluster import ClusterSpec, GpuGroup
-from cephalo.api.job import CephaloJob, load_job
+from cephalo.api.job import CephaloJob, CephaloJobSpec, TrainingSpec, load_job
 from cephalo.api.plan import Plan, PlanError, load_plan
 from cephalo.api.profile import GpuProfile
+from cephalo.api.schedule import learning_rate
 from cephalo.api.trainer_env import TrainerVars, to_environ
 from cephalo.local.checks import (
     RunError,
@@ -25,6 +27,7 @@ from cephalo.local.checks import (
     check_memory_scale,
     check_plan,
     choose_run_dir,
+    latest_complete_step,
     make_run_dir,
     remove_created,
 )
@@ -36,9 +39,15 @@ from cephalo.local.emulate import (
     plan_emulation,
 )
 from cephalo.local.ranks import RankEnv, launch
-from cephalo.local.report import Progress, format_summary, summarize, write_plots
+from cephalo.local.report import (
+    Progress,
+    format_summary,
+    read_history,
+    summarize,
+    write_plots,
+)
 from cephalo.planner import solve
-from cephalo.planner.report import format_plan
+from cephalo.planner.report import format_plan, model_title
 
 # Collectives between local processes: gloo over loopback, or NCCL over PCIe.
 LOOPBACK_BANDWIDTH_BYTES_PER_SECOND = 2e9
@@ -110,7 +119,7 @@ def write_job(job: CephaloJob, options: RunOptions, run_dir: Path) -> Path:
 
 
 def profile_devices(devices: list[LocalDevice], job_file: Path, run_dir: Path,
-                    threads: int) -> dict[str, GpuProfile]:
+                    threads: int, out=print) -> dict[str, GpuProfile]:
     """One profile per distinct real device type (cached between runs by the profiler)."""
     profiles: dict[str, GpuProfile] = {}
     folder = run_dir / "profiles"
@@ -144,6 +153,9 @@ def profile_devices(devices: list[LocalDevice], job_file: Path, run_dir: Path,
             raise RunError(f"profiling {device.label} failed: "
                            f"{(done.stderr or done.stdout).strip().splitlines()[-1:]}")
         profiles[kind] = GpuProfile.model_validate_json(output.read_text())
+        said = [line for line in done.stderr.splitlines() if line.startswith("profile: wrote")]
+        if said:  # what was measured, what came from the cache, and how long it took
+            out("  " + said[-1].replace(f"profile: wrote {output}", f"profiled {kind}", 1))
     measured = [p.collectives for p in profiles.values() if p.collectives is not None]
     if measured:  # the run's collectives hold for every device type in it
         profiles = {k: p.model_copy(update={"collectives": measured[0]})
@@ -179,6 +191,55 @@ def plan_devices(plan: Plan, devices: list[LocalDevice]) -> list[LocalDevice]:
     chosen = [devices[r.gpu_index] for r in plan.ranks if r.gpu_index is not None]
     assert len(chosen) == plan.world_size, "a plan with idle devices names each rank's device"
     return chosen
+
+
+def resume_command(options: RunOptions, run_dir: Path) -> str:
+    """The command that continues this run: the same job, devices, plan and step override."""
+    given = [("--devices", options.devices), ("--emulate", options.emulate),
+             ("--emulate-memory-scale", options.memory_scale), ("--plan", options.plan_path),
+             ("--steps", options.steps)]
+    extra = "".join(f" {flag} {value}" for flag, value in given if value is not None)
+    return f"cephalo run {options.job_path}{extra} --resume --run-dir {run_dir}"
+
+
+def interrupted_hint(options: RunOptions, spec: CephaloJobSpec, run_dir: Path) -> str:
+    """After Ctrl-C: `--resume` only where there is something to resume, naming its step."""
+    if spec.checkpoint.ephemeral:
+        return ("Interrupted: all ranks stopped. The job keeps no checkpoints "
+                "(checkpoint.ephemeral: true): run it again to start over.")
+    if spec.checkpoint.uri:  # object storage: the ranks' checkpoints are not listed here
+        return (f"Interrupted: all ranks stopped. Continue from the last complete checkpoint "
+                f"under {spec.checkpoint.uri} with: {resume_command(options, run_dir)}")
+    step = latest_complete_step(run_dir)
+    if step is None:
+        return ("Interrupted: all ranks stopped before any checkpoint was complete "
+                f"(checkpoint.intervalSteps: {spec.checkpoint.interval_steps}), so there is "
+                f"nothing to resume: run it again to start at step 0.")
+    return (f"Interrupted: all ranks stopped; the last complete checkpoint is step {step}. "
+            f"Continue from it with: {resume_command(options, run_dir)}")
+
+
+SCHEDULE_FIELDS = ("steps", "learning_rate", "schedule", "warmup_steps", "min_learning_rate_ratio")
+
+
+def schedule_change(run_dir: Path, training: TrainingSpec, steps: int | None) -> str | None:
+    """On --resume: what a changed training section (say `--steps 60` after a 200-step run)
+    does to the learning-rate schedule at the step the run continues from, or None."""
+    step = latest_complete_step(run_dir)
+    try:
+        before = load_job(str(run_dir / "job.yaml")).spec.training
+    except (OSError, ValueError):
+        return None  # the run's own job.yaml is gone: nothing to compare with
+    after = training if steps is None else training.model_copy(update={"steps": steps})
+    changed = [(f, getattr(before, f), getattr(after, f)) for f in SCHEDULE_FIELDS
+               if getattr(before, f) != getattr(after, f)]
+    if step is None or not changed:
+        return None
+    what = ", ".join(f"training.{to_camel(f)} {new} (the run had {old})"
+                     for f, old, new in changed)
+    return (f"Resuming after step {step} with {what}: the learning-rate schedule now ends at "
+            f"step {after.steps}; lr at step {step + 1} {learning_rate(before, step):.2e} -> "
+            f"{learning_rate(after, step):.2e}")
 
 
 def run_job(options: RunOptions, out=print) -> int:
@@ -218,6 +279,10 @@ def run_job(options: RunOptions, out=print) -> int:
             except ValueError as err:
                 raise RunError(str(err)) from None
     run_dir = choose_run_dir(job, options)
+    if options.resume:
+        note = schedule_change(run_dir, job.spec.training, options.steps)
+        if note:
+            out(note)
     created = make_run_dir(run_dir)
     run_dir = run_dir.resolve()
     try:
@@ -238,8 +303,10 @@ def _run_in(run_dir: Path, job: CephaloJob, options: RunOptions, devices: list[L
             for product in sorted(emulation.dilation):
                 out(f"  EMULATION: {emulation.describe(product)}")
     else:
-        out(f"Profiling {len({d.product for d in devices})} device type(s) …")
-        measured = profile_devices(devices, job_file, run_dir, threads)
+        kinds = sorted({"cpu" if d.kind == "cpu" else d.product for d in devices})
+        out(f"Profiling {', '.join(kinds)} (compute profiles are cached between runs; the "
+            f"collectives are measured every run) …")
+        measured = profile_devices(devices, job_file, run_dir, threads, out)
         profiles = dict(measured)
         if any(d.emulated for d in devices):
             model = spec.model.resolve()
@@ -263,12 +330,17 @@ def _run_in(run_dir: Path, job: CephaloJob, options: RunOptions, devices: list[L
             raise RunError(f"planning failed: {err}") from None
     plan_file = run_dir / "plan.json"
     plan_file.write_text(plan.to_json())
-    title = spec.model.preset or spec.model.family or "model"
+    title = model_title(spec.model)
     if emulation:
         title += " (EMULATED GPUs on this CPU)"
     out(format_plan(plan, title))
     out(f"\nRun directory: {run_dir}")
     devices = plan_devices(plan, devices)
+    cpu_ranks, cores = sum(d.kind == "cpu" for d in devices), os.cpu_count() or 1
+    if cpu_ranks > cores:  # the profile measured one rank per core; the ranks will not get it
+        out(f"note: {cpu_ranks} CPU ranks on {cores} cores: ranks share cores, and each "
+            "collective waits for ranks the OS has not scheduled (expect slower steps than "
+            f"predicted); --devices cpu:{cores} gives each its own")
     ranks = [RankEnv(d,
                      emulation.dilation[d.product] if emulation and d.emulated else 1.0,
                      emulation.capacity_bytes[d.product] if emulation and d.emulated else None)
@@ -278,8 +350,7 @@ def _run_in(run_dir: Path, job: CephaloJob, options: RunOptions, devices: list[L
                     options.stop_after_step)
     labels = [d.label for d in devices]
     if result.returncode == 130:
-        out(f"\nInterrupted: all ranks stopped. Continue with: cephalo run {options.job_path} "
-            f"--resume --run-dir {run_dir}")
+        out("\n" + interrupted_hint(options, spec, run_dir))
         return 130
     if result.returncode != 0:
         out(f"\nrank {result.failed_rank} ({labels[result.failed_rank or 0]}) failed with "
@@ -291,7 +362,8 @@ def _run_in(run_dir: Path, job: CephaloJob, options: RunOptions, devices: list[L
         out("\nNo steps were run (the job was already complete?).")
         return 0
     out(format_summary(summary, plan, labels))
-    plots = write_plots(result.records, summary, labels, run_dir)
+    plots = write_plots(read_history(run_dir / "metrics.jsonl") or result.records, summary,
+                        labels, run_dir, plan.predicted_step_seconds)
     if plots:
         out("  plots       " + ", ".join(str(p) for p in plots))
     if result.checkpoint_dir:

@@ -3,7 +3,10 @@ baselines side by side (`cephalo plan` prints it; `cephalo run` shows it before 
 
 from __future__ import annotations
 
+import re
+
 from cephalo.api import Plan
+from cephalo.api.job import ModelSpec
 from cephalo.api.plan import SHARD_RATIO_TOLERANCE
 from cephalo.planner.offload import boundary_activations_line, plan_fused_tail_blocks
 
@@ -14,21 +17,19 @@ def format_plan(plan: Plan, model_name: str) -> str:
     """The human-readable table: one row per rank, totals, baselines side by side."""
     fraction = plan.memory_fraction if plan.memory_fraction is not None else 0.8
     lines = [f"Plan for {model_name}: global batch {plan.global_batch_size} on "
-             f"{plan.world_size} GPUs (memory fraction {fraction:.0%})",
-             ""]
+             f"{plural(plan.world_size, 'GPU')} (memory fraction {fraction:.0%})",
+             *assumptions_lines(plan), ""]
     header = f"{'rank':>4}  {'GPU':<10} {'batch':>5}  {'micro x n':>9}  {'shard':>6}  " \
-             f"{'memory used / cap':>19}  {'step s':>8}"
+             f"{'memory used / cap':>21}  {'step s':>8}"
     lines += [header, "-" * len(header)]
-    smallest = min((r.memory_capacity_bytes or GIB) for r in plan.ranks)
-    unit, scale = ("GiB", GIB) if smallest >= GIB else ("MiB", 1024**2)
     for r in plan.ranks:
         est = "*" if r.estimated else " "
-        mem = (f"{(r.predicted_memory_bytes or 0) / scale:7.1f} / "
-               f"{(r.memory_capacity_bytes or 0) / scale:5.1f} {unit}")
+        mem = (f"{memory_size(r.predicted_memory_bytes or 0, 5)} / "
+               f"{memory_size(r.memory_capacity_bytes or 0, 5)}")
         micro = f"{r.micro_batch_size}x{r.num_micro_batches}" if r.batch_size else "state"
         seconds = r.predicted_step_seconds or 0.0
         lines.append(f"{r.rank:>4}  {r.gpu:<10} {r.batch_size:>5}  {micro:>9}  "
-                     f"{r.shard_ratio:>6.1%}  {mem:>19}  {seconds:>8.3f}{est}")
+                     f"{r.shard_ratio:>6.1%}  {mem:>21}  {seconds:>8.3f}{est}")
     lines.append("-" * len(header))
     if plan.predicted_step_seconds and plan.predicted_samples_per_second:
         lines.append(f"predicted step {plan.predicted_step_seconds:.3f} s, "
@@ -46,13 +47,84 @@ def format_plan(plan: Plan, model_name: str) -> str:
                      "above the cost model's optimum (proven bound)")
     lines += cost_lines(plan)
     lines += baseline_lines(plan)
-    notes = list(plan.notes)
+    notes = grouped_notes(plan.notes)
     if any(r.estimated for r in plan.ranks):
         notes = [*notes, "* = estimated from the GPU catalog; measure with "
                          "`python -m cephalo.trainer.profile` and pass --profiles"]
     if notes:
         lines += ["", *(f"note: {n}" for n in notes)]
     return "\n".join(lines)
+
+
+def assumptions_lines(plan: Plan) -> list[str]:
+    """What the plan took as given and a preview must match to mean anything: the network
+    (a job's planner.networkBandwidthGbps, `--bandwidth-gbps`, or measured collectives) and
+    the bytes of state per parameter. None for a plan without them (written by hand)."""
+    given = plan.assumptions
+    bandwidth = given.get("network_bandwidth_bytes_per_second")
+    if not isinstance(bandwidth, int | float):
+        return []
+    parts = [f"network {bandwidth * 8 / 1e9:.3g} Gbit/s per GPU for collectives"]
+    latency = given.get("network_latency_seconds")
+    if isinstance(latency, int | float):
+        parts.append(f"latency {latency * 1e6:.3g} us")
+    state = given.get("state_bytes_per_parameter")
+    if isinstance(state, int | float):
+        parts.append(f"{state:g} bytes of training state per parameter")
+    return ["assumes: " + ", ".join(parts)]
+
+
+def plural(count: int, noun: str) -> str:
+    """`1 GPU`, `2 GPUs`."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def model_title(model: ModelSpec) -> str:
+    """What the job calls its model: the preset, a pretrained model's folder name (with its
+    family when given), or the family of a custom architecture."""
+    if model.pretrained:
+        name = model.pretrained.rstrip("/").rsplit("/", 1)[-1] or model.pretrained
+        return f"{name} (pretrained {model.family})" if model.family else \
+            f"{name} (pretrained)"
+    return model.preset or model.family or "model"
+
+
+_RANK_NOTE = re.compile(r"rank (\d+) \(([^)]+)\) (.+)")
+
+
+def grouped_notes(notes: list[str]) -> list[str]:
+    """The plan's notes, one line for consecutive ranks of one GPU that share a note ('rank
+    32 (V100-16GB) offloads ...' eight times for vit-e on Cluster B)."""
+    out: list[str] = []
+    run: list[tuple[int, str, str]] = []  # (rank, gpu, rest) of the note being grouped
+
+    def flush() -> None:
+        if len(run) == 1:
+            out.append(f"rank {run[0][0]} ({run[0][1]}) {run[0][2]}")
+        elif run:
+            out.append(f"ranks {run[0][0]}-{run[-1][0]} ({len(run)} x {run[0][1]}): each "
+                       f"{run[0][2]}")
+        run.clear()
+
+    for note in notes:
+        match = _RANK_NOTE.fullmatch(note)
+        if match is None:
+            flush()
+            out.append(note)
+            continue
+        rank, gpu, rest = int(match.group(1)), match.group(2), match.group(3)
+        if run and (rank != run[-1][0] + 1 or gpu != run[-1][1] or rest != run[-1][2]):
+            flush()
+        run.append((rank, gpu, rest))
+    flush()
+    return out
+
+
+def memory_size(num_bytes: float, width: int = 0) -> str:
+    """`40.0 MiB` below a GiB, else `22.5 GiB`: each figure in a unit that shows it (CPU
+    ranks' 40 MiB read `0.0 / 2.9 GiB` with one unit for the table)."""
+    unit, scale = ("GiB", GIB) if num_bytes >= GIB else ("MiB", 1024**2)
+    return f"{num_bytes / scale:{width}.1f} {unit}"
 
 
 def activations_line(plan: Plan) -> str:
