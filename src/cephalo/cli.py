@@ -19,6 +19,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                            "or a Hugging Face checkpoint (--format hf)"),
     "tokenize": ("cephalo.commands.tokenize",
                  "turn text (txt, jsonl, parquet, arrow) into a token file for data.tokenFile"),
+    # On a cluster (kubeconfig): a thin layer over cephalo.client.
+    "submit": ("cephalo.commands.submit",
+               "validate and create a CephaloJob on the cluster; --watch follows it"),
+    "status": ("cephalo.commands.status", "jobs on the cluster as a table, or one job in full"),
+    "watch": ("cephalo.commands.watch",
+              "follow a job: progress, ETA, phase changes; exit 0 Succeeded, 1 Failed"),
+    "logs": ("cephalo.commands.logs", "a job's rank (and profiler) logs, prefixed by rank"),
+    "suspend": ("cephalo.commands.lifecycle", "suspend a job (its pods go, checkpoints stay)"),
+    "resume": ("cephalo.commands.lifecycle", "resume a suspended job from its checkpoint"),
+    "delete": ("cephalo.commands.lifecycle", "delete a job and everything it made"),
 }
 
 

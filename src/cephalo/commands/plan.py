@@ -14,11 +14,12 @@ from cephalo.api.cluster import MAX_GPUS_PER_GROUP
 from cephalo.api.job import CephaloJobSpec, format_validation_error
 from cephalo.api.safeyaml import YamlError, read_text_file
 from cephalo.cli import UserError
+from cephalo.commands.plan_cluster import add_cluster_plan_arguments
 from cephalo.planner.report import format_plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gpus", required=True, metavar="LIST",
+    parser.add_argument("--gpus", metavar="LIST",
                         help="GPUs as COUNTxNAME, comma-separated: 2xL4,1xRTX-A6000,3xP40 "
                              "(catalog names or GPU Feature Discovery labels)")
     src = parser.add_mutually_exclusive_group(required=True)
@@ -36,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder of measured GpuProfile JSON files (else catalog estimates)")
     parser.add_argument("--json", action="store_true",
                         help="print the Plan JSON and nothing else on stdout")
+    add_cluster_plan_arguments(parser)  # --cluster: the operator's plan on the live cluster
 
 
 def parse_gpus(text: str) -> ClusterSpec:
@@ -124,6 +126,12 @@ def _spec(args: argparse.Namespace) -> CephaloJobSpec:
 def run(args: argparse.Namespace) -> int:
     from cephalo.planner import solve
 
+    if args.cluster:
+        from cephalo.commands import plan_cluster
+        return plan_cluster.run(args)
+    if not args.gpus:
+        raise UserError("give --gpus LIST (e.g. --gpus 2xL4,1xRTX-A6000), or --cluster --job "
+                        "JOB.yaml for the plan on the cluster's free GPUs")
     spec = _spec(args)
     profiles = load_profiles(args.profiles) if args.profiles else {}
     cluster = match_profiles(parse_gpus(args.gpus), profiles)
