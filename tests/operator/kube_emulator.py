@@ -390,7 +390,9 @@ class ApiEmulator(FaultVerbs, WriteVerbs, LogVerbs, kmock.KubernetesEmulator):
                        for (g, p, _, _), o in self._store.items() if (g, p) == (group, plural)]
         else:
             oldest = self._log[0][0] if self._log else self._rv
-            if int(since) < oldest - 1 and len(self._log) >= _LOG_RETENTION:
+            expired = self.faults.expire_watches > 0
+            self.faults.expire_watches -= expired
+            if expired or (int(since) < oldest - 1 and len(self._log) >= _LOG_RETENTION):
                 yield b""
                 yield {"type": "ERROR", "object": {"kind": "Status", "code": 410,
                                                    "reason": "Expired", "status": "Failure",

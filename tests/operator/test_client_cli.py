@@ -244,3 +244,37 @@ async def test_bad_input_and_bad_clusters_are_one_line_each(
         "equal to 1")
     assert len([c for c in emulator.calls if c.verb == "create"]) == posts  # nothing sent
     assert NS == "default"
+
+
+async def test_watch_survives_dropped_streams_and_410_then_suspend_resume_delete(
+        emulator: ApiEmulator, tmp_path: Path) -> None:
+    """No operator: the test writes the job's status, as the operator would."""
+    emulator.faults.watch_drop_seconds = 0.3  # every watch stream ends after 0.3 s
+    await apply_job(emulator, job_body("w"))
+    client = await asyncio.to_thread(CephaloClient, kubeconfig=str(emulator.kubeconfig))
+    watching = asyncio.create_task(asyncio.to_thread(
+        lambda: [(j.phase, j.status.progress.step if j.status.progress else None)
+                 for j in client.watch("w", timeout_seconds=60)]))
+    path = "/apis/cephalo.dev/v1alpha1/namespaces/default/cephalojobs/w/status"
+    watches = lambda: len([c for c in emulator.calls if c.verb == "watch"])  # noqa: E731
+    for step in (1, 2, 3):
+        seen = watches()
+        await wait_for("the watch resumed", lambda n=seen: watches() > n)  # type: ignore[misc]
+        if step == 2:
+            emulator.faults.expire_watches = 1  # the next resume gets 410 Gone
+        await call(emulator, "PATCH", path, {"status": {"phase": "Running",
+                                                        "progress": {"step": step}}})
+    await call(emulator, "PATCH", path, {"status": {"phase": "Succeeded"}})
+    seen_updates = await asyncio.wait_for(watching, 60)
+    assert ("Running", 3) in seen_updates and seen_updates[-1][0] == "Succeeded", seen_updates
+    assert [s for p, s in seen_updates if p == "Running" and s] == [1, 2, 3]  # once, in order
+    assert emulator.faults.expire_watches == 0  # the 410 was served (and survived)
+    for command, suspended in (("suspend", True), ("resume", False)):
+        rc, out, err = await cephalo(emulator.kubeconfig, command, "w")
+        assert rc == 0 and out.startswith(f"cephalojob default/w {command.rstrip('e')}ed"), err
+        job = await asyncio.to_thread(client.get, "w")
+        assert job.spec is not None and job.spec.suspend is suspended
+    rc, out, err = await cephalo(emulator.kubeconfig, "delete", "w")
+    assert rc == 0 and out == "cephalojob default/w deleted\n", err
+    rc, _, err = await cephalo(emulator.kubeconfig, "delete", "w")
+    assert one_line_error(rc, err).startswith("cephalo delete: error: no CephaloJob 'w'")
