@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from cephalo.errors import CephaloError
@@ -76,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"cephalo {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `cephalo status | head`: the reader left, nothing to report
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (Python flushes stdout at exit)
+        return 141
 
 
 if __name__ == "__main__":

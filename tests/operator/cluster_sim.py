@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import math
+import signal
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -218,8 +219,11 @@ async def serve(kubeconfig: Path) -> None:
         operator = OperatorProcess(kubeconfig, log, **operator_env(sim)).start()
         print(f"emulated cluster ready: KUBECONFIG={kubeconfig} (operator log {log})",
               flush=True)
+        stop = asyncio.Event()
+        for signum in (signal.SIGINT, signal.SIGTERM):  # stop the operator with us
+            asyncio.get_running_loop().add_signal_handler(signum, stop.set)
         try:
-            await asyncio.Event().wait()
+            await stop.wait()
         finally:
             await operator.stop()
             await sim.stop()
