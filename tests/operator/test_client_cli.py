@@ -102,6 +102,7 @@ async def cluster(emulator: ApiEmulator, start_operator) -> AsyncIterator[Traini
 
 
 def one_line_error(rc: int, err: str, code: int = 2) -> str:
+    print(f"exit {rc}: {err.strip()}")  # shown with -s (the README's and report's lines)
     assert rc == code, err
     assert "Traceback" not in err and err.strip() and "\n" not in err.strip(), err
     return err.strip()
