@@ -179,8 +179,12 @@ async def test_plan_on_cluster_equals_the_operators_plan(
     await set_pod(emulator, "other", "foreign", "Running")
     await call(emulator, "PATCH", "/api/v1/nodes/b-p100", {"spec": {"taints": [
         {"key": "team", "value": "ml", "effect": "NoSchedule"}]}})
-    await apply_job(emulator, job_body("holder", **{**TINY, "training": {"steps": 10**6},
-                                                   "gpuPools": [{"product": "RTX-A6000"}]}))
+    holder = job_file(tmp_path, "holder", training={"steps": 10**6},
+                      gpuPools=[{"product": "RTX-A6000"}])
+    rc, out, err = await cephalo(emulator.kubeconfig, "submit", str(holder))  # until planned
+    assert rc == 0 and "\n   0  RTX-A6000 " in out, out + err
+    assert out.splitlines()[-1] == ("follow it: cephalo watch holder -n default; logs: cephalo "
+                                    "logs holder -n default -f"), out
     await wait_phase(emulator, "holder", "Running", timeout=60)
     target = job_file(tmp_path, "target", gpuPools=None, checkpoint={"claimName": "ckpt"},
                       planner={"chooseGpus": False, "profileMicroBatchSizes": [1, 2, 4, 8]},
@@ -212,6 +216,11 @@ async def test_bad_input_and_bad_clusters_are_one_line_each(
     assert one_line_error(rc, err) == (
         "cephalo status: error: no kubeconfig: ~/.kube/config does not exist; point "
         "KUBECONFIG (or --kubeconfig) at your cluster's kubeconfig")
+    garbage = tmp_path / "garbage"
+    garbage.write_text("clusters: [\n")
+    rc, _, err = await cephalo(garbage, "status", env=home)
+    assert one_line_error(rc, err).startswith(f"cephalo status: error: kubeconfig {garbage} is "
+                                              "not a kubeconfig: "), err
     dead = write_kubeconfig(tmp_path / "dead", f"http://127.0.0.1:{free_port()}")
     rc, _, err = await cephalo(dead, "status", env=home)
     assert "cannot reach the Kubernetes API server (context 'emulator', server http://127.0.0.1:" \

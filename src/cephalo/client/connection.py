@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import kubernetes
 import urllib3
+import yaml
 
 from cephalo.api import API_GROUP, API_VERSION, PLURAL
 from cephalo.client.errors import (
@@ -90,8 +91,9 @@ def connect(kubeconfig: str | None = None, context: str | None = None,
                               "your cluster's kubeconfig")
     try:
         contexts, active = kubernetes.config.list_kube_config_contexts(config_file=path)
-    except (kubernetes.config.ConfigException, OSError, ValueError) as err:
-        raise KubeconfigError(f"kubeconfig {path}: {err}") from None
+    except (kubernetes.config.ConfigException, OSError, ValueError, yaml.YAMLError,
+            AttributeError, TypeError, KeyError) as err:  # malformed YAML or structure
+        raise KubeconfigError(f"kubeconfig {path} is not a kubeconfig: {err}") from None
     names = [c["name"] for c in contexts or []]
     chosen = next((c for c in contexts or [] if c["name"] == context), None) if context \
         else active
@@ -104,7 +106,8 @@ def connect(kubeconfig: str | None = None, context: str | None = None,
     try:
         kubernetes.config.load_kube_config(config_file=path, context=chosen["name"],
                                            client_configuration=cfg, persist_config=False)
-    except (kubernetes.config.ConfigException, OSError, ValueError) as err:
+    except (kubernetes.config.ConfigException, OSError, ValueError, yaml.YAMLError,
+            AttributeError, TypeError, KeyError) as err:
         raise KubeconfigError(f"kubeconfig {path}, context {chosen['name']!r}: {err}") from None
     ns = namespace or (chosen.get("context") or {}).get("namespace") or "default"
     return _client(cfg), Target(chosen["name"], cfg.host, ns, path)

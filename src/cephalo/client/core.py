@@ -14,7 +14,9 @@ API's own types (`Job` carries a `CephaloJobSpec` and a `CephaloJobStatus`), and
 from __future__ import annotations
 
 import builtins
+import collections
 import dataclasses
+import itertools
 import json
 import time
 from collections.abc import Iterator
@@ -33,9 +35,17 @@ from cephalo.api import (
     parse_job,
 )
 from cephalo.api.plan import PlanError, parse_plan
+from cephalo.api.safeyaml import load_yaml_file
 from cephalo.client.cluster_plan import ClusterPlan, plan_on_cluster
 from cephalo.client.connection import RESOURCE, Session, Target, connect
-from cephalo.client.errors import ApiRefused, Forbidden, JobFailed, JobNotFound, WaitTimeout
+from cephalo.client.errors import (
+    ApiRefused,
+    Forbidden,
+    JobFailed,
+    JobNotFound,
+    Unreachable,
+    WaitTimeout,
+)
 from cephalo.client.jobs import Job, job_from
 from cephalo.client.logs import JobLogs, LogLine
 from cephalo.operator.kube import core_path, job_path
@@ -44,6 +54,7 @@ from cephalo.operator.render import check_job_name
 # A watch asks the server to end the stream after this long (then resumes from where it
 # was): a proxy that silently drops idle connections cannot hang a watch for longer.
 WATCH_SERVER_TIMEOUT_SECONDS = 60
+RECONNECT_ATTEMPTS = 5  # a watch whose server stays unreachable this many times in a row fails
 JOBS_PATH = f"/apis/{API_GROUP}/{API_VERSION}"
 
 
@@ -79,7 +90,7 @@ class CephaloClient:
                              f"--namespace {namespace!r} was given: drop one of them")
         body = {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
                 "metadata": {**_user_metadata(parsed), "namespace": ns},
-                "spec": parsed.spec.to_wire()}
+                "spec": _spec_as_written(job, parsed)}
         self.session.check_crd()
         try:
             created = self.session.call("create", RESOURCE, ns, self.session.kube.request,
@@ -160,6 +171,7 @@ class CephaloClient:
         resourceVersion) and 410 Gone (reads the job again)."""
         ns = self._ns(namespace)
         deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
+        failures = 0
         job = self.get(name, namespace=ns)
         yield job
         query = {"watch": "true", "fieldSelector": f"metadata.name={name}",
@@ -170,10 +182,25 @@ class CephaloClient:
                 return
             server_timeout = int(min(WATCH_SERVER_TIMEOUT_SECONDS, max(1.0, left or 1e9)))
             gone = False
-            for line in self.session.stream(
+            try:
+                lines = self.session.stream(
                     job_path(ns), {**query, "resourceVersion": job.resource_version,
                                    "timeoutSeconds": str(server_timeout)},
-                    "watch", RESOURCE, ns, read_timeout_seconds=server_timeout + 30):
+                    "watch", RESOURCE, ns, read_timeout_seconds=server_timeout + 30)
+                first = next(lines, None)
+            except ApiRefused as err:
+                if err.status != 410:
+                    raise
+                first, gone = None, True  # answered 410 Gone outright: list again
+            except Unreachable:
+                # An API server restarting, a proxy hiccup: retry a few times, then say so.
+                failures += 1
+                if failures > RECONNECT_ATTEMPTS:
+                    raise
+                time.sleep(min(2.0**failures, 10.0))
+                continue
+            failures = 0
+            for line in ([] if first is None else itertools.chain([first], lines)):
                 event = _event(line)
                 kind, obj = event.get("type"), event.get("object") or {}
                 if kind == "ERROR":
@@ -202,8 +229,8 @@ class CephaloClient:
              timeout_seconds: float | None = None, raise_on_failure: bool = False) -> Job:
         """Block until the job Succeeded or Failed; WaitTimeout after `timeout_seconds`.
         With `raise_on_failure`, a Failed job raises JobFailed with its reason."""
-        updates = list(self.watch(name, namespace=namespace, timeout_seconds=timeout_seconds))
-        last = updates[-1]
+        last = collections.deque(self.watch(name, namespace=namespace,
+                                            timeout_seconds=timeout_seconds), maxlen=1)[0]
         if not last.finished:
             raise WaitTimeout(f"CephaloJob {name!r} is still {last.phase} after "
                               f"{timeout_seconds:g} s")
@@ -290,6 +317,15 @@ def _user_metadata(parsed: CephaloJob) -> dict[str, Any]:
     """name, labels and annotations as written (the Kueue queue label is a label)."""
     meta = parsed.metadata.model_dump(exclude_none=True)
     return {k: v for k, v in meta.items() if k in ("name", "labels", "annotations")}
+
+
+def _spec_as_written(job: str | dict[str, Any] | CephaloJob, parsed: CephaloJob) -> Any:
+    """The spec as the user wrote it (as `kubectl apply` sends it: the CRD's defaults apply
+    on the server), once it validated; a CephaloJob object is sent in full."""
+    if isinstance(job, CephaloJob):
+        return parsed.spec.to_wire()
+    raw = job if isinstance(job, dict) else load_yaml_file(str(job), what="CephaloJob YAML file")
+    return raw["spec"]
 
 
 def _event(line: bytes) -> dict[str, Any]:
