@@ -14,7 +14,8 @@ from cephalo.errors import CephaloError
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("cephalo.commands.run", "run a CephaloJob on this machine (profile, plan, train)"),
-    "plan": ("cephalo.commands.plan", "solve a plan for a model on a set of GPUs"),
+    "plan": ("cephalo.commands.plan", "solve a plan for a model on a set of GPUs (--cluster: "
+                                      "on the cluster's free GPUs, as the operator would)"),
     "crd": ("cephalo.commands.crd", "print the CephaloJob CustomResourceDefinition"),
     "export": ("cephalo.commands.export", "write a checkpoint as a plain PyTorch state_dict "
                                            "or a Hugging Face checkpoint (--format hf)"),

@@ -9,9 +9,10 @@ the trainer for the operator's pods.
 * a rank pod starts (Running), logs what it runs, and while every rank of its job runs, the
   job advances `steps_per_tick` steps a tick; rank 0's `/metrics` (the page the operator
   scrapes, on 127.0.0.1) serves step, loss and samples/s; at the last step every rank
-  succeeds. `fail_at`: {(job, attempt): (rank, step)} fails that rank there (exit code 1),
-  so the operator restarts the gang; the next attempt resumes from the last multiple of
-  `checkpoint_steps`.
+  succeeds, once the operator has scraped that step (a real trainer does not wait: here it
+  keeps the tests' verdicts off the scrape interval). `fail_at`: {(job, attempt): (rank,
+  step)} fails that rank there (exit code 1), so the operator restarts the gang; the next
+  attempt resumes from the last multiple of `checkpoint_steps`.
 
 Run standalone (`python tests/operator/cluster_sim.py --kubeconfig FILE`) it serves until
 interrupted: point KUBECONFIG at FILE and use `cephalo submit … --watch`.
@@ -51,6 +52,7 @@ class JobRun:
     step: int = 0
     attempt: int = -1
     samples_per_second: float = 0.0
+    scraped_step: int = -1  # the step rank 0's /metrics last served to the operator
 
 
 @dataclass
@@ -91,6 +93,7 @@ class TrainingSim:
         run = self.runs.get(self._latest or "")
         if run is None:
             return web.Response(status=503, text="not training yet\n")
+        run.scraped_step = run.step
         loss = 5.5 * math.exp(-run.step / 40) + 1.0
         text = (f'cephalo_step{{rank="0"}} {run.step}\ncephalo_loss{{rank="0"}} {loss:.4f}\n'
                 f'cephalo_samples_per_second{{rank="0"}} {run.samples_per_second:.2f}\n')
@@ -173,6 +176,13 @@ class TrainingSim:
             run.attempt = attempt
             run.step = run.step // self.checkpoint_steps * self.checkpoint_steps
         total = spec.training.steps
+        if run.step >= total:  # done, once the operator has scraped the last step
+            if run.scraped_step >= total:
+                for pod in ranks:
+                    self.api.write_log(ns, pod["metadata"]["name"], "training done; final "
+                                       "checkpoint written")
+                    await set_pod(self.api, ns, pod["metadata"]["name"], "Succeeded")
+            return
         run.step = min(total, run.step + self.steps_per_tick)
         # what the sim really does (global batch x steps a tick / tick), not a GPU's speed
         run.samples_per_second = spec.global_batch_size * self.steps_per_tick / self.tick_seconds
@@ -190,11 +200,6 @@ class TrainingSim:
             await set_pod(self.api, ns, pod["metadata"]["name"], "Failed", exit_code=1,
                           message="RuntimeError: CUDA error: an illegal memory access")
             return
-        if run.step >= total:
-            for pod in ranks:
-                self.api.write_log(ns, pod["metadata"]["name"], "training done; final "
-                                   "checkpoint written")
-                await set_pod(self.api, ns, pod["metadata"]["name"], "Succeeded")
 
 
 async def declare_crd(api: ApiEmulator) -> None:

@@ -120,19 +120,18 @@ async def test_submit_watch_to_succeeded_piped_and_on_a_terminal(
     assert any(line.startswith("rank  GPU") for line in lines), out  # the plan, once decided
     progress = [line for line in lines if line.startswith("Running  step")]
     assert progress and "ETA" in progress[-1] and "samples/s" in progress[-1]
-    # (its last steps may end before the operator's next scrape: no step asserted here)
-    assert lines[-1].startswith("Succeeded: all 1 ranks completed"), out
+    assert progress[-1].startswith("Running  step 20/20 (100%)  loss "), out
+    assert lines[-1].startswith("Succeeded: all 1 ranks completed; step 20, loss "), out
     # On a terminal: one line redrawn in place, with a bar (profiles are cached by now).
     rc, out, err = await cephalo(emulator.kubeconfig, "submit",
                                  str(job_file(tmp_path, "tiny-tty")), "--watch", tty=True)
     assert rc == 0, out + err
-    assert "\r\x1b[2K" in out and "█" in out and "/20 (" in out, out
+    assert "\r\x1b[2K" in out and "█" * 24 + "]  step 20/20 (100%)" in out, out
     assert "Succeeded: all 1 ranks completed" in out.splitlines()[-1]
     rc, out, _ = await cephalo(emulator.kubeconfig, "status")
     table = out.splitlines()
     assert rc == 0 and table[0].split()[:3] == ["NAME", "PHASE", "GPUS"], out
-    assert any(r.split()[:3] == ["tiny", "Succeeded", "1xNVIDIA-L4"]
-               and r.split()[3].endswith("/20") for r in table), out
+    assert any(r.split()[:4] == ["tiny", "Succeeded", "1xNVIDIA-L4", "20/20"] for r in table)
 
 
 async def test_logs_follow_rank_into_the_next_attempt_and_a_failed_job_exits_1(
@@ -268,6 +267,9 @@ async def test_watch_survives_dropped_streams_and_410_then_suspend_resume_delete
     path = "/apis/cephalo.dev/v1alpha1/namespaces/default/cephalojobs/w/status"
     watches = lambda: len([c for c in emulator.calls if c.verb == "watch"])  # noqa: E731
     for step in (1, 2, 3):
+        # After a 410 the client reads the job again: changes made before that read are seen
+        # as one. So each change waits for a watch started after any 410 was served.
+        await wait_for("the 410 served", lambda: emulator.faults.expire_watches == 0)
         seen = watches()
         await wait_for("the watch resumed", lambda n=seen: watches() > n)  # type: ignore[misc]
         if step == 2:

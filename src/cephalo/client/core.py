@@ -121,10 +121,14 @@ class CephaloClient:
         return sorted((job_from(o) for o in items), key=lambda j: (j.namespace, j.name))
 
     def plan(self, job: Job) -> Plan | None:
-        """The job's full plan (its `<job>-plan` ConfigMap), None before it is planned."""
+        """The job's full plan (its `<job>-plan` ConfigMap), None before it is planned (or
+        when RBAC hides ConfigMaps)."""
         name = (job.status.plan.config_map if job.status.plan else None) or f"{job.name}-plan"
-        cm = self.session.call("get", "configmaps", job.namespace, self.session.kube.get,
-                               core_path(job.namespace, "configmaps", name))
+        try:
+            cm = self.session.call("get", "configmaps", job.namespace, self.session.kube.get,
+                                   core_path(job.namespace, "configmaps", name))
+        except Forbidden:  # RBAC shows the job but not its ConfigMaps: status without a plan
+            return None
         try:
             return parse_plan(json.loads(((cm or {}).get("data") or {}).get("plan.json", "")))
         except (PlanError, ValueError):

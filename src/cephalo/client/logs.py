@@ -153,7 +153,7 @@ class JobLogs:
         lines: queue.Queue[LogLine | str] = queue.Queue()
         seen: set[str] = set()
         first_attempt: dict[str, int] = {}
-        running: set[str] = set()
+        running: dict[str, str] = {}  # uid → label of each pod being streamed
 
         def pump(source: LogSource) -> None:
             try:
@@ -169,10 +169,10 @@ class JobLogs:
         finished_seen = False
         while True:
             for source in self.sources():
-                if source.uid in seen:
-                    continue
+                if source.uid in seen or source.label in running.values():
+                    continue  # the earlier attempt's pod first: its lines, then the next's
                 seen.add(source.uid)
-                running.add(source.uid)
+                running[source.uid] = source.label
                 first = first_attempt.setdefault(source.label, source.attempt)
                 if source.attempt > first:
                     yield LogLine(source.label, source.pod, source.attempt,
@@ -189,7 +189,7 @@ class JobLogs:
                 except queue.Empty:
                     break
                 if isinstance(item, str):
-                    running.discard(item)
+                    running.pop(item, None)
                 else:
                     yield item
             # One more look at the pods after the job finished: its last pods' streams.
