@@ -34,7 +34,7 @@ from operator_harness import (  # noqa: F401 (fixtures)
     wait_phase,
 )
 
-from cephalo.client import CephaloClient
+from cephalo.client import CephaloClient, WaitTimeout
 
 pytestmark = pytest.mark.asyncio
 CEPHALO = str(Path(sys.executable).parent / "cephalo")
@@ -281,6 +281,10 @@ async def test_watch_survives_dropped_streams_and_410_then_suspend_resume_delete
     assert ("Running", 3) in seen_updates and seen_updates[-1][0] == "Succeeded", seen_updates
     assert [s for p, s in seen_updates if p == "Running" and s] == [1, 2, 3]  # once, in order
     assert emulator.faults.expire_watches == 0  # the 410 was served (and survived)
+    assert (await asyncio.to_thread(client.wait, "w", timeout_seconds=5)).phase == "Succeeded"
+    await apply_job(emulator, job_body("slow"))  # no operator here: it stays Pending
+    with pytest.raises(WaitTimeout, match=r"CephaloJob 'slow' is still Pending after 0\.5 s"):
+        await asyncio.to_thread(client.wait, "slow", timeout_seconds=0.5)
     for command, suspended in (("suspend", True), ("resume", False)):
         rc, out, err = await cephalo(emulator.kubeconfig, command, "w")
         assert rc == 0 and out.startswith(f"cephalojob default/w {command.rstrip('e')}ed"), err
