@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from cephalo.errors import CephaloError
@@ -13,12 +14,23 @@ from cephalo.errors import CephaloError
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("cephalo.commands.run", "run a CephaloJob on this machine (profile, plan, train)"),
-    "plan": ("cephalo.commands.plan", "solve a plan for a model on a set of GPUs"),
+    "plan": ("cephalo.commands.plan", "solve a plan for a model on a set of GPUs (--cluster: "
+                                      "on the cluster's free GPUs, as the operator would)"),
     "crd": ("cephalo.commands.crd", "print the CephaloJob CustomResourceDefinition"),
     "export": ("cephalo.commands.export", "write a checkpoint as a plain PyTorch state_dict "
                                            "or a Hugging Face checkpoint (--format hf)"),
     "tokenize": ("cephalo.commands.tokenize",
                  "turn text (txt, jsonl, parquet, arrow) into a token file for data.tokenFile"),
+    # On a cluster (kubeconfig): a thin layer over cephalo.client.
+    "submit": ("cephalo.commands.submit",
+               "validate and create a CephaloJob on the cluster; --watch follows it"),
+    "status": ("cephalo.commands.status", "jobs on the cluster as a table, or one job in full"),
+    "watch": ("cephalo.commands.watch",
+              "follow a job: progress, ETA, phase changes; exit 0 Succeeded, 1 Failed"),
+    "logs": ("cephalo.commands.logs", "a job's rank (and profiler) logs, prefixed by rank"),
+    "suspend": ("cephalo.commands.lifecycle", "suspend a job (its pods go, checkpoints stay)"),
+    "resume": ("cephalo.commands.lifecycle", "resume a suspended job from its checkpoint"),
+    "delete": ("cephalo.commands.lifecycle", "delete a job and everything it made"),
 }
 
 
@@ -76,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"cephalo {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `cephalo status | head`: the reader left, nothing to report
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (Python flushes stdout at exit)
+        return 141
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ ways an operator can observe:
 * optimistic concurrency on `metadata.resourceVersion` in PATCH/PUT bodies (409);
 * merge, JSON and strategic-merge patches, PUT, finalizers, ownerReference cascading GC;
 * `/api/v1/namespaces` (namespaces are objects; created on first use);
+* pod logs (`GET pods/NAME/log`, `follow`; kube_logs.py), written by the test's kubelet;
 * every request is recorded (`calls`) for "nothing created twice" and RBAC-coverage checks.
 """
 
@@ -40,6 +41,7 @@ import attrs
 import kmock
 from kmock._internal import rendering
 from kube_faults import Faults, FaultVerbs, injected_error, server_time
+from kube_logs import LogVerbs, PodLogs
 from kube_selectors import ObjKey, match_fields, match_labels, paginate
 from kube_selectors import api_error as _error
 from kube_writes import WriteVerbs
@@ -63,19 +65,31 @@ class ApiCall:
     label_selector: str = ""  # of a list or watch: what the client asked the server to filter
 
 
+def _forbidden(call: ApiCall) -> kmock.KubernetesError:
+    plural, _, sub = call.resource.partition("/")
+    what = f"{plural}.{call.group}" if call.group else plural
+    where = f' in the namespace "{call.namespace}"' if call.namespace else " at the cluster scope"
+    resource = f'"{plural}"' + (f' with subresource "{sub}"' if sub else "")
+    return _error(403, "Forbidden", f'{what} is forbidden: User "tester" cannot {call.verb} '
+                  f'resource {resource} in API group "{call.group}"{where}')
+
+
 @attrs.define(kw_only=True)
-class ApiEmulator(FaultVerbs, WriteVerbs, kmock.KubernetesEmulator):
+class ApiEmulator(FaultVerbs, WriteVerbs, LogVerbs, kmock.KubernetesEmulator):
     calls: list[ApiCall] = attrs.field(factory=list, init=False)
     faults: Faults = attrs.field(factory=Faults, init=False)  # tests replace it to inject
     kubelet_stop_seconds: float = attrs.field(default=0.2, init=False)  # SIGTERM → exit 143
     clock_skew_seconds: float = attrs.field(default=0.0, init=False)  # server clock vs ours
     kubeconfig: Any = attrs.field(default=None, init=False)  # set by the test fixture
+    # RBAC denials, as (verb, resource[/sub]): answered 403 as the real authorizer words it
+    forbidden: set[tuple[str, str]] = attrs.field(factory=set, init=False)
     # Mutating admission of pods at create (e.g. Kueue's webhook: kueue_emulator.py) and
     # callbacks after every stored change (controllers emulated in the test's event loop).
     pod_webhooks: list[Callable[[dict[str, Any]], None]] = attrs.field(factory=list, init=False)
     on_change: list[Callable[[ObjKey, str, dict[str, Any]], None]] = attrs.field(
         factory=list, init=False)
     _store: dict[ObjKey, dict[str, Any]] = attrs.field(factory=dict, init=False)
+    _logs: PodLogs = attrs.field(factory=PodLogs, init=False)
     _log: list[tuple[int, str, str, str, dict[str, Any]]] = attrs.field(factory=list, init=False)
     _watchers: list[tuple[str, str, asyncio.Queue[Any]]] = attrs.field(factory=list, init=False)
     _rv: int = attrs.field(default=1000, init=False)
@@ -126,9 +140,10 @@ class ApiEmulator(FaultVerbs, WriteVerbs, kmock.KubernetesEmulator):
 
     def rbac_rules(self, *, include_tests: bool = True) -> set[tuple[str, str, str, str]]:
         """(verb, apiGroup, resource[/sub], namespace or '') for every request served;
-        without the test's own requests (kmock's client) when include_tests is False."""
+        without the test's own requests (kmock's client, cephalo.client's) when include_tests
+        is False."""
         return {(c.verb, c.group, c.resource, c.namespace) for c in self.calls
-                if include_tests or not c.user_agent.startswith("kmock/")}
+                if include_tests or not c.user_agent.startswith(("kmock/", "cephalo-client/"))}
 
     # ---- request plumbing ----------------------------------------------------------------
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
@@ -162,6 +177,11 @@ class ApiEmulator(FaultVerbs, WriteVerbs, kmock.KubernetesEmulator):
         try:
             if fault is not None and fault.startswith("before"):
                 raise injected_error(fault)
+            if index is not None and (call := self.calls[index]).verb and (
+                    call.verb, call.resource) in self.forbidden:
+                raise _forbidden(call)
+            if request.subresource == "log" and request.method == kmock.method.GET:
+                return await self._serve_log(request)
             if len(self._payloads) == self._builtin_payloads and request.resource is not None \
                     and request.resource.plural:
                 response = await self._serve_directly(request)
@@ -370,7 +390,9 @@ class ApiEmulator(FaultVerbs, WriteVerbs, kmock.KubernetesEmulator):
                        for (g, p, _, _), o in self._store.items() if (g, p) == (group, plural)]
         else:
             oldest = self._log[0][0] if self._log else self._rv
-            if int(since) < oldest - 1 and len(self._log) >= _LOG_RETENTION:
+            expired = self.faults.expire_watches > 0
+            self.faults.expire_watches -= expired
+            if expired or (int(since) < oldest - 1 and len(self._log) >= _LOG_RETENTION):
                 yield b""
                 yield {"type": "ERROR", "object": {"kind": "Status", "code": 410,
                                                    "reason": "Expired", "status": "Failure",

@@ -6,6 +6,7 @@ A mixin of `kube_emulator.ApiEmulator` (split out to keep modules small):
   operator's own client is answered 500 or 409 *before* it takes effect, or 500 *after* it
   took effect (the reply was lost: a timeout, an apiserver restart) — the case that makes a
   naive "create, then record" controller create twice or mourn a pod it never made;
+* **expired resourceVersions** (`Faults.expire_watches`): a resumed watch gets 410 Gone;
 * **watch drops** (`Faults.watch_drop_seconds`): every watch stream ends after that long, as
   apiservers and load balancers do; clients must resume from their last resourceVersion;
 * **delayed garbage collection** (`Faults.gc_delay_seconds`): dependents of a deleted owner go
@@ -52,6 +53,9 @@ class Faults:
     seed: int = 0
     write_error_fraction: float = 0.0
     watch_drop_seconds: float | None = None
+    # The next this-many watches that resume from a resourceVersion get 410 Gone ("too old
+    # resource version"), as after etcd compaction: the client must list again.
+    expire_watches: int = 0
     gc_delay_seconds: float = 0.0
     user_agent_prefix: str = OPERATOR_USER_AGENT
     injected: list[tuple[str, str, str]] = field(default_factory=list)  # (method, path, kind)

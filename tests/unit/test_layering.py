@@ -35,7 +35,7 @@ def test_operator_is_torch_free() -> None:
         import cephalo.operator  # noqa: F401
     except ImportError as err:  # pragma: no cover - only while the operator is being built
         pytest.skip(f"cephalo.operator not importable: {err}")
-    assert _loaded(["cephalo.operator"], ["torch"]) == ""
+    assert _loaded(["cephalo.operator", "cephalo.client"], ["torch"]) == ""
 
 
 def test_trainer_is_kubernetes_free() -> None:

@@ -14,6 +14,7 @@ from cephalo.api.cluster import MAX_GPUS_PER_GROUP
 from cephalo.api.job import CephaloJobSpec, format_validation_error
 from cephalo.api.safeyaml import YamlError, read_text_file
 from cephalo.cli import UserError
+from cephalo.commands.plan_cluster import add_cluster_plan_arguments
 from cephalo.planner.report import format_plan, model_title
 
 
@@ -38,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder of measured GpuProfile JSON files (else catalog estimates)")
     parser.add_argument("--json", action="store_true",
                         help="print the Plan JSON and nothing else on stdout")
+    add_cluster_plan_arguments(parser)  # --cluster: the operator's plan on the live cluster
 
 
 def parse_gpus(text: str) -> ClusterSpec:
@@ -144,10 +146,15 @@ def _spec(args: argparse.Namespace) -> CephaloJobSpec:
 def run(args: argparse.Namespace) -> int:
     from cephalo.planner import solve
 
+    if args.cluster:
+        from cephalo.commands import plan_cluster
+        return plan_cluster.run(args)
+    if args.gpus is None and not args.job:
+        raise UserError("--gpus is required with --model (e.g. --gpus 2xL4,1xRTX-A6000), or "
+                        "give --job JOB.yaml (its gpuPools, or --cluster for the plan on the "
+                        "cluster's free GPUs)")
     spec = _spec(args)
     profiles = load_profiles(args.profiles) if args.profiles else {}
-    if args.gpus is None and not args.job:
-        raise UserError("--gpus is required with --model (e.g. --gpus 2xL4,1xRTX-A6000)")
     cluster = match_profiles(parse_gpus(args.gpus) if args.gpus is not None
                              else pools_as_cluster(spec), profiles)
     plan = solve(spec, cluster, profiles)  # planner.chooseGpus (default true)

@@ -1,0 +1,148 @@
+"""How the cluster commands show jobs (pure text: tables, one job in full, progress lines)."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from typing import Any
+
+from cephalo.api import Plan
+from cephalo.client import Job
+from cephalo.planner.report import format_plan
+
+BAR_CELLS = 24
+
+
+def age(since: datetime.datetime | None, now: datetime.datetime) -> str:
+    """kubectl's AGE: 45s, 12m, 3h, 5d."""
+    if since is None:
+        return "-"
+    seconds = max(0, int((now - since).total_seconds()))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None or seconds != seconds or seconds < 0:
+        return "-"
+    s = int(seconds + 0.5)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def gpus(job: Job) -> str:
+    """GPUs per type in the plan: 2xNVIDIA-L4,1xNVIDIA-RTX-A6000."""
+    pools = (job.status.plan.pools if job.status.plan else None) or {}
+    return ",".join(f"{n}x{pool}" for pool, n in sorted(pools.items())) or "-"
+
+
+def steps(job: Job) -> str:
+    progress = job.status.progress
+    step = progress.step if progress else None
+    total = job.total_steps
+    if step is None:
+        return f"-/{total}" if total else "-"
+    return f"{step}/{total}" if total else str(step)
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None or value != value else format(value, fmt)
+
+
+def throughput(job: Job) -> str:
+    """samples/s measured/predicted."""
+    measured = job.status.progress.samples_per_second if job.status.progress else None
+    predicted = job.status.plan.predicted_samples_per_second if job.status.plan else None
+    return f"{_num(measured, '.1f')}/{_num(predicted, '.1f')}"
+
+
+def jobs_table(jobs: Sequence[Job], now: datetime.datetime, namespaces: bool = False) -> str:
+    header = ["NAME", "PHASE", "GPUS", "STEP", "LOSS", "SAMPLES/S (MEAS/PRED)",
+              "RESTARTS/PREEMPT", "AGE"]
+    if namespaces:
+        header.insert(0, "NAMESPACE")
+    rows = [header]
+    for job in jobs:
+        progress = job.status.progress
+        row = [job.name, job.phase, gpus(job), steps(job),
+               _num(progress.loss if progress else None, ".4f"), throughput(job),
+               f"{job.status.restarts or 0}/{job.status.preemptions or 0}",
+               age(job.created, now)]
+        rows.append([job.namespace, *row] if namespaces else row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                     for r in rows)
+
+
+def job_details(job: Job, plan: Plan | None, events: Sequence[dict[str, Any]],
+                now: datetime.datetime) -> str:
+    """One job in full: phase, progress, plan per rank, conditions, recent events, and on
+    failure the rank blamed and why."""
+    s = job.status
+    loss = _num(s.progress.loss if s.progress else None, ".4f")
+    lines = [f"Name:        {job.namespace}/{job.name}",
+             f"Phase:       {job.phase}" + (f"  ({s.message})" if s.message else ""),
+             f"Age:         {age(job.created, now)}",
+             f"GPUs:        {gpus(job)}",
+             f"Step:        {steps(job)}   loss {loss}"
+             f"   samples/s measured/predicted {throughput(job)}",
+             f"Restarts:    {s.restarts or 0} (backoffLimit "
+             f"{job.spec.backoff_limit if job.spec else '?'}), preemptions {s.preemptions or 0}"]
+    if job.spec_error:
+        lines.append(f"Invalid spec: {job.spec_error}")
+    if job.phase == "Failed":
+        lines.append(f"Failed:      {job.failure_reason}")
+        blamed = job.condition("Running")
+        if blamed and blamed.reason in ("RankFailed", "RankDisrupted") and blamed.message:
+            lines.append(f"Blamed rank: {blamed.message}")
+    if plan is not None:
+        model = (job.spec.model.preset or job.spec.model.family or "model") if job.spec \
+            else "model"
+        lines += ["", format_plan(plan, model)]
+    if s.conditions:
+        lines += ["", "Conditions:"]
+        width = max(len(c.type) for c in s.conditions)
+        for c in s.conditions:
+            lines.append(f"  {c.type.ljust(width)}  {c.status:<5}  {c.reason or ''}: "
+                         f"{c.message or ''}".rstrip(": "))
+    if events:
+        lines += ["", "Recent events:"]
+        for e in events:
+            count = f" (x{e['count']})" if (e.get("count") or 1) > 1 else ""
+            lines.append(f"  {e.get('type', ''):<7}  {e.get('reason', ''):<20}  "
+                         f"{e.get('message', '')}{count}")
+    return "\n".join(lines)
+
+
+def eta_seconds(job: Job) -> float | None:
+    """Time to the last step at the measured rate (samples/s over the global batch)."""
+    progress = job.status.progress
+    total = job.total_steps
+    if not progress or progress.step is None or not total or not job.spec \
+            or not progress.samples_per_second:
+        return None
+    steps_per_second = progress.samples_per_second / job.spec.global_batch_size
+    return max(0, total - progress.step) / steps_per_second if steps_per_second > 0 else None
+
+
+def progress_text(job: Job, bar: bool) -> str:
+    """`Running [#####---] 40/100 40% loss 3.1 samples/s 120.5 (pred 130.2) ETA 1m20s`."""
+    progress = job.status.progress
+    step = progress.step if progress else None
+    total = job.total_steps
+    parts = [job.phase]
+    if total and step is not None:
+        fraction = min(1.0, step / total)
+        if bar:
+            full = int(fraction * BAR_CELLS)
+            parts.append("[" + "█" * full + "░" * (BAR_CELLS - full) + "]")
+        parts.append(f"step {step}/{total} ({fraction:.0%})")
+    parts.append(f"loss {_num(progress.loss if progress else None, '.4f')}")
+    predicted = job.status.plan.predicted_samples_per_second if job.status.plan else None
+    measured = progress.samples_per_second if progress else None
+    parts.append(f"samples/s {_num(measured, '.1f')} (predicted {_num(predicted, '.1f')})")
+    parts.append(f"ETA {duration(eta_seconds(job))}")
+    return "  ".join(parts)

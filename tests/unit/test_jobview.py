@@ -1,0 +1,58 @@
+"""The cluster commands' text (pure): the jobs table, progress line and ETA, ages."""
+
+from __future__ import annotations
+
+import datetime
+
+from cephalo.client.jobs import job_from
+from cephalo.commands.jobview import age, duration, eta_seconds, jobs_table, progress_text
+
+NOW = datetime.datetime(2026, 12, 2, 12, 0, 0, tzinfo=datetime.timezone.utc)
+
+
+def _job(name: str = "gpt", **status: object) -> dict:
+    return {"metadata": {"name": name, "namespace": "team-a", "uid": "u1",
+                         "resourceVersion": "7", "creationTimestamp": "2026-12-02T11:48:00Z"},
+            "spec": {"model": {"preset": "gpt-small"}, "globalBatchSize": 64,
+                     "training": {"steps": 1000}},
+            "status": status}
+
+
+def test_progress_line_eta_from_measured_samples_per_second() -> None:
+    job = job_from(_job(phase="Running", progress={"step": 400, "loss": 3.25,
+                                                   "samplesPerSecond": 128.0},
+                        plan={"worldSize": 3, "predictedSamplesPerSecond": 140.0,
+                              "pools": {"NVIDIA-L4": 2, "Tesla-P40": 1}}))
+    # 600 steps left at 128/64 = 2 steps/s: 300 s
+    assert eta_seconds(job) == 300.0
+    assert progress_text(job, bar=False) == (
+        "Running  step 400/1000 (40%)  loss 3.2500  samples/s 128.0 (predicted 140.0)  ETA 5m00s")
+    assert progress_text(job, bar=True).startswith("Running  [█████████░░░░░░░░░░░░░░░]  step")
+    table = jobs_table([job], NOW).splitlines()
+    assert table[1].split() == ["gpt", "Running", "2xNVIDIA-L4,1xTesla-P40", "400/1000",
+                                "3.2500", "128.0/140.0", "0/0", "12m"]
+
+
+def test_a_job_without_progress_or_status_reads_as_pending_with_dashes() -> None:
+    job = job_from(_job())
+    assert job.phase == "Pending" and eta_seconds(job) is None
+    assert progress_text(job, bar=False) == \
+        "Pending  loss -  samples/s - (predicted -)  ETA -"
+    assert jobs_table([job], NOW, namespaces=True).splitlines()[1].split() == [
+        "team-a", "gpt", "Pending", "-", "-/1000", "-", "-/-", "0/0", "12m"]
+
+
+def test_an_invalid_spec_on_the_server_is_kept_with_its_reason() -> None:
+    body = _job(phase="Failed", message="spec.globalBatchSize: too big",
+                conditions=[{"type": "Failed", "status": "True", "reason": "InvalidSpec"}])
+    body["spec"]["globalBatchSize"] = 0
+    job = job_from(body)
+    assert job.spec is None and "globalBatchSize" in (job.spec_error or "")
+    assert job.failure_reason == "InvalidSpec: spec.globalBatchSize: too big"
+
+
+def test_ages_and_durations() -> None:
+    assert [age(NOW - datetime.timedelta(seconds=s), NOW) for s in (5, 61, 7200, 90000)] == [
+        "5s", "1m", "2h", "1d"]
+    assert [duration(s) for s in (None, 0.4, 59.6, 61, 3725)] == [
+        "-", "0s", "1m00s", "1m01s", "1h02m"]
