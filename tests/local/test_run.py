@@ -117,7 +117,7 @@ def test_given_plan_runs_under_the_emulation_it_was_planned_for(tmp_path, tiny_j
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     done = run_cephalo(tmp_path, "run", str(tiny_job()), "--plan", "plan.json",
                        "--emulate", "RTX-A6000,P40")
-    assert "EMULATION: emulated P40: compute x3.29 slower than this CPU, memory 24 GiB -> " \
+    assert "EMULATION: emulated P40: compute 3.29x slower than this CPU, memory 24 GiB -> " \
            "1.0 MiB" in done.stdout, done.stdout
     assert done.returncode == 1, done.stdout + done.stderr
     assert "rank 1 (cpu:1 emulating P40) failed" in done.stdout, done.stdout
