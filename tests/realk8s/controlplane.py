@@ -181,7 +181,8 @@ class ControlPlane:
         kcm = self._process(
             "kube-controller-manager", f"--kubeconfig={self.kubeconfig}", "--leader-elect=false",
             "--controllers=garbagecollector,namespace,serviceaccount,serviceaccount-token,"
-            "root-ca-cert-publisher,nodelifecycle,podgc,taint-eviction-controller",
+            "root-ca-cert-publisher,nodelifecycle,podgc,taint-eviction-controller,"
+            "persistentvolume-binder",
             f"--service-account-private-key-file={p.sa_key}", f"--root-ca-file={p.ca_cert}",
             "--use-service-account-credentials=false", "--bind-address=127.0.0.1",
             f"--secure-port={kcm_port}", "--kube-api-qps=100", "--kube-api-burst=200",

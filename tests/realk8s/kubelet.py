@@ -156,7 +156,7 @@ class ProcessKubelet:
         for name, volume in volumes.items():
             folder = c.folder / "volumes" / name
             if "persistentVolumeClaim" in volume:
-                folder = self.folder / "claims" / ns / volume["persistentVolumeClaim"]["claimName"]
+                folder = self.claim_folder(ns, volume["persistentVolumeClaim"]["claimName"])
             folder.mkdir(parents=True, exist_ok=True)
             for kind, api in (("configMap", "configmaps"), ("secret", "secrets")):
                 if kind in volume:
@@ -311,6 +311,10 @@ class ProcessKubelet:
         meta = pod["metadata"]
         self.rest.request("DELETE", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
                           {"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}})
+
+    def claim_folder(self, namespace: str, claim: str) -> Path:
+        """The local folder behind a PersistentVolumeClaim (shared by every pod)."""
+        return self.folder / "claims" / namespace / claim
 
     def kill(self, namespace: str, name: str) -> int:
         """SIGKILL a running pod's process (a crashed rank); its pid."""

@@ -149,8 +149,9 @@ def _convert(node: dict[str, Any], defs: dict[str, Any], where: str) -> dict[str
                 out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
                 out[key] = True
         elif key == "properties":
-            out[key] = {name: _convert(child, defs, f"{where}.{name}")
-                        for name, child in value.items()}
+            if value:  # the API server drops an empty `properties: {}`: so does the CRD
+                out[key] = {name: _convert(child, defs, f"{where}.{name}")
+                            for name, child in value.items()}
         elif key == "items":
             out[key] = _convert(value, defs, f"{where}[]")
         elif key == "additionalProperties":
