@@ -19,6 +19,8 @@ from .cluster import CHART, CRD, NODES, OPERATOR_NAMESPACE, RELEASE, Cluster, ru
 from .controlplane import ControlPlane, binaries_or_reason, elapsed
 from .kubelet import ProcessKubelet
 from .nodes import NodeHeartbeat
+from .operator_auth import operator_kubeconfig
+from .operator_run import Operator
 from .rest import wait_until
 
 BIN, SKIP_REASON = binaries_or_reason()
@@ -56,6 +58,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             kubelet.stop()
         if heartbeat is not None:
             heartbeat.stop()
+        if kubelet is not None:
+            kubelet.join()
         plane.stop()
 
 
@@ -95,3 +99,14 @@ def installed_chart(cluster: Cluster) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="session")
 def crd(installed_chart: subprocess.CompletedProcess[str], cluster: Cluster) -> dict[str, Any]:
     return cluster.rest.must("GET", CRD)
+
+
+@pytest.fixture
+def operator(cluster: Cluster, installed_chart: object, tmp_path: Path,
+             on_failure: Any) -> Iterator[Operator]:
+    proc = Operator(operator_kubeconfig(cluster), tmp_path / "operator.log")
+    on_failure(proc.log)
+    try:
+        yield proc
+    finally:
+        proc.stop()

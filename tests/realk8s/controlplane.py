@@ -233,7 +233,9 @@ class ControlPlane:
     def stop(self) -> None:
         # Dependents first: the API server's clients, then the API server, then etcd.
         for proc in reversed(self.processes):
+            started = time.monotonic()
             proc.stop()
+            print(f"realk8s: {proc.name} stopped in {elapsed(started)}")
 
     def healthy(self) -> bool:
         return all(p.alive() for p in self.processes)

@@ -325,14 +325,18 @@ class ProcessKubelet:
         raise AssertionError(f"no running process for pod {namespace}/{name}")
 
     def stop(self) -> None:
+        """Kill every container and end the watch."""
         self._stop.set()
+        self.rest.close_watches()
         for c in list(self.containers.values()):
             c.deleting = True
             if c.proc is not None and c.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(c.proc.pid, signal.SIGKILL)
                 c.proc.wait()
-        self._thread.join(5)
+
+    def join(self, timeout_seconds: float = 10.0) -> None:
+        self._thread.join(timeout_seconds)
 
     def logs(self, chars: int = 3000) -> str:
         parts = []

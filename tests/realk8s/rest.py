@@ -4,6 +4,7 @@ line-delimited watch streams for the process kubelet."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -42,6 +43,7 @@ class Rest:
                  key: Path | None = None, token: str | None = None) -> None:
         self.server = server.rstrip("/")
         self.token = token
+        self._streams: set[Any] = set()
         self.pool = urllib3.PoolManager(
             num_pools=4, maxsize=8, cert_reqs="CERT_REQUIRED", ca_certs=str(ca_cert),
             cert_file=str(cert) if cert else None, key_file=str(key) if key else None,
@@ -50,7 +52,7 @@ class Rest:
     def as_token(self, token: str) -> Rest:
         """The same server, authenticated as a service account (a bearer token) instead."""
         clone = Rest.__new__(Rest)
-        clone.server, clone.token = self.server, token
+        clone.server, clone.token, clone._streams = self.server, token, set()
         clone.pool = urllib3.PoolManager(
             num_pools=4, maxsize=8, cert_reqs="CERT_REQUIRED",
             ca_certs=self.pool.connection_pool_kw["ca_certs"], retries=False,
@@ -102,6 +104,7 @@ class Rest:
         resp = self.pool.request("GET", f"{self.server}{path}?{urlencode(params)}",
                                  headers=self._headers(None), preload_content=False,
                                  timeout=urllib3.Timeout(connect=5.0, read=45.0))
+        self._streams.add(resp)
         try:
             buffer = b""
             for chunk in resp.stream(4096, decode_content=True):
@@ -113,7 +116,15 @@ class Rest:
                 if stop():
                     return
         finally:
+            self._streams.discard(resp)
             resp.release_conn()
+
+    def close_watches(self) -> None:
+        """End every open watch stream now (from another thread): the API server then shuts
+        down at once instead of waiting for them."""
+        for resp in list(self._streams):
+            with contextlib.suppress(Exception):
+                resp.shutdown()
 
 
 def wait_until(what: str, predicate: Callable[[], Any], timeout_seconds: float = 60.0,
