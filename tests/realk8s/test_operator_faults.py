@@ -1,14 +1,15 @@
 """One long job through what a real cluster does to it, under the real control plane: a rank
 process killed (gang restart), suspend and resume (the pods really deleted and recreated),
-and delete while running (kopf's finalizer, then the real garbage collector removes every
-object the job owned, and the process kubelet stops the processes)."""
+a node deleted (re-plan on the GPU left), and delete while running (kopf's finalizer, then
+the real garbage collector removes every object the job owned, and the process kubelet stops
+the processes)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from .cluster import Cluster
+from .cluster import NODES, Cluster
 from .operator_run import JOBS, Operator, make_claim, tiny_job
 from .rest import wait_until
 
@@ -39,7 +40,7 @@ def _phase(cluster: Cluster, ns: str, name: str, phase: str) -> dict[str, Any]:
                       else None, STEP_SECONDS, interval_seconds=0.2)
 
 
-def test_killed_rank_suspend_resume_and_delete_while_running(
+def test_killed_rank_suspend_resume_node_loss_and_delete_while_running(
         cluster: Cluster, operator: Operator, tmp_path: Path) -> None:
     ns, name = cluster.namespace("faults"), "long"
     make_claim(cluster, ns, "ckpt")
@@ -66,6 +67,19 @@ def test_killed_rank_suspend_resume_and_delete_while_running(
     cluster.rest.merge_patch(f"{JOBS.format(ns=ns)}/{name}", {"spec": {"suspend": False}})
     _running_ranks(cluster, ns, name, 2)
     _phase(cluster, ns, name, "Running")
+
+    # A node is lost (deleted): the job re-plans on the GPU left and runs one rank there.
+    lost = NODES[1]
+    try:
+        cluster.rest.must("DELETE", f"/api/v1/nodes/{lost.name}")
+        wait_until("a re-plan without the lost node", lambda: (
+            _status(cluster, ns, name).get("plan") or {}).get("worldSize") == 1, STEP_SECONDS)
+        (survivor,) = _running_ranks(cluster, ns, name, 1)
+        assert survivor["spec"]["nodeName"] == NODES[0].name
+        _phase(cluster, ns, name, "Running")
+    finally:  # the node comes back for the tests after this one
+        if not cluster.rest.get(f"/api/v1/nodes/{lost.name}").ok:
+            cluster.heartbeat.register(lost)
 
     # Delete while running: the job goes, and the garbage collector takes what it owned.
     owned = cluster.rest.must("GET", f"/api/v1/namespaces/{ns}/configmaps", params={
