@@ -2,7 +2,8 @@
 with a real token (so the chart's RBAC decides every request), runs a small job under the
 real control plane: real profiler and trainer processes (CPU, gloo) started by the process
 kubelet on GPU-labelled nodes the real scheduler picked; Profiling -> Planning -> Running ->
-Succeeded; the checkpoint the ranks wrote on the shared claim exports."""
+Succeeded; the checkpoint the ranks wrote on the shared claim exports; the TTL deletes the
+finished job (its pods garbage-collected) and a job of the same name runs again."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from cephalo.cli import main as cli_main
 from .cluster import Cluster
 from .operator_run import JOB_SECONDS, JOBS, Operator, make_claim, tiny_job
 from .rest import wait_until
+
+TTL_SECONDS = 15
 
 
 def _phases(cluster: Cluster, ns: str, name: str, until: set[str],
@@ -40,7 +43,9 @@ def test_job_trains_under_the_real_api_server_and_exports(
     make_claim(cluster, ns, "ckpt")
     print(f"realk8s: namespace and bound claim in {time.monotonic() - started:.1f} s")
     started = time.monotonic()
-    cluster.rest.create(JOBS.format(ns=ns), tiny_job("tiny", ns), fieldValidation="Strict")
+    # A TTL long enough for the checks below, short enough to watch it act.
+    first = cluster.rest.create(JOBS.format(ns=ns), tiny_job(
+        "tiny", ns, ttlSecondsAfterFinished=TTL_SECONDS), fieldValidation="Strict")
     phases = _phases(cluster, ns, "tiny", {"Succeeded", "Failed"}, JOB_SECONDS)
     status = cluster.rest.must("GET", f"{JOBS.format(ns=ns)}/tiny")["status"]
     assert phases[-1] == "Succeeded", f"{phases}: {status.get('message')}"
@@ -63,3 +68,17 @@ def test_job_trains_under_the_real_api_server_and_exports(
     print(f"realk8s: export in {time.monotonic() - started:.1f} s")
     state = torch.load(out, weights_only=True)
     assert state and all(isinstance(v, torch.Tensor) for v in state.values())
+
+    # TTL: the finished job deletes itself and the garbage collector takes its pods.
+    path = f"{JOBS.format(ns=ns)}/tiny"
+    wait_until("the TTL deleting the job", lambda: cluster.rest.get(path).status == 404,
+               JOB_SECONDS)
+    wait_until("the job's pods collected", lambda: not cluster.rest.must(
+        "GET", f"/api/v1/namespaces/{ns}/pods",
+        params={"labelSelector": "cephalo.dev/job=tiny"})["items"], JOB_SECONDS)
+    # Re-created with the same name: a new object, planned and run again.
+    second = cluster.rest.create(JOBS.format(ns=ns), tiny_job("tiny", ns),
+                                 fieldValidation="Strict")
+    assert second["metadata"]["uid"] != first["metadata"]["uid"]
+    again = _phases(cluster, ns, "tiny", {"Succeeded", "Failed"}, JOB_SECONDS)
+    assert again[-1] == "Succeeded", again
