@@ -160,9 +160,28 @@ def cel_errors(value: Any, node: dict[str, Any] | None = None, path: str = "") -
     return found
 
 
+def prune_nulls(value: Any, node: dict[str, Any]) -> Any:
+    """Kubernetes drops a null given for a field whose schema is not `nullable` (before
+    defaulting, so the default then applies)."""
+    if isinstance(value, dict):
+        props = node.get("properties", {})
+        for name in [n for n, v in value.items() if v is None and n in props
+                     and not props[n].get("nullable")]:
+            del value[name]
+        for name, child in value.items():
+            if name in props:
+                prune_nulls(child, props[name])
+    elif isinstance(value, list) and isinstance(node.get("items"), dict):
+        for item in value:
+            prune_nulls(item, node["items"])
+    return value
+
+
 def crd_verdict(obj: dict[str, Any]) -> list[str]:
-    """What the API server says to `kubectl apply` of obj: schema errors, else the CEL rules
-    on the defaulted object (the server defaults before it validates)."""
+    """What the API server says to `kubectl apply` of obj: nulls of non-nullable fields
+    pruned, then schema errors, else the CEL rules on the defaulted object (the server
+    defaults before it validates)."""
+    obj = prune_nulls(copy.deepcopy(obj), root_schema())
     errors = schema_errors(obj)
     if errors:
         return errors

@@ -4,7 +4,7 @@ Pydantic emits JSON Schema 2020-12; the Kubernetes API server wants an OpenAPI v
 *structural* schema. The translation here:
 
 * `$ref`/`$defs` are inlined (Kubernetes resolves no references);
-* `anyOf: [X, {type: null}]` becomes X with `nullable: true`;
+* `anyOf: [X, {type: null}]` becomes X, with `nullable: true` only if the default is not null;
 * numeric `exclusiveMinimum: n` becomes `minimum: n` + `exclusiveMinimum: true` (OpenAPI 3.0);
 * `title`s (pydantic's capitalised field names) and `default: null` are dropped;
 * `additionalProperties: false` is dropped (the API server prunes unknown fields instead; the
@@ -51,7 +51,8 @@ CRD_NAME = f"{PLURAL}.{API_GROUP}"
 _PASSTHROUGH_KEYWORDS = frozenset({
     "type", "description", "default", "enum", "minimum", "maximum", "minLength", "maxLength",
     "minItems", "maxItems", "pattern", "format", "required", "multipleOf", "maxProperties",
-    "x-kubernetes-validations",
+    "x-kubernetes-validations", "x-kubernetes-int-or-string", "x-kubernetes-list-type",
+    "x-kubernetes-list-map-keys",
 })
 # Keywords that only validate values and are therefore allowed inside anyOf/oneOf branches.
 _BRANCH_KEYWORDS = frozenset({"required"})
@@ -129,9 +130,13 @@ def _convert(node: dict[str, Any], defs: dict[str, Any], where: str) -> dict[str
         node.pop("anyOf")
         inner = _convert(real[0], defs, where)
         outer = _convert(node, defs, where) if node else {}
-        # An enum stays as it is: the API server's enum check rejects an explicit null even
-        # when nullable (it skips null enum entries), so listing null would only mislead.
-        return {**inner, **outer, "nullable": True}
+        # Nullable only where null means something else than the default (a non-null
+        # default: `gradientClipNorm: null` turns clipping off). Everywhere else the API
+        # server prunes a null as if the field were absent, which is what pydantic does
+        # (cephalo.api.wire.CamelModel); a nullable field would keep the null, and an enum
+        # or a oneOf member would then refuse it.
+        return {**inner, **outer, "nullable": True} if "default" in outer else \
+            {**inner, **outer}
 
     out: dict[str, Any] = {}
     for key, value in node.items():
@@ -144,8 +149,9 @@ def _convert(node: dict[str, Any], defs: dict[str, Any], where: str) -> dict[str
                 out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
                 out[key] = True
         elif key == "properties":
-            out[key] = {name: _convert(child, defs, f"{where}.{name}")
-                        for name, child in value.items()}
+            if value:  # the API server drops an empty `properties: {}`: so does the CRD
+                out[key] = {name: _convert(child, defs, f"{where}.{name}")
+                            for name, child in value.items()}
         elif key == "items":
             out[key] = _convert(value, defs, f"{where}[]")
         elif key == "additionalProperties":

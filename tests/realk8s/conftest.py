@@ -1,0 +1,112 @@
+"""The realk8s suite's session fixtures: one real control plane (etcd, kube-apiserver,
+kube-controller-manager, kube-scheduler), GPU nodes kept Ready, a process kubelet, and
+namespaces that enforce Pod Security `restricted`.
+
+Every test here is marked `realk8s`. Without the binaries (scripts/k8s-binaries.sh builds
+them where Go is installed) the whole folder skips with one reason."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .cluster import CHART, CRD, NODES, OPERATOR_NAMESPACE, RELEASE, Cluster, run_tool
+from .controlplane import ControlPlane, binaries_or_reason, elapsed
+from .kubelet import ProcessKubelet
+from .nodes import NodeHeartbeat
+from .operator_auth import operator_kubeconfig
+from .operator_run import Operator
+from .rest import wait_until
+
+BIN, SKIP_REASON = binaries_or_reason()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.realk8s)
+            if BIN is None:
+                item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    assert BIN is not None, SKIP_REASON
+    folder = tmp_path_factory.mktemp("realk8s")
+    started = time.monotonic()
+    plane = ControlPlane(BIN, folder)
+    heartbeat: NodeHeartbeat | None = None
+    kubelet: ProcessKubelet | None = None
+    try:
+        plane.start()
+        rest = plane.admin()
+        heartbeat = NodeHeartbeat(rest, NODES).start()
+        kubelet = ProcessKubelet(rest, folder / "kubelet", {n.name for n in NODES}).start()
+        print(f"realk8s: control plane up in {elapsed(started)} ({folder})")
+        yield Cluster(plane, heartbeat, kubelet)
+    except BaseException:
+        print(plane.logs())
+        raise
+    finally:
+        if kubelet is not None:
+            kubelet.stop()
+        if heartbeat is not None:
+            heartbeat.stop()
+        if kubelet is not None:
+            kubelet.join()
+        plane.stop()
+
+
+@pytest.fixture
+def on_failure(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[
+        Callable[[Callable[[], str]], None]]:
+    """Register extra logs to print if the test fails (the control plane's always are)."""
+    extra: list[Callable[[], str]] = []
+    yield extra.append
+    report: Any = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed:
+        print(cluster.logs())
+        for more in extra:
+            print(more())
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
+
+
+@pytest.fixture(scope="session")
+def installed_chart(cluster: Cluster) -> subprocess.CompletedProcess[str]:
+    """`helm install` of the chart (real Helm): the only thing that creates the CRD, so every
+    test that needs the CRD gets the chart's copy. The operator image need not be pullable:
+    no Deployment controller runs, the objects only have to be accepted."""
+    done = run_tool(cluster, "helm", "install", RELEASE, str(CHART), "--namespace",
+                    OPERATOR_NAMESPACE, "--create-namespace", "--wait=false")
+    wait_until("CRD cephalojobs.cephalo.dev Established", lambda: any(
+        c["type"] == "Established" and c["status"] == "True"
+        for c in (cluster.rest.get(CRD).body.get("status") or {}).get("conditions") or []), 30)
+    return done
+
+
+@pytest.fixture(scope="session")
+def crd(installed_chart: subprocess.CompletedProcess[str], cluster: Cluster) -> dict[str, Any]:
+    return cluster.rest.must("GET", CRD)
+
+
+@pytest.fixture
+def operator(cluster: Cluster, installed_chart: object, tmp_path: Path,
+             on_failure: Any) -> Iterator[Operator]:
+    proc = Operator(operator_kubeconfig(cluster), tmp_path / "operator.log")
+    on_failure(proc.log)
+    try:
+        yield proc
+    finally:
+        proc.stop()

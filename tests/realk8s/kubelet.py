@@ -1,0 +1,350 @@
+"""A process kubelet: runs each pod bound to its nodes as local processes and reports what
+happened through the real API, so the operator's own pods (profilers, ranks) train under a
+real API server.
+
+What it emulates, and how:
+* the container: its command + args as one local process (own process group), the image's
+  environment being this interpreter's bin folder on PATH; the pod's `env` (values,
+  `$(VAR)` expansion, fieldRef/downward API, configMapKeyRef/secretKeyRef) and `envFrom`;
+* volumes mapped to local folders: configMap and secret keys written as files, emptyDir a
+  fresh folder, a persistentVolumeClaim one folder per claim shared by every pod (an RWX
+  volume); a container path in env values or arguments is rewritten to its folder, and so is
+  the terminationMessagePath (read back as the termination message, with the log tail under
+  FallbackToLogsOnError);
+* the network: every pod shares the host's loopback (pod IP 127.0.0.1) and a cluster DNS
+  name (`*.svc`, `*.svc.cluster.local`) in an env value resolves to it;
+* status: Running with a running containerStatus, then Succeeded or Failed with the exit
+  code; a pod being deleted gets SIGTERM, SIGKILL after its grace period, then the final
+  delete (grace 0, uid precondition), as the real kubelet does.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime as dt
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .rest import Rest
+
+POD_IP = "127.0.0.1"
+CLUSTER_DNS = re.compile(r"^[a-z0-9.-]+\.svc(\.cluster\.local)?$")
+MAX_MESSAGE_BYTES = 4096  # the kubelet's termination-message limit
+FALLBACK_LOG_LINES = 80
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class Container:
+    pod: dict[str, Any]
+    folder: Path
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: str = ""
+    mounts: list[tuple[str, Path]] = field(default_factory=list)  # (container path, folder)
+    deleting: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"{self.pod['metadata']['namespace']}/{self.pod['metadata']['name']}"
+
+    def host_path(self, path: str) -> str:
+        """A container path, as the folder its volume is mapped to (else unchanged)."""
+        for mount, folder in sorted(self.mounts, key=lambda m: -len(m[0])):
+            if path == mount or path.startswith(mount.rstrip("/") + "/"):
+                return str(folder) + path[len(mount.rstrip("/")):]
+        return path
+
+
+class ProcessKubelet:
+    def __init__(self, rest: Rest, folder: Path, node_names: set[str]) -> None:
+        self.rest, self.folder, self.node_names = rest, folder, node_names
+        self.containers: dict[str, Container] = {}  # by pod uid
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch_loop, name="kubelet", daemon=True)
+
+    # ---- the watch ---------------------------------------------------------------------------
+    def start(self) -> ProcessKubelet:
+        self._thread.start()
+        return self
+
+    def _watch_loop(self) -> None:
+        while not self._stop.is_set():
+            listing = self.rest.get("/api/v1/pods")
+            if not listing.ok:
+                self._stop.wait(0.5)
+                continue
+            for pod in listing.body.get("items", []):
+                self._handle(pod)
+            version = listing.body["metadata"]["resourceVersion"]
+            try:
+                for event in self.rest.watch("/api/v1/pods", version, self._stop.is_set):
+                    if event["type"] == "ERROR":  # 410 Gone: list again
+                        break
+                    if event["type"] == "BOOKMARK":
+                        continue
+                    self._handle(event["object"], deleted=event["type"] == "DELETED")
+            except Exception as err:
+                if not self._stop.is_set():
+                    print(f"process kubelet: watch ended ({err}); relisting", file=sys.stderr)
+
+    def _handle(self, pod: dict[str, Any], deleted: bool = False) -> None:
+        if (pod.get("spec") or {}).get("nodeName") not in self.node_names:
+            return
+        uid = pod["metadata"]["uid"]
+        with self._lock:
+            known = self.containers.get(uid)
+            if known is None and not deleted and not pod["metadata"].get("deletionTimestamp") \
+                    and (pod.get("status") or {}).get("phase", "Pending") == "Pending":
+                known = self.containers[uid] = Container(pod, self.folder / "pods" / uid)
+                threading.Thread(target=self._run, args=(known,), daemon=True,
+                                 name=f"pod-{pod['metadata']['name']}").start()
+                return
+        if known is not None and (deleted or pod["metadata"].get("deletionTimestamp")):
+            self._terminate(known, pod, final=not deleted)
+        elif known is None and pod["metadata"].get("deletionTimestamp") and not deleted:
+            self._final_delete(pod)  # never started here (e.g. terminal): just let it go
+
+    # ---- one pod -----------------------------------------------------------------------------
+    def _run(self, c: Container) -> None:
+        pod = c.pod
+        (spec_container,) = pod["spec"]["containers"]
+        try:
+            self._prepare_volumes(c)
+            env = self._environment(c, spec_container)
+        except Exception as err:
+            self._report(c, "Failed", exit_code=128, reason="CreateContainerConfigError",
+                         message=str(err)[:MAX_MESSAGE_BYTES])
+            return
+        argv = [self._expand(a, env, c) for a in
+                [*spec_container.get("command", []), *spec_container.get("args", [])]]
+        log = (c.folder / "container.log").open("ab")
+        with self._lock:
+            if c.deleting:
+                return
+            c.started_at = _now()
+            c.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, cwd=c.folder,
+                                      start_new_session=True)
+        log.close()
+        (c.folder / "pid").write_text(str(c.proc.pid))
+        self._report(c, "Running")
+        code = c.proc.wait()
+        if c.deleting:
+            return  # _terminate reports and deletes
+        self._report(c, "Succeeded" if code == 0 else "Failed", exit_code=code,
+                     message=self._termination_message(c, spec_container, code))
+        print(f"process kubelet: {c.key} exited {code}", file=sys.stderr)
+
+    def _prepare_volumes(self, c: Container) -> None:
+        ns = c.pod["metadata"]["namespace"]
+        volumes = {v["name"]: v for v in c.pod["spec"].get("volumes", [])}
+        (spec_container,) = c.pod["spec"]["containers"]
+        folders: dict[str, Path] = {}
+        for name, volume in volumes.items():
+            folder = c.folder / "volumes" / name
+            if "persistentVolumeClaim" in volume:
+                folder = self.claim_folder(ns, volume["persistentVolumeClaim"]["claimName"])
+            folder.mkdir(parents=True, exist_ok=True)
+            for kind, api in (("configMap", "configmaps"), ("secret", "secrets")):
+                if kind in volume:
+                    ref = volume[kind].get("name") or volume[kind].get("secretName")
+                    obj = self.rest.must("GET", f"/api/v1/namespaces/{ns}/{api}/{ref}")
+                    data = obj.get("data") or {}
+                    items = volume[kind].get("items") or [{"key": k, "path": k} for k in data]
+                    for item in items:
+                        text = data[item["key"]]
+                        raw = base64.b64decode(text) if kind == "secret" else text.encode()
+                        (folder / item["path"]).parent.mkdir(parents=True, exist_ok=True)
+                        (folder / item["path"]).write_bytes(raw)
+            folders[name] = folder
+        for mount in spec_container.get("volumeMounts", []):
+            folder = folders[mount["name"]] / mount.get("subPath", "")
+            folder.mkdir(parents=True, exist_ok=True)
+            c.mounts.append((mount["mountPath"], folder))
+        message_path = spec_container.get("terminationMessagePath", "/dev/termination-log")
+        (c.folder / "termination-log").touch()
+        c.mounts.append((message_path, c.folder / "termination-log"))
+
+    def _field(self, c: Container, path: str) -> str:
+        meta = c.pod["metadata"]
+        if m := re.fullmatch(r"metadata\.(labels|annotations)\['(.+)'\]", path):
+            return str((meta.get(m.group(1)) or {}).get(m.group(2), ""))
+        values = {"metadata.name": meta["name"], "metadata.namespace": meta["namespace"],
+                  "metadata.uid": meta["uid"], "spec.nodeName": c.pod["spec"]["nodeName"],
+                  "spec.serviceAccountName": c.pod["spec"].get("serviceAccountName", ""),
+                  "status.podIP": POD_IP, "status.podIPs": POD_IP, "status.hostIP": POD_IP,
+                  "status.hostIPs": POD_IP}
+        return values[path]
+
+    def _key_ref(self, ns: str, ref: dict[str, Any], api: str) -> str | None:
+        reply = self.rest.get(f"/api/v1/namespaces/{ns}/{api}/{ref['name']}")
+        value = (reply.body.get("data") or {}).get(ref["key"]) if reply.ok else None
+        if value is None:
+            if ref.get("optional"):
+                return None
+            raise ValueError(f"{api} {ref['name']} has no key {ref['key']}")
+        return base64.b64decode(value).decode() if api == "secrets" else str(value)
+
+    def _environment(self, c: Container, container: dict[str, Any]) -> dict[str, str]:
+        ns = c.pod["metadata"]["namespace"]
+        # The "image": this interpreter's environment (cephalo installed), nothing else.
+        env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
+               "HOSTNAME": c.pod["spec"].get("hostname", c.pod["metadata"]["name"]),
+               "PYTHONUNBUFFERED": "1"}
+        for source in container.get("envFrom", []):
+            for kind, api in (("configMapRef", "configmaps"), ("secretRef", "secrets")):
+                if kind in source:
+                    reply = self.rest.get(f"/api/v1/namespaces/{ns}/{api}/{source[kind]['name']}")
+                    for k, v in (reply.body.get("data") or {}).items() if reply.ok else []:
+                        text = base64.b64decode(v).decode() if api == "secrets" else v
+                        env[source.get("prefix", "") + k] = text
+        for var in container.get("env", []):
+            value: str | None = var.get("value", "")
+            source = var.get("valueFrom")
+            if source and "fieldRef" in source:
+                value = self._field(c, source["fieldRef"]["fieldPath"])
+            elif source and "configMapKeyRef" in source:
+                value = self._key_ref(ns, source["configMapKeyRef"], "configmaps")
+            elif source and "secretKeyRef" in source:
+                value = self._key_ref(ns, source["secretKeyRef"], "secrets")
+            elif source and "resourceFieldRef" in source:
+                kind, _, name = source["resourceFieldRef"]["resource"].partition(".")
+                value = str((container.get("resources", {}).get(kind) or {}).get(name, "0"))
+            if value is None:
+                continue
+            value = self._expand(value, env, c)
+            env[var["name"]] = POD_IP if CLUSTER_DNS.match(value) else value
+        return env
+
+    @staticmethod
+    def _expand(text: str, env: dict[str, str], c: Container) -> str:
+        """Kubernetes `$(VAR)` expansion (`$$` escapes), then container paths to folders."""
+        expanded = re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)", lambda m: "$" if m.group(0)
+                          == "$$" else env.get(m.group(1), m.group(0)), text)
+        return c.host_path(expanded) if expanded.startswith("/") else expanded
+
+    def _termination_message(self, c: Container, container: dict[str, Any], code: int) -> str:
+        text = (c.folder / "termination-log").read_bytes()[:MAX_MESSAGE_BYTES].decode(
+            errors="replace")
+        if not text and code != 0 and \
+                container.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+            lines = (c.folder / "container.log").read_text(errors="replace").splitlines()
+            text = "\n".join(lines[-FALLBACK_LOG_LINES:])[-MAX_MESSAGE_BYTES:]
+        return text
+
+    # ---- status and deletion -----------------------------------------------------------------
+    def _report(self, c: Container, phase: str, *, exit_code: int | None = None,
+                reason: str | None = None, message: str = "") -> None:
+        meta, (container,) = c.pod["metadata"], c.pod["spec"]["containers"]
+        now, running = _now(), phase == "Running"
+        if running:
+            state: dict[str, Any] = {"running": {"startedAt": c.started_at}}
+        else:
+            state = {"terminated": {
+                "exitCode": exit_code, "reason": reason or ("Completed" if exit_code == 0
+                                                           else "Error"),
+                "startedAt": c.started_at or now, "finishedAt": now}}
+            if message:
+                state["terminated"]["message"] = message
+        ready = "True" if running else "False"
+        conditions = [{"type": t, "status": s, "lastTransitionTime": now} for t, s in (
+            ("PodReadyToStartContainers", "True"), ("Initialized", "True"), ("Ready", ready),
+            ("ContainersReady", ready), ("PodScheduled", "True"))]
+        status = {"phase": phase, "hostIP": POD_IP, "hostIPs": [{"ip": POD_IP}],
+                  "podIP": POD_IP, "podIPs": [{"ip": POD_IP}], "startTime": c.started_at or now,
+                  "conditions": conditions, "containerStatuses": [{
+                      "name": container["name"], "image": container["image"],
+                      "imageID": f"process://{container['image']}", "ready": running,
+                      "restartCount": 0, "started": running, "state": state}]}
+        reply = self.rest.request(
+            "PATCH", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status",
+            {"metadata": {"uid": meta["uid"]}, "status": status},
+            ctype="application/strategic-merge-patch+json")
+        if not reply.ok and reply.status != 404:
+            print(f"process kubelet: status of {c.key} -> {reply.status}: {reply.message}",
+                  file=sys.stderr)
+
+    def _terminate(self, c: Container, pod: dict[str, Any], *, final: bool) -> None:
+        with self._lock:
+            if c.deleting:
+                return
+            c.deleting = True
+        grace = pod["metadata"].get("deletionGracePeriodSeconds") or 0
+
+        def stop() -> None:
+            code = self._signal(c, grace)
+            if final:
+                if code is not None:
+                    self._report(c, "Failed" if code else "Succeeded", exit_code=code,
+                                 reason="Error" if code else "Completed")
+                self._final_delete(pod)
+        threading.Thread(target=stop, daemon=True, name=f"stop-{c.key}").start()
+
+    @staticmethod
+    def _signal(c: Container, grace_seconds: float) -> int | None:
+        if c.proc is None:
+            return None
+        if c.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(c.proc.pid, signal.SIGTERM)
+            try:
+                c.proc.wait(max(grace_seconds, 0.1))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(c.proc.pid, signal.SIGKILL)
+        return c.proc.wait()
+
+    def _final_delete(self, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        self.rest.request("DELETE", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
+                          {"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}})
+
+    def claim_folder(self, namespace: str, claim: str) -> Path:
+        """The local folder behind a PersistentVolumeClaim (shared by every pod)."""
+        return self.folder / "claims" / namespace / claim
+
+    def kill(self, namespace: str, name: str) -> int:
+        """SIGKILL a running pod's process (a crashed rank); its pid."""
+        for c in list(self.containers.values()):
+            if c.key == f"{namespace}/{name}" and c.proc is not None and c.proc.poll() is None:
+                os.killpg(c.proc.pid, signal.SIGKILL)
+                return c.proc.pid
+        raise AssertionError(f"no running process for pod {namespace}/{name}")
+
+    def stop(self) -> None:
+        """Kill every container and end the watch."""
+        self._stop.set()
+        self.rest.close_watches()
+        for c in list(self.containers.values()):
+            c.deleting = True
+            if c.proc is not None and c.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(c.proc.pid, signal.SIGKILL)
+                c.proc.wait()
+
+    def join(self, timeout_seconds: float = 10.0) -> None:
+        self._thread.join(timeout_seconds)
+
+    def logs(self, chars: int = 3000) -> str:
+        parts = []
+        for c in self.containers.values():
+            log = c.folder / "container.log"
+            if log.exists():
+                parts.append(f"--- pod {c.key} ---\n{log.read_text(errors='replace')[-chars:]}")
+        return "\n".join(parts)
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.folder / "pods", ignore_errors=True)

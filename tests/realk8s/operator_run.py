@@ -1,0 +1,80 @@
+"""Helpers of the operator tests: the operator process (`kopf run`), a bound claim, the
+tiny job."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from .cluster import Cluster
+from .controlplane import free_port
+from .rest import wait_until
+
+JOBS = "/apis/cephalo.dev/v1alpha1/namespaces/{ns}/cephalojobs"
+JOB_SECONDS = 300.0  # profiling two tiny models and six steps on two shared cores
+
+
+class Operator:
+    """`kopf run -m cephalo.operator -A --standalone` against a kubeconfig."""
+
+    def __init__(self, kubeconfig: Path, log_path: Path) -> None:
+        self.log_path = log_path
+        env = {"KUBECONFIG": str(kubeconfig), "CEPHALO_OPERATOR_METRICS_PORT": "0",
+               "CEPHALO_RECHECK_SECONDS": "1", "CEPHALO_PROGRESS_INTERVAL_SECONDS": "1",
+               "CEPHALO_WATCH_TIMEOUT_SECONDS": "60", "CEPHALO_NODE_DEBOUNCE_SECONDS": "0.2"}
+        with log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kopf", "run", "-m", "cephalo.operator", "-A",
+                 "--standalone", "--liveness", f"http://127.0.0.1:{free_port()}/healthz"],
+                env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.kill()
+                self.proc.wait()
+
+    def log(self) -> str:
+        return f"--- operator ---\n{self.log_path.read_text(errors='replace')[-8000:]}"
+
+
+def make_claim(cluster: Cluster, ns: str, name: str) -> None:
+    """A ReadWriteMany claim bound to a PersistentVolume by the real PV controller (the
+    process kubelet maps the claim to one local folder for every pod)."""
+    pv = f"{ns}-{name}"
+    cluster.rest.create("/api/v1/persistentvolumes", {"metadata": {"name": pv}, "spec": {
+        "capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
+        "persistentVolumeReclaimPolicy": "Delete", "storageClassName": "",
+        "hostPath": {"path": f"/nonexistent/{pv}"},
+        "claimRef": {"namespace": ns, "name": name}}})
+    cluster.rest.create(f"/api/v1/namespaces/{ns}/persistentvolumeclaims", {
+        "metadata": {"name": name}, "spec": {"accessModes": ["ReadWriteMany"],
+                                             "storageClassName": "", "volumeName": pv,
+                                             "resources": {"requests": {"storage": "1Gi"}}}})
+    wait_until(f"claim {ns}/{name} Bound", lambda: cluster.rest.get(
+        f"/api/v1/namespaces/{ns}/persistentvolumeclaims/{name}").body.get(
+        "status", {}).get("phase") == "Bound", 60)
+
+
+def tiny_job(name: str, ns: str, **spec: Any) -> dict[str, Any]:
+    """examples/custom-tiny-gpt.yaml, scaled down: six steps, two ranks (one a GPU node)."""
+    return {"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {"model": {"family": "gpt", "numLayers": 2, "hiddenSize": 64,
+                               "numHeads": 4, "ffnHiddenSize": 256, "vocabSize": 256,
+                               "sequenceLength": 32},
+                     "globalBatchSize": 8, "training": {"steps": 6, "learningRate": 1.0e-3,
+                                                        "schedule": "constant", "seed": 1},
+                     "data": {"synthetic": {}},
+                     "planner": {"profileMicroBatchSizes": [1, 2], "chooseGpus": False},
+                     "ranksPerPod": 1, "checkpoint": {"claimName": "ckpt", "intervalSteps": 3},
+                     "backoffLimit": 1, **spec}}

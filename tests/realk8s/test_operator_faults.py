@@ -1,0 +1,103 @@
+"""One long job through what a real cluster does to it, under the real control plane: a rank
+process killed (gang restart), suspend and resume (the pods really deleted and recreated),
+a node deleted (re-plan on the GPU left), and delete while running (kopf's finalizer, then
+the real garbage collector removes every object the job owned, and the process kubelet stops
+the processes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .cluster import NODES, Cluster
+from .operator_run import JOBS, Operator, make_claim, tiny_job
+from .rest import wait_until
+
+STEP_SECONDS = 120.0  # a phase change on two shared cores (profiling included)
+
+
+def _status(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
+    return cluster.rest.get(f"{JOBS.format(ns=ns)}/{name}").body.get("status") or {}
+
+
+def _ranks(cluster: Cluster, ns: str, name: str) -> list[dict[str, Any]]:
+    return cluster.rest.must("GET", f"/api/v1/namespaces/{ns}/pods", params={
+        "labelSelector": f"cephalo.dev/job={name},cephalo.dev/role=trainer"})["items"]
+
+
+def _running_ranks(cluster: Cluster, ns: str, name: str, count: int) -> list[dict[str, Any]]:
+    """`count` rank pods Running (their processes started by the process kubelet)."""
+    return wait_until(f"{count} running rank pods of {name}", lambda: (
+        ps if len(ps := _ranks(cluster, ns, name)) == count and all(
+            (p.get("status") or {}).get("phase") == "Running"
+            and not p["metadata"].get("deletionTimestamp") for p in ps) else None),
+        STEP_SECONDS, interval_seconds=0.2)
+
+
+def _phase(cluster: Cluster, ns: str, name: str, phase: str) -> dict[str, Any]:
+    return wait_until(f"{name} {phase} (now {_status(cluster, ns, name).get('phase')})",
+                      lambda: s if (s := _status(cluster, ns, name)).get("phase") == phase
+                      else None, STEP_SECONDS, interval_seconds=0.2)
+
+
+def test_killed_rank_suspend_resume_node_loss_and_delete_while_running(
+        cluster: Cluster, operator: Operator, tmp_path: Path) -> None:
+    ns, name = cluster.namespace("faults"), "long"
+    make_claim(cluster, ns, "ckpt")
+    body = tiny_job(name, ns, terminationGracePeriodSeconds=10, backoffLimit=3)
+    body["spec"]["training"]["steps"] = 1_000_000  # runs until the test ends it
+    cluster.rest.create(JOBS.format(ns=ns), body, fieldValidation="Strict")
+
+    # A rank dies (SIGKILL): the whole gang restarts, as new pods.
+    first = _running_ranks(cluster, ns, name, 2)
+    _phase(cluster, ns, name, "Running")
+    cluster.kubelet.kill(ns, f"{name}-rank-1")
+    wait_until("a gang restart counted", lambda: (_status(cluster, ns, name).get("restarts")
+                                                  or 0) >= 1, STEP_SECONDS)
+    second = _running_ranks(cluster, ns, name, 2)
+    assert not {p["metadata"]["uid"] for p in first} & {p["metadata"]["uid"] for p in second}
+    _phase(cluster, ns, name, "Running")
+
+    # Suspend: every rank pod really goes (terminated by the kubelet, deleted for good).
+    cluster.rest.merge_patch(f"{JOBS.format(ns=ns)}/{name}", {"spec": {"suspend": True}})
+    _phase(cluster, ns, name, "Suspended")
+    wait_until("no rank pods while suspended", lambda: not _ranks(cluster, ns, name),
+               STEP_SECONDS)
+    # Resume: the ranks come back.
+    cluster.rest.merge_patch(f"{JOBS.format(ns=ns)}/{name}", {"spec": {"suspend": False}})
+    _running_ranks(cluster, ns, name, 2)
+    _phase(cluster, ns, name, "Running")
+
+    # A node is lost (deleted): the job re-plans on the GPU left and runs one rank there.
+    lost = NODES[1]
+    try:
+        cluster.rest.must("DELETE", f"/api/v1/nodes/{lost.name}")
+        wait_until("a re-plan without the lost node", lambda: (
+            _status(cluster, ns, name).get("plan") or {}).get("worldSize") == 1, STEP_SECONDS)
+        (survivor,) = _running_ranks(cluster, ns, name, 1)
+        assert survivor["spec"]["nodeName"] == NODES[0].name
+        _phase(cluster, ns, name, "Running")
+    finally:  # the node comes back for the tests after this one
+        if not cluster.rest.get(f"/api/v1/nodes/{lost.name}").ok:
+            cluster.heartbeat.register(lost)
+
+    # Delete while running: the job goes, and the garbage collector takes what it owned.
+    owned = cluster.rest.must("GET", f"/api/v1/namespaces/{ns}/configmaps", params={
+        "labelSelector": f"cephalo.dev/job={name}"})["items"]
+    assert owned, "the job's ConfigMaps (spec, plan) carry its label"
+    cluster.rest.must("DELETE", f"{JOBS.format(ns=ns)}/{name}")
+    wait_until("the job gone", lambda: cluster.rest.get(
+        f"{JOBS.format(ns=ns)}/{name}").status == 404, STEP_SECONDS)
+
+    def leftovers() -> list[str]:
+        found = []
+        for kind in ("pods", "configmaps", "services"):
+            items = cluster.rest.must("GET", f"/api/v1/namespaces/{ns}/{kind}", params={
+                "labelSelector": f"cephalo.dev/job={name}"})["items"]
+            found += [f"{kind}/{i['metadata']['name']}" for i in items]
+        return found
+    wait_until("the garbage collector removing the job's objects",
+               lambda: not leftovers(), STEP_SECONDS)
+    alive = [c.key for c in cluster.kubelet.containers.values()
+             if c.key.startswith(f"{ns}/") and c.proc is not None and c.proc.poll() is None]
+    assert not alive, f"processes still running after their pods were deleted: {alive}"

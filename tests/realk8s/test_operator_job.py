@@ -1,0 +1,84 @@
+"""The operator as a local process (`kopf run`), authenticated as the chart's ServiceAccount
+with a real token (so the chart's RBAC decides every request), runs a small job under the
+real control plane: real profiler and trainer processes (CPU, gloo) started by the process
+kubelet on GPU-labelled nodes the real scheduler picked; Profiling -> Planning -> Running ->
+Succeeded; the checkpoint the ranks wrote on the shared claim exports; the TTL deletes the
+finished job (its pods garbage-collected) and a job of the same name runs again."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from cephalo.cli import main as cli_main
+
+from .cluster import Cluster
+from .operator_run import JOB_SECONDS, JOBS, Operator, make_claim, tiny_job
+from .rest import wait_until
+
+TTL_SECONDS = 15
+
+
+def _phases(cluster: Cluster, ns: str, name: str, until: set[str],
+            timeout_seconds: float) -> list[str]:
+    seen: list[str] = []
+
+    def done() -> bool:
+        status = cluster.rest.get(f"{JOBS.format(ns=ns)}/{name}").body.get("status") or {}
+        phase = status.get("phase")
+        if phase and (not seen or seen[-1] != phase):
+            seen.append(phase)
+        return phase in until
+    wait_until(f"job {name} in {sorted(until)} (phases so far: {seen})", done, timeout_seconds,
+               interval_seconds=0.2)
+    return seen
+
+
+def test_job_trains_under_the_real_api_server_and_exports(
+        cluster: Cluster, operator: Operator, tmp_path: Path) -> None:
+    started = time.monotonic()
+    ns = cluster.namespace("e2e")
+    make_claim(cluster, ns, "ckpt")
+    print(f"realk8s: namespace and bound claim in {time.monotonic() - started:.1f} s")
+    started = time.monotonic()
+    # A TTL long enough for the checks below, short enough to watch it act.
+    first = cluster.rest.create(JOBS.format(ns=ns), tiny_job(
+        "tiny", ns, ttlSecondsAfterFinished=TTL_SECONDS), fieldValidation="Strict")
+    phases = _phases(cluster, ns, "tiny", {"Succeeded", "Failed"}, JOB_SECONDS)
+    status = cluster.rest.must("GET", f"{JOBS.format(ns=ns)}/tiny")["status"]
+    assert phases[-1] == "Succeeded", f"{phases}: {status.get('message')}"
+    order = [p for p in ("Profiling", "Planning", "Running", "Succeeded") if p in phases]
+    assert order == ["Profiling", "Planning", "Running", "Succeeded"], phases
+    print(f"realk8s: job tiny {' -> '.join(phases)} in {time.monotonic() - started:.0f} s")
+    # Real pods ran where the real scheduler put them: one rank on each GPU node.
+    pods = cluster.rest.must("GET", f"/api/v1/namespaces/{ns}/pods",
+                             params={"labelSelector": "cephalo.dev/role=trainer"})["items"]
+    assert sorted(p["spec"]["nodeName"] for p in pods) == ["gpu-a6000", "gpu-p40"], pods
+    assert all(p["status"]["phase"] == "Succeeded" for p in pods)
+    # The chart's RBAC sufficed: the real authorizer refused the operator nothing.
+    assert "forbidden" not in operator.log_path.read_text().lower(), operator.log()
+    # The checkpoint the ranks wrote on the shared claim is a model that exports.
+    folder = cluster.kubelet.claim_folder(ns, "ckpt") / "tiny"
+    out = tmp_path / "model.pt"
+    started = time.monotonic()
+    # in-process: torch is loaded once
+    assert cli_main(["export", str(folder), "--output", str(out)]) == 0
+    print(f"realk8s: export in {time.monotonic() - started:.1f} s")
+    state = torch.load(out, weights_only=True)
+    assert state and all(isinstance(v, torch.Tensor) for v in state.values())
+
+    # TTL: the finished job deletes itself and the garbage collector takes its pods.
+    path = f"{JOBS.format(ns=ns)}/tiny"
+    wait_until("the TTL deleting the job", lambda: cluster.rest.get(path).status == 404,
+               JOB_SECONDS)
+    wait_until("the job's pods collected", lambda: not cluster.rest.must(
+        "GET", f"/api/v1/namespaces/{ns}/pods",
+        params={"labelSelector": "cephalo.dev/job=tiny"})["items"], JOB_SECONDS)
+    # Re-created with the same name: a new object, planned and run again.
+    second = cluster.rest.create(JOBS.format(ns=ns), tiny_job("tiny", ns),
+                                 fieldValidation="Strict")
+    assert second["metadata"]["uid"] != first["metadata"]["uid"]
+    again = _phases(cluster, ns, "tiny", {"Succeeded", "Failed"}, JOB_SECONDS)
+    assert again[-1] == "Succeeded", again
