@@ -239,7 +239,7 @@ def _explain(perms: set[Permission]) -> str:
     return ", ".join(str(p) for p in sorted(perms))
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 @pytest.mark.asyncio(loop_scope="module")
 @pytest.mark.parametrize("scope", list(SCOPES))
 async def test_role_grants_exactly_what_the_operator_uses(runs: dict[str, Run],

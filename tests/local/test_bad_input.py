@@ -398,7 +398,7 @@ def test_bad_input_is_one_clean_line_and_writes_nothing(tmp_path: Path, setup: S
                                                         phrase: str) -> None:
     args = setup(tmp_path)
     before = _snapshot(tmp_path)
-    done = run_cephalo(tmp_path, *args, timeout=120)
+    done = run_cephalo(tmp_path, *args, timeout=600)
     lines = done.stderr.splitlines()
     assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
     assert len(lines) == 1, done.stderr[-2000:]

@@ -39,7 +39,7 @@ def _rows(stdout: str) -> dict[str, list[str]]:
 def test_quick_bench_prints_every_contender_and_a_verdict() -> None:
     done = subprocess.run([sys.executable, "-I", str(BENCH), "--quick", "--rounds", "1",
                            "--steps", "3", "--batch", "4"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     rows = _rows(done.stdout)
     assert next(iter(rows)) == "cephalo (chosen)"

@@ -161,13 +161,13 @@ def test_a_crashed_rank_stops_the_others_with_its_error(tmp_path, tiny_job) -> N
                    if b"RANK=1\x00" in Path(f"/proc/{p}/environ").read_bytes()]
         assert victims
         os.kill(victims[0], signal.SIGKILL)  # what the OOM killer does
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=600)
     finally:
         proc.kill()
     assert proc.returncode == 1, out + err
     assert "rank 1 (cpu:1 (cpu)) failed with exit code -9" in out
     assert "the other ranks were stopped" in out
-    _wait_for(lambda: trainer_pids(str(tmp_path)) == [], timeout=60)
+    _wait_for(lambda: trainer_pids(str(tmp_path)) == [], timeout=600)
 
 
 def test_ctrl_c_stops_cleanly_and_resume_finishes_the_run(tmp_path, tiny_job) -> None:
@@ -184,12 +184,12 @@ def test_ctrl_c_stops_cleanly_and_resume_finishes_the_run(tmp_path, tiny_job) ->
         # Once a checkpoint is complete (what `--resume` needs; cephalo.local.checks).
         _wait_for(lambda: any((tmp_path / "runs").glob("*/*/checkpoints/step-*/COMPLETE")))
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=600)
     finally:
         proc.kill()
     assert proc.returncode == 130, out + err
     assert "--resume" in out
-    _wait_for(lambda: trainer_pids(str(tmp_path)) == [], timeout=60)
+    _wait_for(lambda: trainer_pids(str(tmp_path)) == [], timeout=600)
     run_dir = _run_dir(tmp_path, "tiny")
     done = run_cephalo(tmp_path, "run", str(job), "--plan", plan, "--devices", "cpu:2",
                        "--resume")

@@ -191,7 +191,7 @@ async def test_plan_on_cluster_equals_the_operators_plan(
     rc, out, err = await cephalo(emulator.kubeconfig, "submit", str(target), "--detach")
     assert rc == 0, err
     await wait_for("target planned", lambda: cond(emulator, "target", "Planned").get(
-        "status") == "True", timeout=60)
+        "status") == "True", timeout=120)
     chosen = plan_of(emulator, "target")
     rc, out, err = await cephalo(emulator.kubeconfig, "plan", "--cluster", "--job", str(target),
                                  "--json")

@@ -192,7 +192,7 @@ def test_entrypoint_reports_one_ranks_root_cause_on_every_rank_and_exits_4(
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(2)]
     try:
-        outputs = [p.communicate(timeout=120) for p in procs]
+        outputs = [p.communicate(timeout=600) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:

@@ -43,7 +43,7 @@ def _launch(tmp_path: Path, extra: dict[str, str] | None = None) -> list[subproc
 
 def _finish(procs: list[subprocess.Popen]) -> list[tuple[str, str]]:
     try:
-        return [p.communicate(timeout=120) for p in procs]
+        return [p.communicate(timeout=600) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:

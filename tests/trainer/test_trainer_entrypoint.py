@@ -96,7 +96,7 @@ def test_bad_environment_fails_fast_on_every_rank(tmp_path: Path) -> None:
                               stdout=subprocess.PIPE, text=True) for r in range(2)]
     try:
         for r, p in enumerate(procs):
-            _, err = p.communicate(timeout=60)
+            _, err = p.communicate(timeout=600)
             assert p.returncode == 2
             lines = err.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith(f"cephalo trainer (rank {r}): error:")
@@ -144,7 +144,7 @@ def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted(tmp_path: Pa
                               env={**env, **_env(base, r, 2)}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
     try:
-        outputs = [p.communicate(timeout=120) for p in procs]
+        outputs = [p.communicate(timeout=600) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:

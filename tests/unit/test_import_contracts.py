@@ -42,7 +42,7 @@ def _installed_layout(dest: Path) -> Path:
 def _lint(tree: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     return subprocess.run([str(LINT_IMPORTS), "--no-cache", "pyproject.toml"], cwd=tree,
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=env, capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")

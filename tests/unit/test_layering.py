@@ -20,7 +20,7 @@ print(','.join(bad))
 def _loaded(modules: list[str], forbidden: list[str]) -> str:
     code = _CHECK.format(modules=modules, forbidden=forbidden)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=120)
+                         check=True, timeout=600)
     return out.stdout.strip()
 
 
