@@ -3,14 +3,17 @@ with a real token (so the chart's RBAC decides every request), runs a small job 
 real control plane: real profiler and trainer processes (CPU, gloo) started by the process
 kubelet on GPU-labelled nodes the real scheduler picked; Profiling -> Planning -> Running ->
 Succeeded; the checkpoint the ranks wrote on the shared claim exports; the TTL deletes the
-finished job (its pods garbage-collected) and a job of the same name runs again."""
+finished job (its pods garbage-collected) and a job of the same name, submitted and watched
+through `cephalo submit --watch` (the client), runs again."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
+import pytest
 import torch
+import yaml
 
 from cephalo.cli import main as cli_main
 
@@ -37,7 +40,8 @@ def _phases(cluster: Cluster, ns: str, name: str, until: set[str],
 
 
 def test_job_trains_under_the_real_api_server_and_exports(
-        cluster: Cluster, operator: Operator, tmp_path: Path) -> None:
+        cluster: Cluster, operator: Operator, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
     started = time.monotonic()
     ns = cluster.namespace("e2e")
     make_claim(cluster, ns, "ckpt")
@@ -77,8 +81,19 @@ def test_job_trains_under_the_real_api_server_and_exports(
         "GET", f"/api/v1/namespaces/{ns}/pods",
         params={"labelSelector": "cephalo.dev/job=tiny"})["items"], JOB_SECONDS)
     # Re-created with the same name: a new object, planned and run again.
-    second = cluster.rest.create(JOBS.format(ns=ns), tiny_job("tiny", ns),
-                                 fieldValidation="Strict")
+    # This time through the client, as a user would (issue 27): `cephalo submit --watch`
+    # follows it to Succeeded (exit 0), then `cephalo status` lists it.
+    job_file = tmp_path / "tiny.yaml"
+    job_file.write_text(yaml.safe_dump(tiny_job("tiny", ns)))
+    where = ["--namespace", ns, "--kubeconfig", str(cluster.plane.kubeconfig)]
+    capsys.readouterr()
+    assert cli_main(["submit", str(job_file), "--watch", *where]) == 0
+    watched = capsys.readouterr().out
+    assert "created" in watched and "Succeeded" in watched.splitlines()[-1], watched
+    second = cluster.rest.must("GET", f"{JOBS.format(ns=ns)}/tiny")
     assert second["metadata"]["uid"] != first["metadata"]["uid"]
-    again = _phases(cluster, ns, "tiny", {"Succeeded", "Failed"}, JOB_SECONDS)
-    assert again[-1] == "Succeeded", again
+    assert second["status"]["phase"] == "Succeeded"
+    assert cli_main(["status", *where]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:2] == ["NAME", "PHASE"]
+    assert table[1].split()[:2] == ["tiny", "Succeeded"], table
