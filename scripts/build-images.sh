@@ -11,7 +11,7 @@
 # build seconds) and <image>.cdx.json (CycloneDX SBOM of its Python packages).
 # Reproducible: SOURCE_DATE_EPOCH (default: the last commit's time) is every layer's file
 # and creation time (--timestamp) and makes pip's bytecode hash-checked; versions are locked.
-# Env: CEPHALO_PIP_CA (a CA bundle for pip, passed as the pip-ca secret; default: the
+# Env: REVISION and SOURCE_DATE_EPOCH (rebuild an older commit's image), CEPHALO_PIP_CA (a CA bundle for pip, passed as the pip-ca secret; default: the
 # system bundle when it exists), PIP_INDEX_URL (a mirror), CEPHALO_REBUILD=1 (ignore the
 # image cache), CEPHALO_TAG_PREFIX (default localhost/cephalo; images are tagged
 # $CEPHALO_TAG_PREFIX-operator:<version>).
@@ -22,7 +22,7 @@ CACHE=${CEPHALO_IMAGE_CACHE:-$HOME/.cache/cephalo-images}
 BASES=${CEPHALO_BASES:-standin}
 PREFIX=${CEPHALO_TAG_PREFIX:-localhost/cephalo}
 VERSION=$(python3 -I -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')
-REVISION=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+REVISION=${REVISION:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-$(git log -1 --format=%ct 2>/dev/null || echo 0)}
 TARGETS=("${@:-operator trainer}")
 read -r -a TARGETS <<<"${TARGETS[*]}"
