@@ -151,7 +151,7 @@ for target in "${TARGETS[@]}"; do
     fi
     digest=$("${B[@]}" inspect --type image --format '{{.FromImageDigest}}' "$cached")
     size=$("${B[@]}" inspect --type image --format '{{.FromImageID}}' "$cached" >/dev/null &&
-        "${B[@]}" images --noheading --format '{{.Size}}' "$cached" | head -1)
+        "${B[@]}" images --noheading --format '{{.Size}}' "$cached" | sed -n 1p)
     bytes=$(python3 -I - "$CACHE/storage" "$("${B[@]}" inspect --type image --format '{{.FromImageID}}' "$cached")" <<'EOF'
 import json, sys, pathlib
 # The image's uncompressed size: the sum of its layers' uncompressed sizes (buildah's
