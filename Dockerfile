@@ -1,11 +1,17 @@
-# syntax=docker/dockerfile:1.7
-#
 # Two images from one file (tests/chart/test_dockerfile.py checks this file statically):
 #   docker build --target operator -t ghcr.io/cephalo/cephalo-operator:0.1.0 .
 #   docker build --target trainer  -t ghcr.io/cephalo/cephalo-trainer:0.1.0 .
 #
-# Base images are pinned by tag; pin them by digest in your own registry mirror for
-# bit-for-bit rebuilds. The trainer base uses CUDA 12.6 on purpose: PyTorch's CUDA 12.8+
+# No `# syntax=` line: nothing here needs more than the Dockerfile frontend built into
+# BuildKit and buildah (RUN --mount=type=secret), so no frontend image is pulled.
+# Python packages install under a lock (constraints/*.txt, refreshed by scripts/lock-deps.sh);
+# base images are pinned by tag: pin them by digest in your registry mirror as well for
+# bit-for-bit rebuilds (scripts/build-images.sh builds both images without Docker).
+# Behind a package mirror or TLS interception, nothing here needs editing:
+#   --build-arg PIP_INDEX_URL=https://mirror.example/simple  (no credentials: build args
+#       stay in the build stage's history; put credentials in a pip.conf of your own)
+#   --secret id=pip-ca,src=/etc/ssl/certs/ca-certificates.crt  (extra CA bundle, never in
+#       a layer: BuildKit and buildah mount it for the pip step only) The trainer base uses CUDA 12.6 on purpose: PyTorch's CUDA 12.8+
 # builds drop the Pascal kernels (P40, P100) that mixed clusters still run. For only newer
 # GPUs: --build-arg PYTORCH_IMAGE=pytorch/pytorch:2.9.0-cuda12.8-cudnn9-runtime
 
@@ -18,21 +24,34 @@ ARG UID=1000
 
 # ---------------------------------------------------------------- operator: build stage
 FROM ${PYTHON_IMAGE} AS operator-build
+ARG PIP_INDEX_URL=""
+# Set (scripts/build-images.sh does), it makes the bytecode pip compiles hash-checked, not
+# stamped with the install time.
+ARG SOURCE_DATE_EPOCH
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY constraints/ constraints/
 COPY src/ src/
 COPY operator/ operator/
 # Sources only (setuptools maps every subpackage); torch is not installed and never imported.
 COPY trainer/ trainer/
-RUN python -I -m venv /opt/cephalo \
- && /opt/cephalo/bin/pip install ".[operator]" \
+# A venv without pip (and so without the old setuptools a Python 3.11 venv seeds), filled by
+# the base's pip; PIP_CONSTRAINT (not --constraint) also pins pip's isolated build backend.
+RUN --mount=type=secret,id=pip-ca \
+    { [ ! -s /run/secrets/pip-ca ] || export PIP_CERT=/run/secrets/pip-ca; } \
+ && { [ -n "${PIP_INDEX_URL}" ] || unset PIP_INDEX_URL; } \
+ && python -I -m venv --without-pip /opt/cephalo \
+ && PIP_CONSTRAINT=/src/constraints/operator.txt \
+    python -I -m pip --python /opt/cephalo/bin/python install ".[operator]" \
  && /opt/cephalo/bin/python -I -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)" \
- && /opt/cephalo/bin/python -I -c "import cephalo.operator" \
- && /opt/cephalo/bin/python -I -m pip uninstall --yes pip
+ && /opt/cephalo/bin/python -I -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in ('pip', 'setuptools')))" \
+ && /opt/cephalo/bin/python -I -c "import cephalo.operator"
 
 # ---------------------------------------------------------------- operator: final image
 FROM ${PYTHON_IMAGE} AS operator
+# Global ARGs are only visible on FROM lines: re-declared to reach the LABEL below.
+ARG PYTHON_IMAGE
 ARG VERSION
 ARG REVISION
 ARG UID
@@ -55,22 +74,34 @@ CMD ["--module=cephalo.operator", "--standalone", "--all-namespaces", "--livenes
 
 # ---------------------------------------------------------------- trainer: build stage
 FROM ${PYTORCH_IMAGE} AS trainer-build
+ARG PIP_INDEX_URL=""
+# Set (scripts/build-images.sh does), it makes the bytecode pip compiles hash-checked, not
+# stamped with the install time.
+ARG SOURCE_DATE_EPOCH
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY constraints/ constraints/
 COPY src/ src/
 COPY operator/ operator/
 COPY trainer/ trainer/
 # torch comes from the base image (its CUDA build): the venv sees it through system site
-# packages, and a constraint pins it so pip can never swap it for another build.
-RUN python -I -m venv --system-site-packages /opt/cephalo \
+# packages, and a constraint pins it so pip can never swap it for another build. The venv has
+# no pip of its own (uninstalling one would still leave the base's pip visible through the
+# system site packages): the base's pip fills it.
+RUN --mount=type=secret,id=pip-ca \
+    { [ ! -s /run/secrets/pip-ca ] || export PIP_CERT=/run/secrets/pip-ca; } \
+ && { [ -n "${PIP_INDEX_URL}" ] || unset PIP_INDEX_URL; } \
+ && python -I -m venv --without-pip --system-site-packages /opt/cephalo \
  && python -I -c "from importlib.metadata import version; print('torch==' + version('torch'))" > /tmp/torch.txt \
- && /opt/cephalo/bin/pip install --constraint /tmp/torch.txt ".[trainer]" \
- && /opt/cephalo/bin/python -I -c "import cephalo.trainer, torch" \
- && /opt/cephalo/bin/python -I -m pip uninstall --yes pip
+ && PIP_CONSTRAINT="/src/constraints/trainer.txt /tmp/torch.txt" \
+    python -I -m pip --python /opt/cephalo/bin/python install ".[trainer]" \
+ && /opt/cephalo/bin/python -I -c "import cephalo.trainer, torch"
 
 # ---------------------------------------------------------------- trainer: final image
 FROM ${PYTORCH_IMAGE} AS trainer
+# Global ARGs are only visible on FROM lines: re-declared to reach the LABEL below.
+ARG PYTORCH_IMAGE
 ARG VERSION
 ARG REVISION
 ARG UID
@@ -81,10 +112,15 @@ LABEL org.opencontainers.image.title="cephalo-trainer" \
       org.opencontainers.image.source="https://github.com/cephalo/cephalo" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.base.name="${PYTORCH_IMAGE}"
+# /work: the working directory, the one folder of the image uid 1000 may write (`cephalo run`
+# creates runs/ there); the base's /workspace is root's. Pods write to /tmp, /dev/shm and
+# their checkpoint volume only (read-only root filesystem).
 RUN groupadd --gid ${UID} cephalo \
- && useradd --uid ${UID} --gid ${UID} --no-create-home --home-dir /tmp --shell /usr/sbin/nologin cephalo
+ && useradd --uid ${UID} --gid ${UID} --no-create-home --home-dir /tmp --shell /usr/sbin/nologin cephalo \
+ && mkdir -m 0755 /work && chown ${UID}:${UID} /work
 COPY --from=trainer-build /opt/cephalo /opt/cephalo
 ENV PATH=/opt/cephalo/bin:${PATH} PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/tmp
+WORKDIR /work
 USER ${UID}:${UID}
 # 29500: torch.distributed rendezvous; 9400: per-rank /metrics (CEPHALO_METRICS_PORT).
 EXPOSE 29500 9400

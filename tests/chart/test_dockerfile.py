@@ -30,6 +30,9 @@ class Stage:
     name: str
     base: str  # FROM with build args resolved
     instructions: list[tuple[str, str]] = field(default_factory=list)
+    # Build args visible inside the stage: only those it declares (a global ARG reaches a
+    # stage's instructions only when the stage re-declares it, taking the global default).
+    args: dict[str, str] = field(default_factory=dict)
 
     def all(self, keyword: str) -> list[str]:
         return [arg for kw, arg in self.instructions if kw == keyword]
@@ -72,6 +75,9 @@ def parse_dockerfile(text: str) -> tuple[dict[str, str], dict[str, Stage]]:
             global_args[name] = default
         else:
             current.instructions.append((keyword, arg))
+            if keyword == "ARG":
+                name, has_default, default = arg.partition("=")
+                current.args[name] = default if has_default else global_args.get(name, "")
     return global_args, stages
 
 
@@ -104,6 +110,15 @@ def test_parser_reads_continuations_and_args() -> None:
     assert stages["a"].all("RUN") == ["echo 1 && echo 2"]
 
 
+def test_parser_scopes_global_args_to_from_lines() -> None:
+    """A global ARG is not visible in a stage that does not re-declare it (Docker and
+    buildah expand it to an empty string there)."""
+    _, stages = parse_dockerfile("ARG IMG=python:3.11-slim\nARG UID=1000\n"
+                                 "FROM ${IMG} AS a\nARG UID\nLABEL base=${IMG}\nUSER ${UID}\n")
+    assert stages["a"].args == {"UID": "1000"}
+    assert _expand(stages["a"].all("LABEL")[0], stages["a"].args) == "base=${IMG}"
+
+
 def test_targets_exist_with_pinned_bases(dockerfile) -> None:  # type: ignore[no-untyped-def]
     _, stages = dockerfile
     assert set(FINAL_STAGES) <= set(stages)
@@ -117,9 +132,9 @@ def test_targets_exist_with_pinned_bases(dockerfile) -> None:  # type: ignore[no
 
 @pytest.mark.parametrize("name", FINAL_STAGES)
 def test_final_stages_are_non_root_labelled_and_tool_free(dockerfile, name: str) -> None:  # type: ignore[no-untyped-def]
-    args, stages = dockerfile
+    _, stages = dockerfile
     stage = stages[name]
-    user = _expand(stage.all("USER")[-1], args)
+    user = _expand(stage.all("USER")[-1], stage.args)
     uid = user.split(":")[0]
     assert uid.isdigit() and int(uid) > 0, f"{name}: USER {user} must be a numeric non-root uid"
     labels = " ".join(stage.all("LABEL"))
@@ -132,9 +147,99 @@ def test_final_stages_are_non_root_labelled_and_tool_free(dockerfile, name: str)
     assert copies and all("--from=" in c for c in copies), f"{name}: copies sources: {copies}"
 
 
+@pytest.mark.parametrize("name", FINAL_STAGES)
+def test_base_name_label_names_the_stage_base(dockerfile, name: str) -> None:  # type: ignore[no-untyped-def]
+    _, stages = dockerfile
+    stage = stages[name]
+    labels = _expand(" ".join(stage.all("LABEL")), stage.args)
+    m = re.search(r'org\.opencontainers\.image\.base\.name="([^"]*)"', labels)
+    assert m and m.group(1) == stage.base, \
+        f"{name}: base.name label is {m and m.group(1)!r}, not {stage.base!r} " \
+        "(re-declare the global ARG in the stage)"
+
+
+def test_no_frontend_image_is_pulled() -> None:
+    first = DOCKERFILE.read_text().splitlines()[0]
+    assert not re.match(r"#\s*syntax\s*=", first), \
+        f"{first}: makes BuildKit pull a frontend image; the built-in frontend suffices"
+
+
+def test_trainer_works_in_a_folder_its_user_owns(dockerfile) -> None:  # type: ignore[no-untyped-def]
+    """`cephalo run job.yaml` creates runs/ in the working directory: as uid 1000 in the
+    base's root-owned /workspace it fails with Permission denied."""
+    _, stages = dockerfile
+    stage = stages["trainer"]
+    workdirs = stage.all("WORKDIR")
+    assert workdirs, "trainer: no WORKDIR (inherits the base's root-owned /workspace)"
+    workdir = workdirs[-1]
+    index = [kw for kw, _ in stage.instructions].index  # WORKDIR itself creates it root-owned
+    runs = " ".join(_expand(r, stage.args) for r in stage.all("RUN"))
+    uid = stage.args["UID"]
+    assert re.search(rf"chown (-\S+ )*{uid}(:{uid})? {re.escape(workdir)}(\s|$)", runs), \
+        f"trainer: WORKDIR {workdir} is not chowned to uid {uid}"
+    assert index("RUN") < index("WORKDIR")
+
+
+def _build_runs(stages: dict[str, Stage]) -> list[tuple[str, str]]:
+    return [(s.name, r) for s in stages.values() for r in s.all("RUN") if "pip" in r]
+
+
+def test_pip_can_use_a_mirror_and_an_extra_ca_without_edits(dockerfile) -> None:  # type: ignore[no-untyped-def]
+    _, stages = dockerfile
+    for name, run in _build_runs(stages):
+        if "install" not in run:
+            continue
+        assert "PIP_INDEX_URL" in stages[name].args, f"{name}: no PIP_INDEX_URL build arg"
+        assert "--mount=type=secret,id=pip-ca" in run and "PIP_CERT=/run/secrets/pip-ca" in run, \
+            f"{name}: pip cannot be given an extra CA bundle (secret pip-ca)"
+
+
+def test_installs_are_locked(dockerfile) -> None:  # type: ignore[no-untyped-def]
+    """Every Python package an image installs is pinned by constraints/<image>.txt (PIP_CONSTRAINT
+    also reaches pip's isolated build environment, --constraint does not)."""
+    _, stages = dockerfile
+    project = pyproject()
+    for image in FINAL_STAGES:
+        lock = ROOT / "constraints" / f"{image}.txt"
+        assert lock.exists(), f"no {lock.relative_to(ROOT)}: run scripts/lock-deps.sh"
+        pins = {Requirement(line).name.lower().replace("_", "-"): Requirement(line)
+                for line in lock.read_text().splitlines() if line and not line.startswith("#")}
+        assert all(str(r.specifier).startswith("==") for r in pins.values())
+        runs = [r for s in _chain(stages, image) for r in s.all("RUN") if "pip" in r]
+        assert any(f"PIP_CONSTRAINT=/src/constraints/{image}.txt" in r or
+                   f'PIP_CONSTRAINT="/src/constraints/{image}.txt' in r for r in runs), \
+            f"{image}: the pip install does not use constraints/{image}.txt"
+        wanted = [Requirement(r) for r in project["project"]["dependencies"] +
+                  project["project"]["optional-dependencies"][image] +
+                  project["build-system"]["requires"]]
+        for req in wanted:
+            name = req.name.lower().replace("_", "-")
+            if name == "torch":
+                continue  # the trainer's torch is the base image's (constrained to itself)
+            assert name in pins, f"constraints/{image}.txt does not pin {name}: rerun " \
+                "scripts/lock-deps.sh"
+            version = str(pins[name].specifier).removeprefix("==")
+            assert req.specifier.contains(version, prereleases=True), \
+                f"constraints/{image}.txt: {name}=={version} is outside pyproject's {req}: " \
+                "rerun scripts/lock-deps.sh"
+
+
+def test_no_pip_or_setuptools_left_in_the_venvs(dockerfile) -> None:  # type: ignore[no-untyped-def]
+    """A 3.11 venv seeds pip and an old setuptools (scanners flag it); in a venv over the
+    base's site packages uninstalling pip does nothing (the base's pip stays importable).
+    So the venvs are made without pip and filled by the base's pip."""
+    _, stages = dockerfile
+    for name, run in _build_runs(stages):
+        if " venv " not in run:
+            continue
+        assert "--without-pip" in run, f"{name}: the venv seeds pip and setuptools"
+        assert "pip uninstall" not in run, f"{name}: a pip uninstall that leaves the base's pip"
+
+
 def test_images_run_as_the_uid_the_chart_and_operator_expect(dockerfile) -> None:  # type: ignore[no-untyped-def]
-    args, stages = dockerfile
-    uid = {n: int(_expand(stages[n].all("USER")[-1], args).split(":")[0]) for n in FINAL_STAGES}
+    _, stages = dockerfile
+    uid = {n: int(_expand(stages[n].all("USER")[-1], stages[n].args).split(":")[0])
+           for n in FINAL_STAGES}
     values = load_yaml(CHART_DIR / "values.yaml")
     deployment = (CHART_DIR / "templates" / "deployment.yaml").read_text()
     assert f"runAsUser: {uid['operator']}" in deployment
@@ -228,7 +333,9 @@ def test_build_context_holds_what_the_build_copies() -> None:
     setuptools = pyproject()["tool"]["setuptools"]
     roots = {d.split("/")[0] + "/" for d in setuptools["package-dir"].values()}
     assert roots | {"pyproject.toml", "README.md"} <= sources
-    for unwanted in (".venv/bin/python", ".git/HEAD", "tests/chart/test_dockerfile.py",
+    for unwanted in (".venv/bin/python", "runs/x/metrics.jsonl", ".mypy_cache/x",
+                     ".ruff_cache/x", ".pytest_cache/x", "tests/unit/__init__.py", ".git/HEAD",
+                     "tests/chart/test_dockerfile.py",
                      "src/cephalo/__pycache__/x.pyc", "charts/cephalo-operator/Chart.yaml"):
         assert _ignored(unwanted, patterns), f".dockerignore lets {unwanted} into the context"
     package_dir: dict[str, str] = setuptools["package-dir"]
@@ -262,6 +369,9 @@ def test_build_stage_pythons_ignore_the_source_folder(dockerfile) -> None:  # ty
         if not any("operator/" in c for c in stage.all("COPY")):
             continue
         for run in stage.all("RUN"):
+            # `pip --python VENV/bin/python` re-runs pip from pip's own folder (its sys.path[0]),
+            # never from the working directory.
+            run = re.sub(r"--python[= ]\S+", "", run)
             for m in re.finditer(r"(?:^|[\s/])python3?\s+(\S+)", run):
                 assert m.group(1) == "-I", f"stage {stage.name}: `{m.group(0).strip()} …` " \
                     "without -I sees /src/operator as the stdlib module"
