@@ -7,9 +7,9 @@ Neither backend has a native collective for arbitrary per-rank sizes that works 
   slice of the full buffer* (no padding, no copy-out; measured 2–4x faster than the padded
   form on gloo). NCCL: when shards are even, `all_gather_into_tensor` straight into the full
   buffer; otherwise the padded `[world, max]` gather and a copy-out (FSDP's layout).
-* **ReduceScatter** (SUM) — gloo: `reduce_scatter(list)` over views of the full gradient
-  (uneven and empty entries are fine, no copies). NCCL: `reduce_scatter_tensor`, padded
-  when uneven.
+* **ReduceScatter** (SUM) — gloo: an in-place `all_reduce` of the full gradient and a copy
+  of this rank's slice (what gloo's own `reduce_scatter(list)` does, less the flat copy of
+  its inputs it makes first). NCCL: `reduce_scatter_tensor`, padded when uneven.
 
 Every call is issued with ``async_op=True`` and returns a `Pending` whose `wait()` is
 timed, so the engine can prefetch the next unit while the current one computes and report
@@ -49,6 +49,9 @@ class Pending:
                 self.finish()
             self.stats.wait_seconds[self.kind] += time.perf_counter() - started
             self.done = True
+            # The works and the copy-out reach the collective's inputs (a full unit buffer):
+            # let them go now, not when the last reference to this Pending does.
+            self.works, self.finish = [], None
         return self.result
 
     def release(self) -> None:
@@ -143,8 +146,12 @@ class UnevenCollectives:
         return Pending([work], full, "all_gather", self.stats, finish=copy_out)
 
     def reduce_scatter(self, full_grad: torch.Tensor, bounds: list[tuple[int, int]],
-                       unit: int) -> Pending:
-        """SUM-reduce a full flat gradient across ranks; the result is this rank's shard."""
+                       unit: int, *, consume: bool = True) -> Pending:
+        """SUM-reduce a full flat gradient across ranks; the result is this rank's shard.
+
+        `consume`: on gloo, where the reduction happens in `full_grad` itself, its storage is
+        freed as soon as the shard is out (the engine never reads a full gradient after its
+        reduce-scatter); pass False to reuse the buffer (the collective profiler does)."""
         start, end = bounds[self.rank]
         self._count("reduce_scatter", unit, full_grad.numel())
         if self.world_size == 1:
@@ -153,10 +160,25 @@ class UnevenCollectives:
         out = torch.empty(end - start, dtype=full_grad.dtype, device=full_grad.device)
         sizes = [e - s for s, e in bounds]
         if self.backend != "nccl":
-            inputs = [full_grad[s:e] for s, e in bounds]
-            work = dist.reduce_scatter(out, inputs, op=dist.ReduceOp.SUM, group=self.group,
-                                       async_op=True)
-            return Pending([work], out, "reduce_scatter", self.stats)
+            # gloo runs `reduce_scatter(list)` as a copy of the inputs into one flat buffer,
+            # an all-reduce of that copy and a copy-out: a second full gradient alive for as
+            # long as the collective runs, which the memory model does not count and which
+            # overlapped the backward's peak only when gloo's thread lagged (measured: 1-3
+            # blocks over the model, by load). The gradient is flat already: all-reduce it in
+            # place, the same reduction without the copy, and take this rank's slice.
+            work = dist.all_reduce(full_grad, op=dist.ReduceOp.SUM, group=self.group,
+                                   async_op=True)
+            whole = full_grad.storage_offset() == 0 and \
+                full_grad.untyped_storage().nbytes() == full_grad.numel() * full_grad.element_size()
+
+            def slice_out() -> None:
+                out.copy_(full_grad[start:end])
+                if consume and whole:  # (a view of a larger buffer is its owner's to free)
+                    # Freed here, not when the last reference goes: gloo's worker thread
+                    # holds the finished collective, and the buffer, until it next runs.
+                    full_grad.untyped_storage().resize_(0)
+
+            return Pending([work], out, "reduce_scatter", self.stats, finish=slice_out)
         largest = max(sizes)
         if all(s == largest for s in sizes):
             work = dist.reduce_scatter_tensor(out, full_grad, group=self.group, async_op=True)

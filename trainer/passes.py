@@ -41,6 +41,7 @@ def evaluate(engine: Engine, xs: list[torch.Tensor], targets: list[torch.Tensor]
         pending = engine._gather(u + 1)
         with engine._dilated():
             xs = forward_unit(units[u], full, xs, device, precision)
+        release(engine, u, full)
         del full
     head = units[last]
     full = pending.wait()
@@ -50,6 +51,7 @@ def evaluate(engine: Engine, xs: list[torch.Tensor], targets: list[torch.Tensor]
         for x, t in zip(xs, targets, strict=True):
             loss_sum += head.module(x, t).double().sum()
     head.unbind()
+    release(engine, last, full)
     count = torch.tensor(float(sum(int(t.shape[0]) for t in targets)),
                          dtype=torch.float64, device=device)
     totals = engine.comm.all_reduce_sum(torch.stack([loss_sum, count])).cpu().tolist()
@@ -138,6 +140,9 @@ def fused_tail(engine: Engine, first: int, first_gather: Pending,
     for i in range(blocks):  # every gradient is final now, reached by a hook or not
         units[first + i].unbind()
         issued.ready(first + i, grads[i])
+    for i, full in enumerate(fulls):
+        if full is not None:
+            release(engine, first + i, full)
     return loss_sum
 
 
@@ -166,6 +171,7 @@ def _tail_without_samples(engine: Engine, first: int, pending: Pending,
     unit buffer at a time (it computes nothing: holding the tail would only cost memory)."""
     last = len(engine.units) - 1
     for u in range(first, last + 1):
+        release(engine, u, pending.wait())
         pending.release()  # the caller may hold the first one still
         if u < last:
             pending = engine._gather(u + 1)
@@ -195,6 +201,16 @@ class _InOrder:
 def grad_of(full: torch.Tensor) -> torch.Tensor:
     # A rank with no batch contributes zeros (it still takes part in the collective).
     return full.grad if full.grad is not None else torch.zeros_like(full)
+
+
+def release(engine: Engine, u: int, full: torch.Tensor) -> None:
+    """Free gathered unit buffer `full` now, when the pass is done with it. Dropping the last
+    Python reference is not enough: gloo's worker thread keeps the finished collective, and
+    with it the buffer, until it next runs (measured: 15-30 % of async collectives outlive
+    `wait()` plus `del`, longer under load), so the buffer would stay allocated into the next
+    unit's peak by chance, beyond the memory model's five unit buffers."""
+    if full.untyped_storage().size() and _owns_storage(engine, u, full):
+        free_storage(full)
 
 
 def _owns_storage(engine: Engine, u: int, full: torch.Tensor) -> bool:
@@ -240,6 +256,7 @@ def forward_backward_recompute(engine: Engine, inputs: list[torch.Tensor],
             if u > 0:
                 store.evict((u, mb))  # consumed; needed again only in backward
             store.put((u + 1, mb), y)
+        release(engine, u, full)
         del full
     # The tail is gathered once for the step (its first unit prefetched under the last
     # layered one); without a fused tail it is the head alone.
@@ -265,6 +282,7 @@ def forward_backward_recompute(engine: Engine, inputs: list[torch.Tensor],
         if u in kept:
             if u in freed:
                 restore_storage(kept[u], full)
+                release(engine, u, full)  # the re-gathered copy
             full = kept.pop(u)
             # The re-gathered buffer (held by `pending` too) goes before the next gather
             # allocates: at most five unit buffers (cephalo.api.memory).
@@ -281,8 +299,7 @@ def forward_backward_recompute(engine: Engine, inputs: list[torch.Tensor],
         # had this unit's backward to finish, as the cost model assumes.
         scatters[-1].wait()
         scatters.append(engine.comm.reduce_scatter(grad_of(full), units[u].bounds, u))
-        if u in freed:
-            free_storage(full)
+        release(engine, u, full)
         del full
     store.clear()
     return loss_sum, scatters[::-1]
@@ -378,6 +395,7 @@ def forward_backward_keep(engine: Engine, inputs: list[torch.Tensor],
                 store.put(("grad", u, mb), x.grad)
         graphs[u] = []
         scatters.append(engine.comm.reduce_scatter(grad_of(fulls[u]), units[u].bounds, u))
+        release(engine, u, fulls[u])
         fulls[u] = torch.empty(0)
     store.clear()
     return loss_sum, scatters[::-1]

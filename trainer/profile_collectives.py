@@ -43,7 +43,7 @@ def _per_op_seconds(coll: UnevenCollectives, kind: str, numel: int, ratios: list
         if kind == "all_gather":
             coll.all_gather(shard, bounds, unit=0).wait()
         elif kind == "reduce_scatter":
-            coll.reduce_scatter(full, bounds, unit=0).wait()
+            coll.reduce_scatter(full, bounds, unit=0, consume=False).wait()
         else:
             coll.all_reduce_sum(full)
 

@@ -5,21 +5,30 @@ the memory-model tests."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 
 def live_bytes_peak(step: Callable[[], object]) -> int:
-    """Peak of the bytes allocated (net of frees) while `step` runs, from the allocation
-    events torch's profiler records (frees of blocks allocated before it started are not
-    recorded, so this counts only what the step itself allocates)."""
+    """Peak of the bytes allocated (net of frees) while `step` runs.
+
+    Read from the running total that torch's CPU allocator reports with every allocation
+    and free it makes while the profiler records memory (blocks allocated before it started
+    are not in it). The total is kept under the allocator's lock, so its maximum is exact
+    even when other threads (gloo's workers) free memory: summing the events' sizes in
+    timestamp order instead misorders a free on one thread and an allocation on another."""
+    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    live_bytes = peak = 0
-    for event in events:
-        live_bytes += event.nbytes()
-        peak = max(peak, live_bytes)
-    return peak
+
+    def walk(events: list[Any]) -> Iterator[Any]:
+        for event in events:
+            yield event
+            yield from walk(event.children)
+
+    tree = prof.profiler.kineto_results.experimental_event_tree()
+    totals = [e.extra_fields.total_allocated for e in walk(tree)
+              if e.tag == _EventType.Allocation]
+    return max([0, *totals])

@@ -24,15 +24,12 @@ BATCH, MICRO = 4, 2
 # is slow (measured: 3.60 MB against 4.02 MB predicted, 10.5 % over). It must never
 # understate it beyond allocator rounding: that is an out-of-memory error on a GPU.
 OVERSTATE_TOLERANCE = 0.15
-# 2 % held in every run until a clean-checkout CI run (session 8, machine at load 1-2)
-# measured 4197764 bytes against 4021248 predicted: 4.4 % over, about one block's gradient
-# (gpt-tiny: 4 x 49 k parameters). Reruns gave <= 2 %. Suspected cause, not yet fixed: the
-# fused tail issues its blocks' reduce-scatters without waiting for the previous one
-# (trainer/passes.py `issue`), so how many gloo send/receive buffers are live at once
-# depends on timing, while the model counts one unit gradient under its reduce-scatter.
-# Until the engine bounds them (or the model counts them), the bound is 6 %: a real
-# understatement, tracked in the closing note of session 8, not allocator rounding.
-UNDERSTATE_TOLERANCE = 0.06
+# Allocator rounding only. Session 8 once measured 4.4 % over (timing-dependent): gloo's
+# worker threads held finished collectives, and with them gathered unit buffers and full
+# gradients, past `wait()` and the last Python reference, into the next unit's peak. The
+# engine now frees those buffers itself (trainer/passes.py `release`, `reduce_scatter`'s
+# `consume`); test_freed_buffers_do_not_wait_for_gloo_threads keeps the mechanism covered.
+UNDERSTATE_TOLERANCE = 0.02
 
 
 def _rank(rank: int, world_size: int, config: ModelConfig) -> dict[str, Any]:
