@@ -3,13 +3,20 @@
 Neither backend has a native collective for arbitrary per-rank sizes that works everywhere
 (see shared/reference/torch-notes.md), so:
 
-* **AllGather** — gloo: one async `broadcast` per non-empty shard, each *directly into its
-  slice of the full buffer* (no padding, no copy-out; measured 2–4x faster than the padded
-  form on gloo). NCCL: when shards are even, `all_gather_into_tensor` straight into the full
-  buffer; otherwise the padded `[world, max]` gather and a copy-out (FSDP's layout).
-* **ReduceScatter** (SUM) — gloo: an in-place `all_reduce` of the full gradient and a copy
-  of this rank's slice (what gloo's own `reduce_scatter(list)` does, less the flat copy of
-  its inputs it makes first). NCCL: `reduce_scatter_tensor`, padded when uneven.
+* **AllGather** — NCCL with even shards: `all_gather_into_tensor` straight into the full
+  buffer. Otherwise (gloo, or uneven shards): one async `broadcast` per non-empty shard,
+  each *directly into its slice of the full buffer* (no padding, no copy-out; measured 2–4x
+  faster than the padded form on gloo; on NCCL the padded `[world, largest]` form would
+  hold up to world x the unit beside it, outside the memory model).
+* **ReduceScatter** (SUM) — NCCL with even shards: `reduce_scatter_tensor`. NCCL uneven:
+  one in-place `reduce` per owner of its slice (again no padding). gloo: an in-place
+  `all_reduce` of the full gradient and a copy of this rank's slice (what gloo's own
+  `reduce_scatter(list)` does, less the flat copy of its inputs it makes first). Outside
+  NCCL's even path the full gradient's storage is freed when the shard is out.
+
+No NCCL form has run here (NCCL wants one GPU per rank; the device machine has one). The
+uneven ones are the same calls the tests run on gloo (the gathers are shared code;
+`reduce_by_owner` runs the per-owner reduce there).
 
 Every call is issued with ``async_op=True`` and returns a `Pending` whose `wait()` is
 timed, so the engine can prefetch the next unit while the current one computes and report
@@ -87,10 +94,14 @@ class UnevenCollectives:
         self.stats = CollectiveStats()
         if standalone:
             self.rank, self.world_size, self.backend = 0, 1, "none"
+            self.reduce_by_owner = False
             return
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
+        # NCCL's uneven reduce-scatter (a reduce per owner) on any backend: tests run it on
+        # gloo, whose all-reduce is the default there.
+        self.reduce_by_owner = False
 
     def _global_rank(self, group_rank: int) -> int:
         if self.group is None:
@@ -112,89 +123,63 @@ class UnevenCollectives:
             return Pending([], full, "all_gather", self.stats, done=True)
         start, end = bounds[self.rank]
         full[start:end].copy_(shard)
-        sizes = [e - s for s, e in bounds]
-        if self.backend == "nccl":
-            return self._nccl_all_gather(full, sizes, bounds)
-        works = []
-        for r, (s, e) in enumerate(bounds):
-            if e > s:
-                works.append(dist.broadcast(full[s:e], src=self._global_rank(r),
-                                            group=self.group, async_op=True))
-        self.stats.native_calls["all_gather"] += len(works)
-        return Pending(works, full, "all_gather", self.stats)
-
-    def _nccl_all_gather(self, full: torch.Tensor, sizes: list[int],
-                         bounds: list[tuple[int, int]]) -> Pending:
-        self.stats.native_calls["all_gather"] += 1
-        largest = max(sizes)
-        if all(s == largest for s in sizes):
-            start, end = bounds[self.rank]
+        if self.backend == "nccl" and _even(bounds):
+            self.stats.native_calls["all_gather"] += 1
             work = dist.all_gather_into_tensor(full, full[start:end].clone(), group=self.group,
                                                async_op=True)
             return Pending([work], full, "all_gather", self.stats)
-        padded = torch.zeros(self.world_size * largest, dtype=full.dtype, device=full.device)
-        start, end = bounds[self.rank]
-        local = torch.zeros(largest, dtype=full.dtype, device=full.device)
-        local[:end - start].copy_(full[start:end])
-        work = dist.all_gather_into_tensor(padded, local, group=self.group, async_op=True)
-
-        def copy_out() -> None:
-            rows = padded.view(self.world_size, largest)
-            for r, (s, e) in enumerate(bounds):
-                full[s:e].copy_(rows[r, :e - s])
-
-        return Pending([work], full, "all_gather", self.stats, finish=copy_out)
+        # Uneven (or gloo): each owner broadcasts its shard straight into its slice of the
+        # full buffer. No padding: the padded [world, largest] gather would hold up to
+        # world x the unit (a unit owned by one rank: 8 x on 8 GPUs) beside the full buffer,
+        # beyond the memory model's unit buffers, and move as much more over the network.
+        works = [dist.broadcast(full[s:e], src=self._global_rank(r), group=self.group,
+                                async_op=True)
+                 for r, (s, e) in enumerate(bounds) if e > s]
+        self.stats.native_calls["all_gather"] += len(works)
+        return Pending(works, full, "all_gather", self.stats)
 
     def reduce_scatter(self, full_grad: torch.Tensor, bounds: list[tuple[int, int]],
                        unit: int, *, consume: bool = True) -> Pending:
         """SUM-reduce a full flat gradient across ranks; the result is this rank's shard.
 
-        `consume`: on gloo, where the reduction happens in `full_grad` itself, its storage is
-        freed as soon as the shard is out (the engine never reads a full gradient after its
-        reduce-scatter); pass False to reuse the buffer (the collective profiler does)."""
+        `full_grad` is the collective's to overwrite. `consume`: outside NCCL's even path
+        its storage is freed as soon as the shard is out (the engine never reads a full
+        gradient after its reduce-scatter); pass False to reuse the buffer (the collective
+        profiler does)."""
         start, end = bounds[self.rank]
         self._count("reduce_scatter", unit, full_grad.numel())
         if self.world_size == 1:
             return Pending([], full_grad[start:end], "reduce_scatter", self.stats, done=True)
-        self.stats.native_calls["reduce_scatter"] += 1
         out = torch.empty(end - start, dtype=full_grad.dtype, device=full_grad.device)
-        sizes = [e - s for s, e in bounds]
-        if self.backend != "nccl":
-            # gloo runs `reduce_scatter(list)` as a copy of the inputs into one flat buffer,
-            # an all-reduce of that copy and a copy-out: a second full gradient alive for as
-            # long as the collective runs, which the memory model does not count and which
-            # overlapped the backward's peak only when gloo's thread lagged (measured: 1-3
-            # blocks over the model, by load). The gradient is flat already: all-reduce it in
-            # place, the same reduction without the copy, and take this rank's slice.
-            work = dist.all_reduce(full_grad, op=dist.ReduceOp.SUM, group=self.group,
-                                   async_op=True)
-            whole = full_grad.storage_offset() == 0 and \
-                full_grad.untyped_storage().nbytes() == full_grad.numel() * full_grad.element_size()
-
-            def slice_out() -> None:
-                out.copy_(full_grad[start:end])
-                if consume and whole:  # (a view of a larger buffer is its owner's to free)
-                    # Freed here, not when the last reference goes: gloo's worker thread
-                    # holds the finished collective, and the buffer, until it next runs.
-                    full_grad.untyped_storage().resize_(0)
-
-            return Pending([work], out, "reduce_scatter", self.stats, finish=slice_out)
-        largest = max(sizes)
-        if all(s == largest for s in sizes):
+        if self.backend == "nccl" and _even(bounds):
+            self.stats.native_calls["reduce_scatter"] += 1
             work = dist.reduce_scatter_tensor(out, full_grad, group=self.group, async_op=True)
             return Pending([work], out, "reduce_scatter", self.stats)
-        padded = torch.zeros(self.world_size, largest, dtype=full_grad.dtype,
-                             device=full_grad.device)
-        for r, (s, e) in enumerate(bounds):
-            padded[r, :e - s].copy_(full_grad[s:e])
-        padded_out = torch.empty(largest, dtype=full_grad.dtype, device=full_grad.device)
-        work = dist.reduce_scatter_tensor(padded_out, padded.view(-1), group=self.group,
-                                          async_op=True)
+        if self.backend == "nccl" or self.reduce_by_owner:
+            # Uneven: one in-place reduce per owner of its slice (no padded copy; together
+            # they move what a reduce-scatter moves).
+            works = [dist.reduce(full_grad[s:e], dst=self._global_rank(r),
+                                 op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+                     for r, (s, e) in enumerate(bounds) if e > s]
+        else:
+            # gloo runs `reduce_scatter(list)` as a copy of the inputs into one flat buffer,
+            # an all-reduce of that copy and a copy-out: a second full gradient alive while
+            # it runs, which the memory model does not count (measured). The gradient is
+            # flat already: all-reduce it in place, gloo's reduction without the copy.
+            works = [dist.all_reduce(full_grad, op=dist.ReduceOp.SUM, group=self.group,
+                                     async_op=True)]
+        self.stats.native_calls["reduce_scatter"] += len(works)
+        whole = full_grad.storage_offset() == 0 and \
+            full_grad.untyped_storage().nbytes() == full_grad.numel() * full_grad.element_size()
 
-        def copy_out() -> None:
-            out.copy_(padded_out[:end - start])
+        def slice_out() -> None:
+            out.copy_(full_grad[start:end])
+            if consume and whole:  # (a view of a larger buffer is its owner's to free)
+                # Freed here, not when the last reference goes: gloo's worker thread holds
+                # the finished collective, and the buffer, until it next runs.
+                full_grad.untyped_storage().resize_(0)
 
-        return Pending([work], out, "reduce_scatter", self.stats, finish=copy_out)
+        return Pending(works, out, "reduce_scatter", self.stats, finish=slice_out)
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Blocking SUM all-reduce of a small tensor (once per step: grad-norm, loss, and what
@@ -211,3 +196,8 @@ class UnevenCollectives:
         self.stats.calls[kind] += 1
         self.stats.elements[kind] += numel
         self.stats.log.append((kind, unit))
+
+
+def _even(bounds: list[tuple[int, int]]) -> bool:
+    sizes = {e - s for s, e in bounds}
+    return len(sizes) == 1

@@ -70,20 +70,22 @@ def test_every_unit_buffer_is_freed_by_the_engine(mode: str) -> None:
         assert r["gathers"] > 0 and r["eval_left"] == [], (mode, r["eval_left"])
 
 
-def _reduce(rank: int, world_size: int, consume: bool) -> dict[str, Any]:
+def _reduce(rank: int, world_size: int, consume: bool, by_owner: bool) -> dict[str, Any]:
     from cephalo.trainer.collectives import UnevenCollectives
 
     comm = UnevenCollectives()
+    comm.reduce_by_owner = by_owner
     bounds = [(0, 3), (3, 10)]
     full = torch.arange(10, dtype=torch.float32) * (rank + 1)
     shard = comm.reduce_scatter(full, bounds, 0, consume=consume).wait()
     return {"shard": shard.tolist(), "kept": full.untyped_storage().size() > 0}
 
 
-def test_reduce_scatter_consumes_its_input_unless_told_not_to() -> None:
+@pytest.mark.parametrize("by_owner", [False, True], ids=["all-reduce", "reduce-by-owner"])
+def test_reduce_scatter_consumes_its_input_unless_told_not_to(by_owner: bool) -> None:
     # The sum over two ranks of arange(10) * (rank + 1) is arange(10) * 3, sliced by bounds.
     for consume in (True, False):
-        results = spawn_ranks(_reduce, 2, consume, timeout_seconds=120)
+        results = spawn_ranks(_reduce, 2, consume, by_owner, timeout_seconds=120)
         assert results[0]["shard"] == [0.0, 3.0, 6.0]
         assert results[1]["shard"] == [9.0, 12.0, 15.0, 18.0, 21.0, 24.0, 27.0]
         assert all(r["kept"] is not consume for r in results)

@@ -29,11 +29,12 @@ def _spec() -> TrainingSpec:
 
 
 def _train(name: str, layout: Layout, rank: int, group: dist.ProcessGroup | None = None,
-           precision: str = "fp32", offload: bool = False
+           precision: str = "fp32", offload: bool = False, by_owner: bool = False
            ) -> tuple[list[float], list[torch.Tensor]]:
     config = preset(name)
     data = DataSource(config, DataSpec(synthetic=SyntheticData()), seed=0)
     engine = Engine(config, _spec(), layout, group=group, precision=precision, offload=offload)
+    engine.comm.reduce_by_owner = by_owner
     start, end = layout.sample_range(rank)
     losses = []
     for step in range(STEPS):
@@ -42,8 +43,9 @@ def _train(name: str, layout: Layout, rank: int, group: dist.ProcessGroup | None
     return losses, engine.full_parameters()
 
 
-def _worker(rank: int, world_size: int, name: str, layout: Layout, offload: bool) -> dict:
-    losses, params = _train(name, layout, rank, offload=offload)
+def _worker(rank: int, world_size: int, name: str, layout: Layout, offload: bool,
+            by_owner: bool) -> dict:
+    losses, params = _train(name, layout, rank, offload=offload, by_owner=by_owner)
     solo = dist.new_group([0])  # every rank must create it; only rank 0 uses it
     out: dict = {"losses": losses, "params": params}
     if rank == 0:
@@ -62,16 +64,22 @@ UNEVEN = Layout(batch_sizes=[5, 2, 1], micro_batch_sizes=[1, 2, 1], shard_ratios
 STATE_ONLY = Layout(batch_sizes=[6, 2, 0], micro_batch_sizes=[3, 1, 0],
                     shard_ratios=[0.2, 0.3, 0.5],
                     unit_shard_ratios={0: [1 / 3, 1 / 3, 1 / 3], 3: [1 / 3, 1 / 3, 1 / 3]})
+# Blocks owned whole by one rank (the paper's 1:0 splits): empty shards on the others.
+OWNED = Layout(batch_sizes=[5, 2, 1], micro_batch_sizes=[1, 2, 1], shard_ratios=[0.5, 0.3, 0.2],
+               unit_shard_ratios={1: [1.0, 0.0, 0.0], 2: [0.0, 0.0, 1.0]})
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "layout", "offload"), [
-    ("gpt-tiny", UNEVEN, False),
-    ("llama-tiny", UNEVEN, True),
-    ("gpt-tiny", STATE_ONLY, True),
+@pytest.mark.parametrize(("name", "layout", "offload", "by_owner"), [
+    ("gpt-tiny", UNEVEN, False, False),
+    ("llama-tiny", UNEVEN, True, False),
+    ("gpt-tiny", STATE_ONLY, True, False),
+    # NCCL's uneven reduce-scatter (a reduce per owner), run on gloo.
+    ("gpt-tiny", OWNED, False, True),
 ])
-def test_uneven_plan_matches_single_rank(name: str, layout: Layout, offload: bool) -> None:
-    results = spawn_ranks(_worker, 3, name, layout, offload, timeout_seconds=120)
+def test_uneven_plan_matches_single_rank(name: str, layout: Layout, offload: bool,
+                                         by_owner: bool) -> None:
+    results = spawn_ranks(_worker, 3, name, layout, offload, by_owner, timeout_seconds=120)
     rank0 = results[0]
     for r in results[1:]:  # every rank ends with the same full model
         assert all(torch.equal(a, b) for a, b in zip(r["params"], rank0["params"], strict=True))

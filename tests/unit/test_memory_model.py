@@ -32,7 +32,8 @@ OVERSTATE_TOLERANCE = 0.15
 UNDERSTATE_TOLERANCE = 0.02
 
 
-def _rank(rank: int, world_size: int, config: ModelConfig) -> dict[str, Any]:
+def _rank(rank: int, world_size: int, config: ModelConfig, by_owner: bool
+          ) -> dict[str, Any]:
     from cephalo.api.job import DataSpec, SyntheticData, TrainingSpec
     from cephalo.trainer.data import DataSource
     from cephalo.trainer.engine import Engine, Layout
@@ -40,6 +41,7 @@ def _rank(rank: int, world_size: int, config: ModelConfig) -> dict[str, Any]:
     layout = Layout(batch_sizes=[BATCH] * world_size, micro_batch_sizes=[MICRO] * world_size,
                     shard_ratios=[1 / world_size] * world_size)
     engine = Engine(config, TrainingSpec(), layout, precision="fp32")
+    engine.comm.reduce_by_owner = by_owner  # NCCL's uneven reduce-scatter, run on gloo
     data = DataSource(config, DataSpec(synthetic=SyntheticData()), seed=0)
 
     def step() -> None:
@@ -52,7 +54,8 @@ def _rank(rank: int, world_size: int, config: ModelConfig) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_engine_peak_agrees_with_the_memory_model() -> None:
+@pytest.mark.parametrize("by_owner", [False, True], ids=["all-reduce", "reduce-by-owner"])
+def test_engine_peak_agrees_with_the_memory_model(by_owner: bool) -> None:
     from cephalo.trainer.profile_units import UnitProfiler
 
     torch.set_num_threads(1)
@@ -60,7 +63,7 @@ def test_engine_peak_agrees_with_the_memory_model() -> None:
     # unit's working set, the same figure the planner adds to the state.
     compute = UnitProfiler(CONFIG, "fp32", torch.device("cpu")).measure(
         [MICRO], repeats=1, warmup=0).points[0].compute_memory_bytes
-    for r in spawn_ranks(_rank, 2, CONFIG, timeout_seconds=180):
+    for r in spawn_ranks(_rank, 2, CONFIG, by_owner, timeout_seconds=180):
         # Master weights and both moments exist before the step; the gradient shards, the
         # unit buffers and the activations are allocated during it.
         measured = 3 * memory.FP32_BYTES * r["owned"] + r["peak"]
