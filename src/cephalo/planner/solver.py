@@ -17,6 +17,7 @@ from cephalo.api.profile import GpuProfile
 from cephalo.planner.baselines import compute_baselines
 from cephalo.planner.costmodel import UNEVEN_COLLECTIVE_OVERHEAD
 from cephalo.planner.evaluate import Evaluation, score
+from cephalo.planner.margins import cost_idle_reason, every_gpu, faster_miss, note_min_gain
 from cephalo.planner.offload import offload_plan, plan_fused_tail_blocks
 from cephalo.planner.pricing import (
     THROUGHPUT,
@@ -86,7 +87,7 @@ def _solve(spec: CephaloJobSpec, problem: Problem, choose_gpus: bool,
         try:
             mode = _solve_mode(priced, choose_gpus, objective)
         except FloorNotMetError as err:
-            floor_missed = _faster_miss(floor_missed, err)
+            floor_missed = faster_miss(floor_missed, err)
             continue
         except InfeasibleError:
             if priced is problem:
@@ -102,7 +103,7 @@ def _solve(spec: CephaloJobSpec, problem: Problem, choose_gpus: bool,
                 best[0].counts, best[0].step_seconds) * (1 + 1e-12):
             best = mode
     fastest = best[0]
-    everything = _every_gpu(modes) if choose_gpus and not objective.is_cost else None
+    everything = every_gpu(modes) if choose_gpus and not objective.is_cost else None
     min_gain = spec.planner.min_gain_to_idle_gpus
     kept_every_gpu = everything is not None and everything[0] is not fastest and \
         everything[0].step_seconds <= fastest.step_seconds * (1 + min_gain)
@@ -130,47 +131,18 @@ def _solve(spec: CephaloJobSpec, problem: Problem, choose_gpus: bool,
     assert evaluation.feasible, evaluation.reason
     plan = _plan(problem, choice, sol, evaluation, solved, exhaustive, choose_gpus)
     if choose_gpus:
-        _note_min_gain(plan, choice, fastest, min_gain, kept_every_gpu)
+        note_min_gain(plan, choice, fastest, min_gain, kept_every_gpu)
     plan.cost = plan_cost(spec, problem, choice.counts, evaluation.step_seconds, objective)
     if objective.is_cost:
         plan.search["objective"] = "cost"
         if choice.full_step_seconds is not None and plan.idle_gpus:
-            _cost_idle_reason(plan, objective, problem, choice)
+            cost_idle_reason(plan, objective, problem, choice)
     if choice.problem.rank_cost(0).fused_all:
         # The engine decides the fused tail from the plan alone: it must run what was priced.
         assert plan_fused_tail_blocks(plan) == problem.model.num_layers, plan.ranks
     # Last: where each rank keeps its boundary activations (offload only where they do not
     # fit; per rank, the collectives do not change). `choice.problem`: the GPUs used.
     return offload_plan(plan, choice.problem)
-
-
-def _every_gpu(modes: list[tuple[Choice, int, bool]]) -> tuple[Choice, int, bool] | None:
-    """The whole cluster's choice in its fastest mode (a tie to the later mode, as between
-    the modes' best choices), with that mode's search counts; None where it does not fit."""
-    found: tuple[Choice, int, bool] | None = None
-    for choice, solved, exhaustive in modes:
-        whole = choice.full
-        if whole is not None and (found is None or
-                                  whole.step_seconds <= found[0].step_seconds * (1 + 1e-12)):
-            found = (whole, solved, exhaustive)
-    return found
-
-
-def _note_min_gain(plan: Plan, choice: Choice, fastest: Choice, min_gain: float,
-                   kept_every_gpu: bool) -> None:
-    """Say both step times when the margin decided (planner.minGainToIdleGpus): every GPU
-    kept although fewer are predicted faster. Plans the margin did not touch keep their
-    bytes."""
-    if not kept_every_gpu or fastest.step_seconds >= choice.step_seconds:
-        return
-    gain = choice.step_seconds / fastest.step_seconds - 1
-    used, total = sum(fastest.counts), sum(choice.counts)
-    plan.notes.append(
-        f"all {total} GPUs used: {used} of them are predicted {fastest.step_seconds:.4g} s per "
-        f"step against {choice.step_seconds:.4g} s, {gain:.1%} more throughput, within "
-        f"planner.minGainToIdleGpus ({min_gain:.0%}), which is about the cost model's error")
-    plan.search["fastest_gpu_subset_step_seconds"] = fastest.step_seconds
-    plan.search["min_gain_to_idle_gpus"] = min_gain
 
 
 def _gap_free(choice: Choice | None) -> float:
@@ -198,32 +170,6 @@ def _solve_mode(problem: Problem, choose_gpus: bool,
     if not objective.meets_floor(choice.step_seconds):
         raise FloorNotMetError(choice.step_seconds)
     return choice, 1, True  # exact for the GPUs given: no other set was asked
-
-
-def _faster_miss(seen: FloorNotMetError | None, err: FloorNotMetError) -> FloorNotMetError:
-    """Of two modes that miss the floor, the one that came closer (the error quotes it)."""
-    if seen is None or seen.fastest_step_seconds is None:
-        return err
-    if err.fastest_step_seconds is not None and \
-            err.fastest_step_seconds < seen.fastest_step_seconds:
-        return err
-    return seen
-
-
-def _cost_idle_reason(plan: Plan, objective: Objective, problem: Problem,
-                      choice: Choice) -> None:
-    """The idle GPUs' reason under the cost objective: both prices per sample."""
-    assert choice.full_step_seconds is not None and plan.cost is not None
-    full = [len(c.slots) for c in problem.classes]
-    every = objective.key(full, choice.full_step_seconds) / problem.global_batch_size * 1e6
-    reason = (f"fewer GPUs are cheaper per sample: {choice.problem.world_size} of the "
-              f"{problem.world_size} cost ${plan.cost.price_per_hour:.4g}/h and "
-              f"${plan.cost.price_per_million_samples:.4g} per million samples at "
-              f"{plan.predicted_step_seconds:.4g} s per step; all of them "
-              f"${objective.hourly(full):.4g}/h and ${every:.4g} per million samples at "
-              f"{choice.full_step_seconds:.4g} s (planner.objective: cost)")
-    for idle in plan.idle_gpus:
-        idle.reason = reason
 
 
 @dataclass
