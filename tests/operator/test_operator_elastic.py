@@ -7,12 +7,15 @@ spec.elastic never rescales. (test_operator_elastic_e2e.py runs real trainer pro
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
+import yaml
 from aiohttp import ClientSession
 from cluster_sim import TrainingSim, operator_env
 from kube_emulator import ApiEmulator
@@ -105,7 +108,8 @@ async def _hold_four_gpus(s: Sim) -> None:
                    and _status(s.api, "b")["plan"]["worldSize"] == 4, WAIT_SECONDS)
 
 
-async def test_an_elastic_job_grows_when_another_job_lets_its_gpus_go(sim: Sim) -> None:
+async def test_an_elastic_job_grows_when_another_job_lets_its_gpus_go(sim: Sim,
+                                                                      tmp_path: Path) -> None:
     await call(sim.api, "PATCH", "/api/v1/nodes/a10g-1/status", {"status": {"conditions": [
         {"type": "Ready", "status": "True"}]}})
     await _hold_four_gpus(sim)
@@ -136,6 +140,19 @@ async def test_an_elastic_job_grows_when_another_job_lets_its_gpus_go(sim: Sim) 
     text = await _metrics(sim.operator.metrics_port)
     assert 'cephalo_operator_rescales_total{cephalo_job="a",cephalo_namespace="default"} 1.0' \
         in text
+    # The client explains it: `cephalo status a` and `cephalo plan --cluster --job`.
+    env = {**os.environ, "KUBECONFIG": str(sim.api.kubeconfig)}
+    job_file = tmp_path / "a.yaml"
+    job_file.write_text(yaml.safe_dump(_job("a", 400, elastic=ELASTIC)))
+    for args in (["status", "a"], ["plan", "--cluster", "--job", str(job_file)]):
+        proc = await asyncio.create_subprocess_exec(
+            str(Path(sys.executable).parent / "cephalo"), *args, env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), WAIT_SECONDS)
+        text = out.decode() + err.decode()
+        print(text)  # the README's example
+        assert "Elastic:" in text and "1 rescale(s)" in text, text
+        assert "rescaled; could use NVIDIA-A10G x8: 4 -> 8 GPUs: predicted" in text, text
     status = await wait_for("a Succeeded", lambda: (
         s if (s := _status(sim.api, "a")).get("phase") == "Succeeded" else None), WAIT_SECONDS)
     assert _world_sizes(sim.api, "a") == [4, 8]
