@@ -15,6 +15,9 @@ way, when a Cephalo job or pod lets GPUs go: a job finishes, fails, is suspended
 (its reservation ends), or one of the operator's GPU pods ends or is deleted. The shared pod
 LIST is refreshed first so that they see it. GPUs freed by other workloads' pods (not
 watched: the operator watches only its own pods) are seen at the next periodic re-check.
+Running jobs with spec.elastic are woken the same way, after the waiting ones and oldest
+first, and on node changes that give one of their pools more usable GPUs than they use
+(cephalo.operator.rescale decides whether they grow).
 """
 
 from __future__ import annotations
