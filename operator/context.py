@@ -79,6 +79,14 @@ class JobContext:
         self._decided.update(phase=str(JobPhase(phase)), message=message, **fields)
         self._conditions.update(conditions or {})
 
+    def record(self, **fields: Any) -> None:
+        """Decide status fields without a phase or message (`flush` writes them)."""
+        self._decided.update(fields)
+
+    def decided(self, name: str) -> Any:
+        """A status field as this pass has decided it so far, else as it read it."""
+        return self._decided[name] if name in self._decided else self.status.get(name)
+
     async def fail(self, reason: str, message: str) -> None:
         self.event("Warning", reason, message)
         await self.write_status(JobPhase.FAILED, message, {FAILED: ("True", reason, message)},

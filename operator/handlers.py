@@ -15,6 +15,9 @@ way, when a Cephalo job or pod lets GPUs go: a job finishes, fails, is suspended
 (its reservation ends), or one of the operator's GPU pods ends or is deleted. The shared pod
 LIST is refreshed first so that they see it. GPUs freed by other workloads' pods (not
 watched: the operator watches only its own pods) are seen at the next periodic re-check.
+Running jobs with spec.elastic are woken the same way, after the waiting ones and oldest
+first, and on node changes that give one of their pools more usable GPUs than they use
+(cephalo.operator.rescale decides whether they grow).
 """
 
 from __future__ import annotations
@@ -45,8 +48,11 @@ _wakeups: dict[tuple[str, str], asyncio.Event] = {}
 _job_pools: dict[tuple[str, str], dict[str, int] | None] = {}
 _changed_products: set[str] = set()  # node changes not yet sent to the jobs (debounce)
 _node_wake: asyncio.TimerHandle | None = None
-# Jobs whose last status says they wait for GPUs, woken when GPUs are freed (debounced).
-_waiting_for_gpus: set[tuple[str, str]] = set()
+# Jobs whose last status says they wait for GPUs, and elastic jobs that could grow (spec.
+# elastic), woken when GPUs are freed (debounced), in this order: waiting jobs first, then
+# by creation time and name (the first pass to claim free GPUs gets them, see rescale.py).
+_waiting_for_gpus: dict[tuple[str, str], tuple[int, str, str, str]] = {}
+_elastic_jobs: set[tuple[str, str]] = set()  # Running with spec.elastic.enabled
 _freed_wake: asyncio.TimerHandle | None = None
 _ended_pods: set[str] = set()  # uids of GPU pods already seen terminal (woken once each)
 
@@ -103,6 +109,7 @@ async def run_job(meta: kopf.Meta, stopped: kopf.DaemonStopped, memo: kopf.Memo,
     finally:
         _wakeups.pop((namespace, name), None)
         _job_pools.pop((namespace, name), None)
+        _elastic_jobs.discard((namespace, name))
         metrics.set_phase(namespace, name, None)
 
 
@@ -154,8 +161,14 @@ def _wake_waiting() -> None:
         return
     PODS.invalidate()  # they must see the pods that let go, not a LIST from before
     metrics.GPU_WAKEUPS.inc()
-    for key in sorted(_waiting_for_gpus):
+    for key in sorted(_waiting_for_gpus, key=_waiting_for_gpus.__getitem__):
         _wake(*key)
+
+
+def elastic_running(spec: dict[str, Any], status: dict[str, Any]) -> bool:
+    """A Running job with spec.elastic.enabled: GPUs freed or added may let it grow."""
+    return bool((spec.get("elastic") or {}).get("enabled")) and status.get(
+        "phase") == JobPhase.RUNNING
 
 
 def waiting_for_gpus(status: dict[str, Any]) -> bool:
@@ -188,7 +201,8 @@ def _wake_for_nodes() -> None:
     _changed_products.clear()
     available = NODES.pool_gpus()  # one discovery per burst, not one per job
     for key in list(_wakeups):
-        if node_change_matters(_job_pools.get(key), products, available):
+        if node_change_matters(_job_pools.get(key), products, available) or (
+                key in _elastic_jobs and may_grow(_job_pools.get(key), products, available)):
             _wake(*key)
 
 
@@ -207,6 +221,15 @@ def node_change_matters(job_pools: dict[str, int] | None, products: set[str],
     return any(available.get(pool, 0) < used for pool, used in touched.items())
 
 
+def may_grow(job_pools: dict[str, int] | None, products: set[str],
+             available: dict[str, int] | None) -> bool:
+    """Could a change to nodes of `products` offer an elastic job more GPUs? When a changed
+    pool has more usable GPUs than the job's plan takes from it (or the view is not primed)."""
+    if available is None:
+        return bool(products)
+    return any(available.get(p, 0) > (job_pools or {}).get(p, 0) for p in products)
+
+
 def pools_in_use(status: dict[str, Any]) -> dict[str, int] | None:
     """GPUs per pool a job depends on, from its status (see `_job_pools`)."""
     phase = status.get("phase")
@@ -219,7 +242,7 @@ def pools_in_use(status: dict[str, Any]) -> dict[str, int] | None:
 
 
 @kopf.on.event(API_GROUP, API_VERSION, PLURAL)
-async def job_changed(type: str | None, meta: kopf.Meta, status: kopf.Status,
+async def job_changed(type: str | None, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status,
                       memo: kopf.Memo, **_: Any) -> None:
     key = (meta.get("namespace") or "", meta.get("name") or "")
     deleted = type == "DELETED" or bool(meta.get("deletionTimestamp"))
@@ -227,10 +250,17 @@ async def job_changed(type: str | None, meta: kopf.Meta, status: kopf.Status,
         _job_pools.pop(key, None)  # its daemon is gone (or going): nothing left to wake
     else:
         _job_pools[key] = pools_in_use(dict(status))
-    if not deleted and waiting_for_gpus(dict(status)):
-        _waiting_for_gpus.add(key)
+    waiting = not deleted and waiting_for_gpus(dict(status))
+    elastic = not deleted and elastic_running(dict(spec), dict(status))
+    if waiting or elastic:
+        _waiting_for_gpus[key] = (0 if waiting else 1, str(meta.get("creationTimestamp") or ""),
+                                  *key)
     else:
-        _waiting_for_gpus.discard(key)
+        _waiting_for_gpus.pop(key, None)
+    if elastic:
+        _elastic_jobs.add(key)
+    else:
+        _elastic_jobs.discard(key)
     # GPUs the job holds for the others' planning (also after an operator restart); a
     # reservation that ends frees GPUs for the jobs waiting.
     if CLAIMS.observe(key, meta.get("uid"), dict(status), deleted=deleted):

@@ -48,7 +48,15 @@ GANG_RELEASES = Counter("cephalo_operator_gang_releases_total",
 # waiting for their next periodic re-check).
 GPU_WAKEUPS = Counter("cephalo_operator_freed_gpu_wakeups_total",
                       "Rounds of waking jobs that wait for GPUs after GPUs were freed")
-PER_JOB = (PREDICTED_SAMPLES, MEASURED_SAMPLES, RESTARTS, PREEMPTIONS, REPLANS, GANG_RELEASES)
+# spec.elastic (issue 28): rescales onto more GPUs, and the decisions not to.
+RESCALES = Counter("cephalo_operator_rescales_total",
+                   "Rescales of a running job onto GPUs that became free (spec.elastic; not "
+                   "counted as gang restarts, failures or preemptions)", JOB_LABELS)
+RESCALE_SKIPS = Counter("cephalo_operator_rescale_skips_total",
+                        "Offers of more GPUs an elastic job declined (gain below minGain, "
+                        "saving below the restart cost, cooldown, …)", JOB_LABELS)
+PER_JOB = (PREDICTED_SAMPLES, MEASURED_SAMPLES, RESTARTS, PREEMPTIONS, REPLANS, GANG_RELEASES,
+           RESCALES, RESCALE_SKIPS)
 
 _phases: dict[tuple[str, str], str] = {}
 

@@ -23,16 +23,18 @@ import kopf
 
 from cephalo.api import CephaloJob, JobFileError, Plan, parse_job
 from cephalo.api.plan import PlanError, parse_plan
-from cephalo.operator import metrics
+from cephalo.operator import metrics, rescale
 from cephalo.operator.config import OperatorConfig
 from cephalo.operator.context import JobContext, _replacing  # noqa: F401 (tests use it)
 from cephalo.operator.discovery import (
     NoGpusError,
+    Pool,
     discover_pools,
     job_tolerations,
     plan_fits,
     select_cluster,
 )
+from cephalo.operator.elastic import capped_spec
 from cephalo.operator.gang_sync import delete_pod_groups, ensure_pod_group
 from cephalo.operator.gpu_usage import CLAIMS, free_pools
 from cephalo.operator.kube import AsyncKube, NotOwned, core_path, job_path, not_owned, owned_by
@@ -46,6 +48,7 @@ from cephalo.operator.render import (
     CHECKPOINTS_DURABLE,
     LABEL_JOB,
     LABEL_ROLE,
+    CheckpointTarget,
     check_job_name,
     checkpoint_target,
     config_hash,
@@ -201,6 +204,11 @@ async def _step(ctx: JobContext) -> None:
         plan = await _plan(ctx, nodes)
         if plan is None:
             return
+    elif (grown := await rescale.consider(ctx, nodes, plan)) is not None:
+        # spec.elastic: more GPUs pay for a restart. The ranks of the old plan are stale
+        # now; train() drains them (SIGTERM: a checkpoint at the next step boundary) and
+        # starts the new plan's, which resume from that checkpoint.
+        plan = await _adopt(ctx, grown.plan, grown.pools, grown.storage)
     await ensure_pod_group(ctx, plan)  # Volcano/coscheduling: the PodGroup before its pods
     await ensure_network_policy(ctx)  # opt-in: only the job's own ranks reach its ranks
     await train(ctx, plan)
@@ -225,7 +233,7 @@ async def _plan(ctx: JobContext, nodes: list[dict[str, Any]]) -> Plan | None:
     # same moment never choose the same GPUs (see gpu_usage).
     discovery = await free_pools(ctx.kube, key, ctx.uid, nodes, job_tolerations(ctx.job.spec))
     try:
-        cluster, pools = select_cluster(ctx.job.spec, discovery, nodes)
+        cluster, pools = select_cluster(capped_spec(ctx.job.spec), discovery, nodes)
     except NoGpusError as err:
         CLAIMS.release(key)
         await _no_gpus(ctx, str(err))
@@ -251,7 +259,8 @@ async def _plan(ctx: JobContext, nodes: list[dict[str, Any]]) -> Plan | None:
     try:
         # In a limited child process, off kopf's event loop: no spec can take the operator
         # down; a time-out, MemoryError or planner bug fails this job only.
-        plan = await plan_job(with_price_list(ctx.job.spec, ctx.config.prices()), cluster,
+        plan = await plan_job(with_price_list(capped_spec(ctx.job.spec), ctx.config.prices()),
+                              cluster,
                               profiles,
                               timeout_seconds=ctx.config.planning_timeout_seconds,
                               memory_bytes=ctx.config.planning_memory_bytes)
@@ -261,6 +270,13 @@ async def _plan(ctx: JobContext, nodes: list[dict[str, Any]]) -> Plan | None:
     finally:
         metrics.PLANNING_SECONDS.observe(time.perf_counter() - started)
     await delete_profilers(ctx)
+    return await _adopt(ctx, plan, pools, storage)
+
+
+async def _adopt(ctx: JobContext, plan: Plan, pools: list[Pool],
+                 storage: CheckpointTarget) -> Plan:
+    """Make `plan` the job's plan: its ConfigMap written (rank pods of another plan are
+    stale from here), the summary, Event and conditions decided."""
     if ctx.job.spec.ranks_per_pod != 1:  # several GPUs of a node per pod (issue 12)
         plan = with_pod_ranks(plan, pack_ranks(
             plan, {p.product: p.node_gpus for p in pools}, ctx.job.spec.ranks_per_pod))
@@ -281,9 +297,9 @@ async def _plan(ctx: JobContext, nodes: list[dict[str, Any]]) -> Plan | None:
     baseline = plan.baselines.get("even_fsdp")
     even = (f"{ratio:.2f}x even FSDP" if ratio else "even FSDP: "
             + ((baseline.reason or "infeasible") if baseline else "not evaluated"))
-    pools = ", ".join(f"{k} x{v}" for k, v in summary["pools"].items())
+    used = ", ".join(f"{k} x{v}" for k, v in summary["pools"].items())
     predicted = plan.predicted_samples_per_second or 0.0
-    message = f"{plan.world_size} GPUs ({pools}), predicted {predicted:.1f} samples/s, {even}"
+    message = f"{plan.world_size} GPUs ({used}), predicted {predicted:.1f} samples/s, {even}"
     ctx.event("Normal", "Planned", message)
     if not storage.durable:
         ctx.event("Warning", "CheckpointsNotDurable", storage.message)

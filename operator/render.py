@@ -120,8 +120,9 @@ def config_identity(job: CephaloJob, plan: Plan) -> dict[str, Any]:
     defaults. Defaults are left out so that an operator upgrade that adds a field (at its
     default) does not change the hash of every running job, re-plan it and restart it."""
     spec = job.spec.model_dump(by_alias=True, exclude_defaults=True, mode="json")
+    # The operator's policies, not what the ranks run: changing one restarts no rank.
     for volatile in ("suspend", "backoffLimit", "ttlSecondsAfterFinished",
-                     "activeDeadlineSeconds"):
+                     "activeDeadlineSeconds", "elastic"):
         spec.pop(volatile, None)
     return {"spec": spec, "plan": plan.model_dump(exclude_defaults=True, mode="json")}
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from cephalo.api import Plan
 from cephalo.api.plan import RankPlan
-from cephalo.operator import gang_timeout, metrics
+from cephalo.operator import gang_timeout, metrics, rescale
 from cephalo.operator.kube import core_path, not_owned, owned_by
 from cephalo.operator.progress import job_progress as _progress
 from cephalo.operator.render import (
@@ -84,9 +84,16 @@ async def train(ctx: JobContext, plan: Plan) -> None:
             if not pod["metadata"].get("deletionTimestamp"):
                 await ctx.kube.delete(f"{pods_path}/{pod['metadata']['name']}",
                                       pod["metadata"]["uid"])
-        phase = JobPhase.RESTARTING if attempt > 0 else JobPhase.PENDING
-        await ctx.write_status(phase, f"replacing {len(stale)} rank pod(s) of an earlier "
-                               "attempt, plan or job", _resumed(status))
+        if rescale.rescaling(ctx):  # spec.elastic: draining for a new plan, no failure
+            phase, why = JobPhase.RESTARTING, "rescaling: draining"
+        else:
+            phase = JobPhase.RESTARTING if attempt > 0 else JobPhase.PENDING
+            why = "replacing"
+        # The gang that launched is ending: should the next plan be that same plan again (a
+        # node back before its pods are gone), its terminating pods are being let go, not
+        # deleted by someone else.
+        await ctx.write_status(phase, f"{why} {len(stale)} rank pod(s) of an earlier "
+                               "attempt, plan or job", _resumed(status), launchedAttempt=None)
         ctx.wake_in(ctx.config.recheck_seconds)
         return
     by_name = {p["metadata"]["name"]: p for p in pods}
@@ -181,6 +188,7 @@ async def _report(ctx: JobContext, plan: Plan, states: list[PodState]) -> None:
         progress = await _progress(ctx, states[0].pod_ip)
         if progress is not None:
             fields["progress"] = progress
+            rescale.measure_restart(ctx, progress)  # the new plan's first step, if rescaling
         message = f"{plan.world_size} ranks running"
         if status.get("phase") != JobPhase.RUNNING:
             ctx.event("Normal", "Running", message)

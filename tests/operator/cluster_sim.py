@@ -66,6 +66,8 @@ class TrainingSim:
     # A profiler pod runs until a client has read its log (a condition, not a race with the
     # operator deleting it once planned): the log tests set it.
     hold_profilers_until_read: bool = False
+    # Jobs whose ranks run (hold their GPUs) but never step: another workload the test ends.
+    idle_jobs: set[str] = field(default_factory=set)
     metrics_port: int = field(default_factory=free_port)
     runs: dict[str, JobRun] = field(default_factory=dict)
     _latest: str | None = None
@@ -159,6 +161,8 @@ class TrainingSim:
 
     async def _train(self, key: str, ranks: list[dict[str, Any]]) -> None:
         ns, name = key.split("/", 1)
+        if name in self.idle_jobs:
+            return
         try:
             body = self._job(ns, name)
         except KeyError:

@@ -56,3 +56,29 @@ def test_ages_and_durations() -> None:
         "5s", "1m", "2h", "1d"]
     assert [duration(s) for s in (None, 0.4, 59.6, 61, 3725)] == [
         "-", "0s", "1m00s", "1m01s", "1h02m"]
+
+
+def test_cephalo_status_explains_the_last_rescale_decision_in_two_lines() -> None:
+    from cephalo.commands.jobview import elastic_lines, job_details
+
+    body = _job(phase="Running", elastic={
+        "rescales": 1, "restartSeconds": [20.4, 12.0], "lastDecision": {
+            "time": "2026-12-02T11:59:00Z", "verdict": "Skip", "reasonCode": "Cooldown",
+            "freeGpus": {"NVIDIA-A10G": 8}, "reason": "4 -> 8 GPUs: predicted 100.0 -> "
+            "190.0 samples/s (+90%), saving 300.0 s, but the last rescale was 60 s ago "
+            "(cooldown 300 s)"}})
+    body["spec"]["elastic"] = {"enabled": True, "minGain": 0.2}
+    lines = elastic_lines(job_from(body))
+    assert lines == [
+        "Elastic:     on (minGain 20%, cooldown 300 s, maxGpus -); 1 rescale(s), restart "
+        "measured 20.4 s",
+        "  2026-12-02T11:59:00Z not rescaled (Cooldown); could use NVIDIA-A10G x8: 4 -> 8 "
+        "GPUs: predicted 100.0 -> 190.0 samples/s (+90%), saving 300.0 s, but the last "
+        "rescale was 60 s ago (cooldown 300 s)"]
+    assert lines[0] in job_details(job_from(body), None, [], NOW).splitlines()
+    fresh = _job(phase="Running")
+    fresh["spec"]["elastic"] = {"enabled": True}
+    assert elastic_lines(job_from(fresh)) == [
+        "Elastic:     on (minGain 10%, cooldown 300 s, maxGpus -); 0 rescale(s), restart "
+        "assumed 120 s"]
+    assert elastic_lines(job_from(_job(phase="Running"))) == []  # not elastic: nothing

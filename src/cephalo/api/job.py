@@ -7,7 +7,7 @@ OpenAPI schema from them, `cephalo run` and the operator parse job YAML with the
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -28,8 +28,10 @@ from cephalo.api.data import (  # noqa: F401 - re-exported: spec.data lives in a
     TextData,
     TokenFileData,
 )
+from cephalo.api.elastic import ElasticSpec
 from cephalo.api.hf_config import resolve_pretrained
 from cephalo.api.models import PRESETS, ModelConfig
+from cephalo.api.planner_spec import PlannerSpec
 from cephalo.api.podtemplate import PodTemplate
 from cephalo.api.safeyaml import YamlError, load_yaml_file
 from cephalo.api.status import (  # noqa: F401 - re-exported: the status half of the resource
@@ -190,72 +192,6 @@ class GpuPoolSpec(CamelModel):
         description="Override the GPU memory (MiB) the planner assumes (at most 16 TiB).")
 
 
-# The rule of PlannerSpec that pydantic checks in `_floor_needs_cost`, as CEL for the API
-# server. (objective cost without prices is refused at planning, not here: the operator's
-# price list may supply them.)
-_FLOOR_NEEDS_COST = ("planner.minSamplesPerSecond and planner.deadlineSeconds bound the cost "
-                     "objective: set planner.objective: cost, or leave them out")
-_PLANNER_RULES: list[JsonValue] = [
-    {"rule": "(has(self.objective) && self.objective == 'cost') || "
-             "(!has(self.minSamplesPerSecond) && !has(self.deadlineSeconds))",
-     "message": _FLOOR_NEEDS_COST},
-]
-
-
-class PlannerSpec(CamelModel):
-    """What the planner may use, assume and optimise (throughput, or price per sample)."""
-
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _PLANNER_RULES})
-
-    memory_fraction: float = Field(default=0.8, gt=0, le=1, description=(
-        "Fraction of each GPU's memory the plan may use (the paper caps at 80%)."))
-    # Every size is run by the profiler on every GPU product: a few small sizes suffice.
-    profile_micro_batch_sizes: list[Annotated[int, Field(ge=1, le=4096)]] = Field(
-        default_factory=lambda: list(range(1, 9)), min_length=1, max_length=64,
-        description=("Microbatch sizes the profiler measures (linear extrapolation beyond); "
-                     "1 to 64 sizes, each 1 to 4096."))
-    network_bandwidth_gbps: float = Field(default=10.0, gt=0, le=100_000, description=(
-        "Bandwidth per GPU for collectives (Gbit/s) when no collective profile exists "
-        "(at most 100000)."))
-    network_latency_microseconds: float = Field(default=50.0, ge=0, le=10_000_000, description=(
-        "Per-hop latency of collectives when no collective profile exists (at most 10 s)."))
-    allow_state_only_ranks: bool = Field(default=True, description=(
-        "Let a slow GPU take no batch and only hold training state when that is faster."))
-    choose_gpus: bool = Field(default=True, description=(
-        "Let the planner leave GPUs idle (no rank, no pod) when fewer are faster, e.g. a "
-        "small model whose collectives cost more than the extra GPUs save; the plan names "
-        "them in idle_gpus with the reason. false: every selected GPU gets a rank."))
-    # 5 %: about the cost model's measured error (bench/cost_model.py: median |error| 3.4 to
-    # 3.9 %), so a user who owns 8 GPUs does not see one idle for a gain the model cannot
-    # resolve (issue 25: 8xA100, 7 GPUs predicted 2.1 % faster).
-    min_gain_to_idle_gpus: float = Field(default=0.05, ge=0, le=10, description=(
-        "With chooseGpus: leave GPUs idle only when fewer are predicted to give more than "
-        "this fraction more throughput than every GPU (0.05: 5 %, about the cost model's "
-        "error); 0: the fastest choice, however small its gain (at most 10)."))
-    objective: Literal["throughput", "cost"] = Field(default="throughput", description=(
-        "throughput: the fastest plan. cost: the least price per sample (gpuPricesPerHour of "
-        "the GPUs used, idle GPUs cost nothing), at least minSamplesPerSecond or fast enough "
-        "to finish the training steps within deadlineSeconds."))
-    gpu_prices_per_hour: dict[str, Annotated[float, Field(gt=0, le=100_000)]] | None = Field(
-        default=None, max_length=64, description=(
-        "Price of one GPU for an hour, per GPU type (catalog name or GPU Feature Discovery "
-        "product label, e.g. NVIDIA-L4: 0.8); any currency, USD in the examples. Default: "
-        "the operator's price list (chart value gpuPricesPerHour). At most 64 types."))
-    min_samples_per_second: float | None = Field(default=None, gt=0, le=1e12, description=(
-        "objective cost: the plan must predict at least this many samples per second."))
-    deadline_seconds: float | None = Field(default=None, gt=0, le=1e9, description=(
-        "objective cost: the plan must predict finishing the training steps (those left, "
-        "on a resume) within this many seconds."))
-
-    @model_validator(mode="after")
-    def _floor_needs_cost(self) -> PlannerSpec:
-        # The same rule as _PLANNER_RULES (the API server's), in the same words.
-        if self.objective != "cost" and (self.min_samples_per_second is not None or
-                                         self.deadline_seconds is not None):
-            raise ValueError(_FLOOR_NEEDS_COST)
-        return self
-
-
 class SchedulingPolicy(CamelModel):
     """How the gang of rank pods is admitted (shaped like Kubeflow's schedulingPolicy).
 
@@ -344,6 +280,9 @@ class CephaloJobSpec(CamelModel):
         "GPU. A pod of k ranks requests k GPUs and runs k processes (consecutive ranks, "
         "LOCAL_RANK = GPU)."))
     planner: PlannerSpec = Field(default_factory=PlannerSpec)
+    elastic: ElasticSpec | None = Field(default=None, description=(
+        "Grow the running job onto GPUs that become free, when that pays for the restart "
+        "(off by default)."))
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     backoff_limit: int = Field(default=3, ge=0, le=10_000, description=(
         "Gang restarts before Failed (at most 10000)."))

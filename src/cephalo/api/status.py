@@ -6,15 +6,8 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
-from cephalo.api.wire import CamelModel
-
-
-class StatusModel(CamelModel):
-    """Base of the status types: written by the operator, not the user, so as lax as before
-    (a measured loss may be NaN; an older operator may have written a float step)."""
-
-    model_config = ConfigDict(strict=False, allow_inf_nan=True)
-
+from cephalo.api.elastic import ElasticStatus
+from cephalo.api.wire import StatusModel
 
 Phase = Literal["Pending", "Profiling", "Planning", "Running", "Restarting", "Suspended",
                 "Succeeded", "Failed"]
@@ -75,5 +68,7 @@ class CephaloJobStatus(StatusModel):
     launched_attempt: str | None = Field(default=None, description=(
         "<attempt>/<config hash> once every rank pod of that attempt existed: a rank pod "
         "missing after that vanished, one missing before it is still to be created."))
+    elastic: ElasticStatus | None = Field(default=None, description=(
+        "Elastic scaling (spec.elastic): rescales and the last decision."))
     start_time: str | None = None
     completion_time: str | None = None

@@ -39,6 +39,13 @@ class CamelModel(BaseModel):
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
 
 
+class StatusModel(CamelModel):
+    """Base of the status types: written by the operator, not the user, so as lax as before
+    (a measured loss may be NaN; an older operator may have written a float step)."""
+
+    model_config = ConfigDict(strict=False, allow_inf_nan=True)
+
+
 def _allows_none(annotation: Any) -> bool:
     origin = typing.get_origin(annotation)
     if origin is typing.Union or origin is types.UnionType:

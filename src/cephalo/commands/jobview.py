@@ -91,6 +91,7 @@ def job_details(job: Job, plan: Plan | None, events: Sequence[dict[str, Any]],
              f"   samples/s measured/predicted {throughput(job)}",
              f"Restarts:    {s.restarts or 0} (backoffLimit "
              f"{job.spec.backoff_limit if job.spec else '?'}), preemptions {s.preemptions or 0}"]
+    lines += elastic_lines(job)
     if job.spec_error:
         lines.append(f"Invalid spec: {job.spec_error}")
     if job.phase == "Failed":
@@ -115,6 +116,32 @@ def job_details(job: Job, plan: Plan | None, events: Sequence[dict[str, Any]],
             lines.append(f"  {e.get('type', ''):<7}  {e.get('reason', ''):<20}  "
                          f"{e.get('message', '')}{count}")
     return "\n".join(lines)
+
+
+def elastic_lines(job: Job) -> list[str]:
+    """spec.elastic and the last rescale decision in two lines (none without elastic): what
+    was free, the predicted gain, the saving against the restart cost, and the verdict."""
+    spec = job.spec.elastic if job.spec else None
+    status = job.status.elastic
+    if (spec is None or not spec.enabled) and status is None:
+        return []
+    if spec is not None and spec.enabled:
+        bound = spec.max_gpus if spec.max_gpus is not None else "-"
+        setting = (f"on (minGain {spec.min_gain:.0%}, cooldown {spec.cooldown_seconds} s, "
+                   f"maxGpus {bound})")
+    else:
+        setting = "off"
+    rescales = (status.rescales if status else None) or 0
+    measured = status.restart_seconds if status else None
+    cost = (f", restart measured {max(measured):.1f} s" if measured else
+            f", restart assumed {spec.restart_cost_seconds:g} s" if spec else "")
+    lines = [f"Elastic:     {setting}; {rescales} rescale(s){cost}"]
+    d = status.last_decision if status else None
+    if d is not None and d.verdict:
+        free = ", ".join(f"{p} x{n}" for p, n in sorted((d.free_gpus or {}).items())) or "-"
+        verdict = "rescaled" if d.verdict == "Rescale" else f"not rescaled ({d.reason_code})"
+        lines.append(f"  {d.time or ''} {verdict}; could use {free}: {d.reason}")
+    return lines
 
 
 def eta_seconds(job: Job) -> float | None:

@@ -1,11 +1,14 @@
 """`cephalo plan --cluster --job job.yaml`: the plan the operator would choose now, on the
 cluster's free GPUs, with the profiles it has cached (`CephaloClient.plan_on_cluster`);
-says which GPUs are taken and by whom."""
+says which GPUs are taken and by whom, and for a job of that name already on the cluster
+with spec.elastic, its last rescale decision (what was free, the predicted gain, the saving
+against the restart cost, why it did or did not rescale)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from cephalo.cli import UserError
 from cephalo.commands.cluster_args import add_cluster_arguments, client_from
@@ -20,6 +23,18 @@ def add_cluster_plan_arguments(parser: argparse.ArgumentParser) -> None:
                        help="the operator's trainer image, for a job without spec.image (it "
                             "keys the cached profiles)")
     add_cluster_arguments(group)  # type: ignore[arg-type]  # an argument group takes them too
+
+
+def _elastic(client: Any, job: Any) -> list[str]:
+    """The running job's rescale decision, when a job of this name is on the cluster."""
+    from cephalo.client.errors import JobNotFound
+    from cephalo.commands.jobview import elastic_lines
+
+    try:
+        existing = client.get(job.metadata.name, namespace=job.metadata.namespace)
+    except JobNotFound:
+        return []
+    return elastic_lines(existing)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  profile {product}: {where}", file=out)
     for note in found.notes:
         print(f"  note: {note}", file=out)
+    for line in _elastic(client, job):
+        print(f"  {line.strip()}", file=out)
     if found.plan is None:
         print(f"the operator would not plan now ({found.error_reason}): {found.error}",
               file=sys.stderr)

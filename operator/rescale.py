@@ -1,0 +1,221 @@
+"""Elastic scaling, the I/O half (spec.elastic, issue 28): offer a Running job the GPUs it
+could use now, plan on them, decide (cephalo.operator.elastic) and record why.
+
+A pass of an elastic Running job with progress looks at what it could use: its own GPUs
+plus the free ones (gpu_usage.free_pools: other jobs' pods and reservations subtracted),
+as its pools, spec.maxGpus and elastic.maxGpus allow. When some pool offers more than the
+plan uses and that offer was not decided on already, the job *claims* the whole offer
+(CLAIMS, before its first await: two elastic jobs, or an elastic job and a job waiting for
+GPUs, never both plan on the same free GPUs; the first pass to look wins, and jobs are woken
+oldest first), plans on it with the cached profiles (pools not profiled yet are left out:
+profiling would hold GPUs while the job runs) and decides. A rescale keeps the claim and
+returns the new plan, which reconcile adopts: the old ranks are stale, train() drains them
+through SIGTERM (a checkpoint at the next step boundary, exit 143; no restart, failure or
+preemption counted) and starts the new plan's ranks, which resume from that checkpoint
+under the new sharding. A skip gives the claim back.
+
+Status (`status.elastic`): the last decision with its figures, rescales, the last rescale's
+time (the cooldown's start), and the restart cost as measured: from the drain (the rescale
+decision) to the first step the new plan's rank 0 reports (`measure_restart`), which is what
+the next decision weighs a saving against. An Event (Rescaled, RescaleSkipped) is posted
+only when the verdict or its reason changes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from cephalo.api import Plan
+from cephalo.operator import metrics
+from cephalo.operator.discovery import NoGpusError, Pool, job_tolerations, select_cluster
+from cephalo.operator.elastic import (
+    Decision,
+    RescaleInputs,
+    announce,
+    capped_spec,
+    decide,
+    offers_more,
+    record_restart,
+    restart_cost,
+    should_evaluate,
+)
+from cephalo.operator.gpu_usage import CLAIMS, free_pools
+from cephalo.operator.planning import PlanningFailed, plan_job, with_price_list
+from cephalo.operator.profiling import cached_profiles
+from cephalo.operator.render import CheckpointTarget, checkpoint_target
+from cephalo.operator.status import JobPhase, now_iso, parse_time
+
+if TYPE_CHECKING:
+    from cephalo.operator.context import JobContext
+
+log = logging.getLogger("cephalo.operator")
+
+
+@dataclass(frozen=True)
+class Growth:
+    """A rescale decided: the new plan, the pools it was planned on, where checkpoints go."""
+
+    plan: Plan
+    pools: list[Pool]
+    storage: CheckpointTarget
+
+
+def plan_pools(plan: Plan) -> dict[str, int]:
+    pools: dict[str, int] = {}
+    for r in plan.ranks:
+        pools[r.pool or r.gpu] = pools.get(r.pool or r.gpu, 0) + 1
+    return pools
+
+
+async def consider(ctx: JobContext, nodes: list[dict[str, Any]], plan: Plan) -> Growth | None:
+    """A Growth when the job should rescale now; else None (with the decision recorded when
+    one was made)."""
+    spec, status = ctx.job.spec, ctx.status
+    if spec.elastic is None or not spec.elastic.enabled or status.get("phase") != \
+            JobPhase.RUNNING:
+        return None
+    elastic: dict[str, Any] = dict(status.get("elastic") or {})
+    step = (status.get("progress") or {}).get("step")
+    if elastic.get("rescaleStartedTime") or step is None:
+        return None  # a rescale still on its way, or no step to count the rest from
+    key = (ctx.namespace, ctx.name)
+    current = plan_pools(plan)
+    discovery = await free_pools(ctx.kube, key, ctx.uid, nodes, job_tolerations(spec))
+    try:
+        cluster, pools = select_cluster(capped_spec(spec), discovery, nodes)
+    except NoGpusError:
+        return None
+    offer = {g.pool or g.product: g.count for g in cluster.groups}
+    last = elastic.get("lastDecision") or {}
+    if not offers_more(current, offer) or not should_evaluate(
+            offer, last.get("freeGpus"), last.get("verdict"), parse_time(last.get("retryTime")),
+            ctx.now):
+        return None
+    CLAIMS.claim(key, ctx.uid, offer)  # before any await: see the module docstring
+    growth: Growth | None = None
+    try:
+        growth = await _decide(ctx, plan, offer, cluster, pools, int(step), elastic)
+    finally:
+        if growth is None:
+            CLAIMS.claim(key, ctx.uid, current)  # declined (or failed): give the offer back
+    return growth
+
+
+async def _decide(ctx: JobContext, plan: Plan, offer: dict[str, int], cluster: Any,
+                  pools: list[Pool], step: int, elastic: dict[str, Any]) -> Growth | None:
+    spec = ctx.job.spec
+    assert spec.elastic is not None
+    figures: dict[str, Any] = {"freeGpus": dict(sorted(offer.items())),
+                               "currentGpus": plan.world_size,
+                               "currentSamplesPerSecond": plan.predicted_samples_per_second}
+    storage = checkpoint_target(ctx.job, sum(offer.values()))
+    if storage.refusal or not storage.durable:
+        _record(ctx, elastic, Decision(
+            "Skip", "NotDurable", f"{sum(offer.values())} GPUs are free, but a rescale "
+            f"restarts from the last checkpoint and {storage.message}", 0.0, 0.0), figures)
+        return None
+    profiles, missing = await cached_profiles(ctx, pools)
+    if missing:  # profiling would hold GPUs while the job runs: plan on the profiled ones
+        names = {p.product for p in missing}
+        cluster = cluster.model_copy(update={"groups": [
+            g for g in cluster.groups if (g.pool or g.product) not in names]})
+        pools = [p for p in pools if p.product not in names]
+        offer = {g.pool or g.product: g.count for g in cluster.groups}
+        if not offers_more(plan_pools(plan), offer):
+            return None
+        figures["freeGpus"] = dict(sorted(offer.items()))
+    try:
+        candidate = await plan_job(with_price_list(capped_spec(spec), ctx.config.prices()),
+                                   cluster, profiles,
+                                   timeout_seconds=ctx.config.planning_timeout_seconds,
+                                   memory_bytes=ctx.config.planning_memory_bytes)
+    except PlanningFailed as err:
+        _record(ctx, elastic, Decision("Skip", "PlanningFailed",
+                                       f"no plan on {_gpus(offer)}: {err}", 0.0, 0.0), figures)
+        return None
+    progress = ctx.status.get("progress") or {}
+    cost, measured = restart_cost(elastic.get("restartSeconds"),
+                                  spec.elastic.restart_cost_seconds)
+    last_rescale = parse_time(elastic.get("lastRescaleTime"))
+    decision = decide(RescaleInputs(
+        now=ctx.now, current_gpus=plan.world_size, candidate_gpus=candidate.world_size,
+        current_samples_per_second=plan.predicted_samples_per_second or 0.0,
+        candidate_samples_per_second=candidate.predicted_samples_per_second or 0.0,
+        measured_samples_per_second=progress.get("samplesPerSecond"),
+        global_batch_size=spec.global_batch_size,
+        remaining_steps=max(0, spec.training.steps - step), restart_cost_seconds=cost,
+        restart_cost_measured=measured, min_gain=spec.elastic.min_gain,
+        cooldown_seconds=spec.elastic.cooldown_seconds, last_rescale_at=last_rescale))
+    figures.update(candidateGpus=candidate.world_size,
+                   candidateSamplesPerSecond=candidate.predicted_samples_per_second,
+                   measuredSamplesPerSecond=progress.get("samplesPerSecond"),
+                   remainingSteps=max(0, spec.training.steps - step),
+                   restartCostSeconds=round(cost, 3),
+                   restartCostSource="measured" if measured else "default")
+    _record(ctx, elastic, decision, figures)
+    if decision.verdict != "Rescale":
+        return None
+    elastic = dict(ctx.decided("elastic") or {})
+    elastic.update(rescales=int(elastic.get("rescales") or 0) + 1,
+                   lastRescaleTime=now_iso(ctx.now), rescaleStartedTime=now_iso(ctx.now),
+                   rescaleFromStep=step)
+    ctx.record(elastic=elastic)
+    ctx.after_write(lambda: _count(metrics.RESCALES, ctx))
+    log.info("%s/%s: rescaling: %s", ctx.namespace, ctx.name, decision.reason)
+    return Growth(candidate, pools, storage)
+
+
+def _gpus(offer: dict[str, int]) -> str:
+    return ", ".join(f"{pool} x{n}" for pool, n in sorted(offer.items()))
+
+
+def _record(ctx: JobContext, elastic: dict[str, Any], decision: Decision,
+            figures: dict[str, Any]) -> None:
+    """The decision into status.elastic.lastDecision; an Event when it says something new."""
+    last = elastic.get("lastDecision") or {}
+    entry: dict[str, Any] = {
+        "time": now_iso(ctx.now), "verdict": decision.verdict, "reasonCode": decision.code,
+        "reason": decision.reason, **{k: v for k, v in figures.items() if v is not None},
+        "gain": round(decision.gain, 4), "savedSeconds": round(decision.saved_seconds, 3)}
+    if decision.retry_at is not None:
+        entry["retryTime"] = now_iso(decision.retry_at)
+    if announce((last.get("verdict"), last.get("reasonCode")), decision):
+        if decision.verdict == "Rescale":
+            ctx.event("Normal", "Rescaled", f"rescaling {decision.reason}; the ranks drain at "
+                      "the next step boundary and resume from its checkpoint")
+        else:
+            ctx.event("Normal", "RescaleSkipped", f"not rescaling: {decision.reason}")
+    if decision.verdict != "Rescale":
+        ctx.after_write(lambda: _count(metrics.RESCALE_SKIPS, ctx))
+    ctx.record(elastic={**elastic, "lastDecision": entry})
+
+
+def measure_restart(ctx: JobContext, progress: dict[str, Any]) -> None:
+    """A rescale under way whose new plan's rank 0 reported a step past the drain: record
+    the seconds from the drain to now as a measured restart cost, and end the rescale."""
+    elastic: dict[str, Any] = dict(ctx.decided("elastic") or {})
+    started = parse_time(elastic.get("rescaleStartedTime"))
+    step = progress.get("step")
+    if started is None or step is None or step <= int(elastic.get("rescaleFromStep") or 0):
+        return
+    seconds = max(0.0, ctx.now - started)
+    elastic["restartSeconds"] = record_restart(elastic.get("restartSeconds"), seconds)
+    elastic.pop("rescaleStartedTime", None)
+    elastic.pop("rescaleFromStep", None)
+    ctx.record(elastic=elastic)
+    log.info("%s/%s: rescale done: step %s after %.1f s", ctx.namespace, ctx.name, step,
+             seconds)
+
+
+def rescaling(ctx: JobContext) -> bool:
+    """A rescale is draining the old ranks or starting the new ones."""
+    return bool((ctx.decided("elastic") or {}).get("rescaleStartedTime"))
+
+
+async def _count(counter: Any, ctx: JobContext) -> None:
+    counter.labels(ctx.namespace, ctx.name).inc()
+
+
+__all__ = ["Growth", "consider", "measure_restart", "plan_pools", "rescaling"]
