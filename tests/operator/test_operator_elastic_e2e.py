@@ -3,10 +3,12 @@ emulator, the emulated scheduler placing pods by their GPU requests, and the pro
 (process_kubelet.py) running the elastic job's ranks as `python -m cephalo.trainer`
 processes (CPU, gloo), one per emulated GPU.
 
-Job b holds 4 of the 8 GPUs; job a (spec.elastic) is planned on the other 4. b ends; a
-drains at its next step boundary (SIGTERM, checkpoint), re-plans onto all 8 and resumes from
-that checkpoint. Nothing beyond the last step is lost, and its losses after the resume
-equal those of an uninterrupted run under the 8-GPU plan to 1e-5 (the trainer's sample
+Job b holds half of the GPUs; job a (spec.elastic) is planned on the other half. b ends; a
+drains at its next step boundary (SIGTERM, checkpoint), re-plans onto all of them and
+resumes from that checkpoint. The suite runs it on 4 GPUs (2 -> 4: ten trainer processes in
+all); CEPHALO_ELASTIC_E2E_GPUS=8 runs the issue's 4 -> 8 (measured: see the closing notes).
+Nothing beyond the last step is lost, and its losses after the resume
+equal those of an uninterrupted run under the all-GPU plan to 1e-5 (the trainer's sample
 order and weights do not depend on the plan). The throughput of both gangs is measured and
 printed; that it rises is asserted only where every rank has a core of its own (on two
 shared cores eight CPU ranks are slower than four whatever the plan)."""
@@ -48,6 +50,8 @@ from cephalo.planner import estimate_profile, lookup_gpu
 
 pytestmark = pytest.mark.asyncio
 POOL = "NVIDIA-A10G"
+GPUS = int(os.environ.get("CEPHALO_ELASTIC_E2E_GPUS", "4"))  # even: two nodes of GPUS / 2
+HALF = GPUS // 2
 STEPS = 30
 RESCALE_AFTER_STEP = 3  # b ends once a has logged this many steps on 4 GPUs
 TINY = {"family": "gpt", "numLayers": 2, "hiddenSize": 64, "numHeads": 4,
@@ -85,8 +89,8 @@ class Cluster:
 
 @pytest_asyncio.fixture(name="cluster")
 async def cluster_fixture(emulator: ApiEmulator, tmp_path: Path) -> AsyncIterator[Cluster]:
-    await apply_nodes(emulator, [gpu_node("a10g-0", POOL, 4, 23028),
-                                 gpu_node("a10g-1", POOL, 4, 23028),
+    await apply_nodes(emulator, [gpu_node("a10g-0", POOL, HALF, 23028),
+                                 gpu_node("a10g-1", POOL, HALF, 23028),
                                  gpu_node("cpu-0", None, 0)])
     Scheduler(emulator, run=False)
     # Time dilation 4 (emulated GPUs a quarter of this CPU's speed): steps long enough that
@@ -126,7 +130,7 @@ def _steady_rate(records: list[dict[str, Any]]) -> float:
 
 
 async def _uninterrupted(folder: Path, job_yaml: str, plan_json: str) -> list[dict[str, Any]]:
-    """The same job from step 0 under the 8-GPU plan, never stopped (real trainers)."""
+    """The same job from step 0 under the all-GPU plan, never stopped (real trainers)."""
     from cephalo.trainer.spawn import free_port
 
     folder.mkdir(parents=True)
@@ -155,21 +159,21 @@ async def _uninterrupted(folder: Path, job_yaml: str, plan_json: str) -> list[di
     return _records(folder / "m.jsonl")
 
 
-@pytest.mark.slow  # a dozen trainer processes: about 2 min on two shared cores
-async def test_job_a_grows_from_4_to_8_gpus_when_job_b_ends(cluster: Cluster,
-                                                             tmp_path: Path) -> None:
+@pytest.mark.slow  # 10 trainer processes (16 with 8 GPUs: about 2 min on two shared cores)
+async def test_job_a_grows_onto_every_gpu_when_job_b_ends(cluster: Cluster,
+                                                          tmp_path: Path) -> None:
     api, kubelet = cluster.api, cluster.kubelet
-    b = _job("b", 100_000, maxGpus=4)
+    b = _job("b", 100_000, maxGpus=HALF)
     await apply_job(api, b)
     profiler = await wait_for("b's profiler", lambda: pods(api, NS, "profiler", "b"))
     await set_pod(api, NS, profiler[0]["metadata"]["name"], "Succeeded", message=_profile(b))
-    await wait_for("b Running on 4 GPUs", lambda: (s := job_status(api, NS, "b")).get(
-        "phase") == "Running" and s["plan"]["worldSize"] == 4)
+    await wait_for("b Running on half the GPUs", lambda: (s := job_status(api, NS, "b")).get(
+        "phase") == "Running" and s["plan"]["worldSize"] == HALF)
     # a: the same model, so b's cached profile serves it (no profiler pod while b runs)
     await apply_job(api, _job("a", elastic={"enabled": True, "restartCostSeconds": 1.0}))
-    status = await wait_for("a Running on 4 GPUs", lambda: (
+    status = await wait_for("a Running on the other half", lambda: (
         s if (s := job_status(api, NS, "a")).get("phase") == "Running" else None))
-    assert status["plan"]["worldSize"] == 4
+    assert status["plan"]["worldSize"] == HALF
     await wait_for(f"a at step {RESCALE_AFTER_STEP}", lambda: _logged(
         kubelet, "a") >= RESCALE_AFTER_STEP and (job_status(api, NS, "a").get(
             "progress") or {}).get("step"))
@@ -185,11 +189,11 @@ async def test_job_a_grows_from_4_to_8_gpus_when_job_b_ends(cluster: Cluster,
         s if (s := job_status(api, NS, "a")).get("phase") in ("Succeeded", "Failed")
         else None), WAIT_SECONDS * 2)
     assert status["phase"] == "Succeeded", status.get("message")
-    assert status["plan"]["worldSize"] == 8 and plan_of(api, "a").world_size == 8
+    assert status["plan"]["worldSize"] == GPUS and plan_of(api, "a").world_size == GPUS
     elastic = status["elastic"]
     decision = elastic["lastDecision"]
     assert elastic["rescales"] == 1 and decision["verdict"] == "Rescale"
-    assert (decision["currentGpus"], decision["candidateGpus"]) == (4, 8)
+    assert (decision["currentGpus"], decision["candidateGpus"]) == (HALF, GPUS)
     assert not status.get("restarts") and not status.get("preemptions")  # a rescale only
 
     # Two gangs, one progress file each; the second starts right after the first's last
@@ -210,10 +214,10 @@ async def test_job_a_grows_from_4_to_8_gpus_when_job_b_ends(cluster: Cluster,
 
     before, after = _steady_rate(first), _steady_rate(second)
     predicted = decision["candidateSamplesPerSecond"] / decision["currentSamplesPerSecond"]
-    print(f"elastic e2e: Rescaled event {decided:.1f} s after b ended; the 8-GPU gang's "
+    print(f"elastic e2e: Rescaled event {decided:.1f} s after b ended; the {GPUS}-GPU gang's "
           f"first step {first_step_seconds:.1f} s after; measured restart "
           f"{restart:.1f} s (drain to first step); resumed after step {resume}; losses after "
-          f"it within {worst:.1e} of the uninterrupted 8-GPU run; throughput {before:.1f} -> "
+          f"it within {worst:.1e} of the uninterrupted {GPUS}-GPU run; throughput {before:.1f} -> "
           f"{after:.1f} samples/s measured ({after / before:.2f}x), {predicted:.2f}x "
           f"predicted; {os.cpu_count()} CPUs")
     if (os.cpu_count() or 1) >= 16:  # a core per rank and to spare
