@@ -229,6 +229,21 @@ def missing_token_file_with_a_plan(d: Path) -> list[str]:
     return ["run", _job(d / "j.yaml", text), "--devices", "cpu:2", "--plan", "plan.json"]
 
 
+def missing_token_file_on_a_claim(d: Path) -> list[str]:
+    """A cluster job (its token file on a PVC) run with `cephalo run`, which mounts no
+    volume and reads the path on this machine (issue 26: it profiled gpt-1.3b for minutes,
+    then the ranks failed on the missing file)."""
+    text = _tiny(**{"checkpoint:": "data: {tokenFile: {path: /data/cephalo-no-such/train.bin,"
+                                   " claimName: datasets}}\n  checkpoint:"})
+    return ["run", _job(d / "j.yaml", text), "--devices", "cpu:2"]
+
+
+def missing_text_on_a_claim(d: Path) -> list[str]:
+    text = _tiny(**{"checkpoint:": "data: {text: {path: /data/cephalo-no-such/corpus.jsonl,"
+                                   " claimName: corpora}}\n  checkpoint:"})
+    return ["run", _job(d / "j.yaml", text), "--devices", "cpu:2"]
+
+
 def token_file_is_a_folder(d: Path) -> list[str]:
     (d / "tokens").mkdir()
     text = _tiny(**{"checkpoint:": "data: {tokenFile: {path: tokens}}\n  checkpoint:"})
@@ -348,7 +363,7 @@ CASES: list[tuple[Setup, str]] = [  # (setup, a phrase the one line must contain
     (name_absolute, "is not a job name"),
     (many_errors_one_line, "and 3 more"),
     (not_utf8, "not UTF-8 text"),
-    (resume_empty_run, "no earlier run of 'tiny'"),
+    (resume_empty_run, "no earlier run of 'tiny' under runs/tiny holds a complete checkpoint"),
     (resume_mistyped_run_dir, "no such run folder"),
     (plan_batch_mismatch, "is for global batch 4 but the job's globalBatchSize is 8"),
     (plan_bad_unit_ratios, "unit_shard_ratios[0] must hold 2 ratios"),
@@ -367,6 +382,9 @@ CASES: list[tuple[Setup, str]] = [  # (setup, a phrase the one line must contain
     (missing_token_file, "missing.bin does not exist"),
     (missing_token_file_with_a_plan, "missing.bin does not exist"),
     (token_file_is_a_folder, "tokens is a folder"),
+    (missing_token_file_on_a_claim, "/data/cephalo-no-such/train.bin does not exist on this "
+     "machine (cephalo run mounts no volume"),
+    (missing_text_on_a_claim, "/data/cephalo-no-such/corpus.jsonl"),
     (plan_job_is_a_folder, "is a folder"),
     (plan_unknown_gpu, "unknown GPU 'Voodoo-5'"),
     (plan_too_many_gpus, "count must be 1 to 100000"),

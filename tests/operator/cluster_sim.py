@@ -1,4 +1,4 @@
-"""A whole emulated cluster for the client and CLI tests (and `scripts/emulated-cluster.sh`):
+"""A whole emulated cluster for the client and CLI tests (and `scripts/demo-cluster.sh`):
 the API emulator, the real operator process, and `TrainingSim`, which plays the kubelet and
 the trainer for the operator's pods.
 

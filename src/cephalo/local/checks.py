@@ -63,13 +63,14 @@ def latest_complete_step(run_dir: Path) -> int | None:
     return max(steps, default=None)
 
 
-def _check_resumable(run_dir: Path, spec: CephaloJobSpec, what: str) -> None:
+def _check_resumable(run_dir: Path, spec: CephaloJobSpec, missing: str) -> None:
+    """`missing`: the clause that says what lacks a complete checkpoint."""
     if spec.checkpoint.ephemeral:
         raise RunError("--resume: the job keeps no checkpoints (checkpoint.ephemeral: true); "
                        "run it again without --resume")
     if spec.checkpoint.uri is None and not has_complete_checkpoint(run_dir):
-        raise RunError(f"--resume: {what} holds no complete checkpoint, so it would start at "
-                       "step 0; run without --resume to start afresh")
+        raise RunError(f"--resume: {missing}, so it would start at step 0; run without "
+                       "--resume to start afresh")
 
 
 def choose_run_dir(job: CephaloJob, options: RunOptions) -> Path:
@@ -83,7 +84,7 @@ def choose_run_dir(job: CephaloJob, options: RunOptions) -> Path:
             if not run_dir.is_dir():  # a typo must not start a fresh run silently
                 raise RunError(f"--resume --run-dir {run_dir}: no such run folder; check the "
                                "path, or drop --resume to start a new run there")
-            _check_resumable(run_dir, job.spec, str(run_dir))
+            _check_resumable(run_dir, job.spec, f"{run_dir} holds no complete checkpoint")
         elif (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
             raise RunError(f"{run_dir} already holds checkpoints: pass --resume to continue "
                            f"that run, or choose another --run-dir")
@@ -94,7 +95,8 @@ def choose_run_dir(job: CephaloJob, options: RunOptions) -> Path:
             if job.spec.checkpoint.uri is None else runs
         if not resumable:
             _check_resumable(runs[-1] if runs else root, job.spec,
-                             f"no earlier run of {name!r} under {root}")
+                             f"no earlier run of {name!r} under {root} holds a complete "
+                             "checkpoint")
             raise RunError(f"--resume: no earlier run of {name!r} under {root}; start one "
                            "without --resume")
         run_dir = resumable[-1]
@@ -145,17 +147,18 @@ def check_inputs(spec: CephaloJobSpec, options: RunOptions) -> None:
     token = spec.data.token_file
     if token is not None and "://" in token.path:  # object storage: the ranks download it
         check_remote_file(token.path, "data.tokenFile.path")
-    elif token is not None and token.claim_name is None:
+    elif token is not None:  # local; a claimName's path too: the ranks read it from here
         path = Path(token.path)
         if not path.is_file():
             what = "is a folder" if path.is_dir() else "does not exist"
-            raise RunError(f"data.tokenFile.path {token.path} {what}; give the token file "
+            raise RunError(f"data.tokenFile.path {token.path} {what}"
+                           f"{_on_this_machine(token.claim_name)}; give the token file "
                            "(a flat binary of token ids) or use data: {synthetic: {}}")
         problem = sidecar_mismatch(path, token.dtype, spec.model.resolve().vocab_size)
         if problem is not None:
             raise RunError(problem)
     text = spec.data.text
-    if text is not None and text.claim_name is None:
+    if text is not None:
         config = spec.model.resolve()
         if config.family not in ("gpt", "llama"):
             raise RunError(f"data.text needs a language model (gpt or llama), the job's "
@@ -164,7 +167,15 @@ def check_inputs(spec: CephaloJobSpec, options: RunOptions) -> None:
             check_text(text.uri or text.path or "", text.format, text.field, text.tokenizer,
                        text.eos_id, config.vocab_size)
         except CephaloError as err:
-            raise RunError(f"data.text: {err}") from None
+            raise RunError(f"data.text: {err}{_on_this_machine(text.claim_name)}") from None
+
+
+def _on_this_machine(claim_name: str | None) -> str:
+    """Why a cluster job's volume path is missing here: `cephalo run` mounts nothing."""
+    if claim_name is None:
+        return ""
+    return (f" on this machine (cephalo run mounts no volume: claimName {claim_name!r} "
+            "applies on a cluster; put the data at that path here)")
 
 
 def check_memory_scale(scale: float | None, devices: list[LocalDevice]) -> None:
