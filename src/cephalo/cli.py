@@ -7,9 +7,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 
-from cephalo.errors import CephaloError
+from cephalo.errors import CephaloError, Terminated
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -76,15 +78,24 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _terminate(_signum: int, _frame: object) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse(argv)
     module = importlib.import_module(COMMANDS[args.command][0])
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         return int(module.run(args) or 0)
     except CephaloError as err:  # the user's mistake: one line, no traceback
         print(f"cephalo {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except Terminated:
+        print(f"cephalo {args.command}: terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print(f"cephalo {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -16,3 +16,8 @@ class CephaloError(Exception):
         # One line whatever the cause put in it: a pydantic dump or a multi-line OS message
         # would otherwise spill over several lines of stderr.
         return " ".join(super().__str__().split())
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM to the CLI (cephalo.cli), handled as Ctrl-C is (`cephalo run` stops its ranks
+    and profilers and says how to resume) but answered with SIGTERM's exit code, 143."""

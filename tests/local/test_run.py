@@ -202,6 +202,23 @@ def test_ctrl_c_stops_cleanly_and_resume_finishes_the_run(tmp_path, tiny_job) ->
     assert steps[-1] == 200
 
 
+def test_sigterm_while_profiling_stops_the_profilers_too(tmp_path, tiny_job) -> None:
+    # Session 9's README walk: `kill <cephalo run>` during profiling exited at once and left
+    # the torchrun profiler and its workers running. SIGTERM is now handled as Ctrl-C is.
+    job = tiny_job()
+    proc = _start(tmp_path, "run", str(job), "--devices", "cpu:2")
+    try:
+        # the collectives profile: torchrun and its workers, each `cephalo.trainer.profile`
+        _wait_for(lambda: len(trainer_pids(str(tmp_path))) >= 2, timeout=300)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, out + err
+    assert "terminated" in err
+    _wait_for(lambda: trainer_pids(str(tmp_path)) == [], timeout=30)
+
+
 def test_real_text_from_a_token_file(tmp_path) -> None:
     repo = Path(__file__).resolve().parents[2]
     tokens = tmp_path / "data" / "bytes.bin"

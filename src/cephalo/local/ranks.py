@@ -24,6 +24,7 @@ from pathlib import Path
 from cephalo.api.job import CephaloJobSpec, load_job
 from cephalo.api.plan import Plan
 from cephalo.api.trainer_env import TrainerVars, to_environ
+from cephalo.errors import Terminated
 from cephalo.local.devices import LocalDevice
 from cephalo.rootcause import RankFailure, describe, root_cause
 
@@ -49,7 +50,8 @@ class RankEnv:
 
 @dataclass
 class LaunchResult:
-    returncode: int  # 0: all ranks finished; else the first failure's code (130: Ctrl-C)
+    # 0: all ranks finished; else the first failure's code (130: Ctrl-C, 143: SIGTERM)
+    returncode: int
     failed_rank: int | None = None
     error_tail: str = ""
     records: list[dict] = field(default_factory=list)
@@ -142,6 +144,22 @@ def _blame(procs: list[subprocess.Popen], logs: Path, result: LaunchResult) -> N
                               f"a consequence of rank {cause.rank}'s error)")
 
 
+def run_group(command: list[str], env: dict[str, str], cwd: Path
+              ) -> subprocess.CompletedProcess[str]:
+    """`subprocess.run(..., capture_output=True, text=True)` in a session of its own, whose
+    every process is stopped (SIGTERM, then SIGKILL) if this one is interrupted: a torchrun
+    killed alone would leave its workers running."""
+    proc = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate()
+    except BaseException:
+        _stop([proc])
+        raise
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
 def _stop(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
@@ -195,8 +213,8 @@ def launch(plan: Plan, ranks: list[RankEnv], run_dir: Path, job_file: Path, plan
                     on_records(records)
                 break
             time.sleep(POLL_SECONDS)
-    except KeyboardInterrupt:
-        result.returncode = 130
+    except KeyboardInterrupt as stopped:  # Ctrl-C, or SIGTERM (cephalo.errors.Terminated)
+        result.returncode = 143 if isinstance(stopped, Terminated) else 130
     finally:
         _stop(procs)
     return result

@@ -7,7 +7,6 @@ profiles/, logs/rank-N.log, metrics.jsonl, checkpoints/, loss.png, time_breakdow
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -38,7 +37,7 @@ from cephalo.local.emulate import (
     given_plan_emulation,
     plan_emulation,
 )
-from cephalo.local.ranks import RankEnv, launch
+from cephalo.local.ranks import RankEnv, launch, run_group
 from cephalo.local.report import (
     Progress,
     format_summary,
@@ -148,7 +147,7 @@ def profile_devices(devices: list[LocalDevice], job_file: Path, run_dir: Path,
                 str(d.index) for d in [device, *[d for d in same_kind if d != device]])
         else:
             env["CUDA_VISIBLE_DEVICES"] = "" if device.kind == "cpu" else str(device.index)
-        done = subprocess.run(command, env=env, cwd=run_dir, capture_output=True, text=True)
+        done = run_group(command, env, run_dir)
         if done.returncode != 0:
             raise RunError(f"profiling {device.label} failed: "
                            f"{(done.stderr or done.stdout).strip().splitlines()[-1:]}")
@@ -349,9 +348,9 @@ def _run_in(run_dir: Path, job: CephaloJob, options: RunOptions, devices: list[L
     result = launch(plan, ranks, run_dir, job_file, plan_file, progress.update, threads,
                     options.stop_after_step)
     labels = [d.label for d in devices]
-    if result.returncode == 130:
+    if result.returncode in (130, 143):  # Ctrl-C or SIGTERM: stopped, resumable
         out("\n" + interrupted_hint(options, spec, run_dir))
-        return 130
+        return result.returncode
     if result.returncode != 0:
         out(f"\nrank {result.failed_rank} ({labels[result.failed_rank or 0]}) failed with "
             f"exit code {result.returncode}; the other ranks were stopped. Its last lines:\n"
