@@ -46,8 +46,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     try:
         plane.start()
         rest = plane.admin()
-        heartbeat = NodeHeartbeat(rest, NODES).start()
-        kubelet = ProcessKubelet(rest, folder / "kubelet", {n.name for n in NODES}).start()
+        kubelet = ProcessKubelet(rest, folder / "kubelet", {n.name for n in NODES},
+                                 plane.pki).start()
+        heartbeat = NodeHeartbeat(rest, NODES, kubelet.ports).start()
         print(f"realk8s: control plane up in {elapsed(started)} ({folder})")
         yield Cluster(plane, heartbeat, kubelet)
     except BaseException:

@@ -168,6 +168,12 @@ class ControlPlane:
             f"--service-account-key-file={p.sa_pub}",
             f"--service-account-signing-key-file={p.sa_key}",
             "--authorization-mode=RBAC",
+            # Pod logs: the process kubelet's endpoint at the node's InternalIP (the nodes'
+            # Hostname addresses do not resolve), its certificate verified, ours presented.
+            f"--kubelet-certificate-authority={p.ca_cert}",
+            f"--kubelet-client-certificate={p.kubelet_client_cert}",
+            f"--kubelet-client-key={p.kubelet_client_key}",
+            "--kubelet-preferred-address-types=InternalIP",
             # PodSecurity is on by default; listed so that a reader sees it is the judge.
             "--enable-admission-plugins=NamespaceLifecycle,ServiceAccount,PodSecurity,"
             "DefaultTolerationSeconds,Priority",

@@ -37,7 +37,7 @@ def node_object(node: GpuNode) -> dict[str, Any]:
         "spec": {}}
 
 
-def node_status(node: GpuNode) -> dict[str, Any]:
+def node_status(node: GpuNode, kubelet_port: int | None = None) -> dict[str, Any]:
     now = _now()
     resources = {"cpu": "64", "memory": "512Gi", "pods": "110", "ephemeral-storage": "1Ti",
                  "nvidia.com/gpu": str(node.gpus)}
@@ -55,14 +55,19 @@ def node_status(node: GpuNode) -> dict[str, Any]:
         "nodeInfo": {"kubeletVersion": "v0.0.0-process-kubelet", "operatingSystem": "linux",
                      "architecture": "amd64", "containerRuntimeVersion": "process://local",
                      "kernelVersion": "", "osImage": "", "kubeProxyVersion": "",
-                     "machineID": "", "systemUUID": "", "bootID": ""}}}
+                     "machineID": "", "systemUUID": "", "bootID": ""},
+        # Where the API server finds this node's kubelet (pods/log), as a kubelet reports it.
+        **({"daemonEndpoints": {"kubeletEndpoint": {"Port": kubelet_port}}}
+           if kubelet_port else {})}}
 
 
 class NodeHeartbeat:
     """Registers the nodes and renews their status and Lease every HEARTBEAT_SECONDS."""
 
-    def __init__(self, rest: Rest, nodes: list[GpuNode]) -> None:
+    def __init__(self, rest: Rest, nodes: list[GpuNode],
+                 kubelet_ports: dict[str, int] | None = None) -> None:
         self.rest, self.nodes = rest, {n.name: n for n in nodes}
+        self.kubelet_ports = kubelet_ports or {}
         self.paused: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="node-heartbeat", daemon=True)
@@ -80,7 +85,8 @@ class NodeHeartbeat:
         return self
 
     def _beat(self, node: GpuNode) -> None:
-        reply = self.rest.request("PATCH", f"/api/v1/nodes/{node.name}/status", node_status(node),
+        reply = self.rest.request("PATCH", f"/api/v1/nodes/{node.name}/status", node_status(
+            node, self.kubelet_ports.get(node.name)),
                                   ctype="application/strategic-merge-patch+json")
         if reply.status == 404:  # deleted by a test: a kubelet would re-register; we do not
             return
