@@ -2,10 +2,14 @@
 process killed (gang restart), suspend and resume (the pods really deleted and recreated),
 a node deleted (re-plan on the GPU left), and delete while running (kopf's finalizer, then
 the real garbage collector removes every object the job owned, and the process kubelet stops
-the processes)."""
+the processes). Throughout, `cephalo logs long --all -f` (the real command, a process of its
+own) follows the ranks' logs through the real API server and the process kubelet's log
+endpoint: into each next attempt's pods, until the job is gone."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +51,18 @@ def test_killed_rank_suspend_resume_node_loss_and_delete_while_running(
     body = tiny_job(name, ns, terminationGracePeriodSeconds=10, backoffLimit=3)
     body["spec"]["training"]["steps"] = 1_000_000  # runs until the test ends it
     cluster.rest.create(JOBS.format(ns=ns), body, fieldValidation="Strict")
+    follow_log = tmp_path / "cephalo-logs-f.txt"
+    with follow_log.open("w") as out:
+        follower = subprocess.Popen(
+            [str(Path(sys.executable).parent / "cephalo"), "logs", name, "--all", "-f", "-n",
+             ns, "--kubeconfig", str(cluster.plane.kubeconfig)],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     # A rank dies (SIGKILL): the whole gang restarts, as new pods.
     first = _running_ranks(cluster, ns, name, 2)
+    # ... once the follower shows the first gang training (its lines come before the restart).
+    wait_until("cephalo logs -f showing rank 0's steps", lambda: "[rank 0] step " in
+               follow_log.read_text(), STEP_SECONDS)
     _phase(cluster, ns, name, "Running")
     cluster.kubelet.kill(ns, f"{name}-rank-1")
     wait_until("a gang restart counted", lambda: (_status(cluster, ns, name).get("restarts")
@@ -57,6 +70,10 @@ def test_killed_rank_suspend_resume_node_loss_and_delete_while_running(
     second = _running_ranks(cluster, ns, name, 2)
     assert not {p["metadata"]["uid"] for p in first} & {p["metadata"]["uid"] for p in second}
     _phase(cluster, ns, name, "Running")
+    # The follower went on into the new gang's pods: rank 0's next attempt, training.
+    marker = f"[rank 0] --- attempt 1: pod {name}-rank-0 (the gang restarted) ---\n"
+    wait_until("cephalo logs -f showing the restarted rank 0's steps", lambda: "[rank 0] step "
+               in follow_log.read_text().partition(marker)[2], STEP_SECONDS)
 
     # Suspend: every rank pod really goes (terminated by the kubelet, deleted for good).
     cluster.rest.merge_patch(f"{JOBS.format(ns=ns)}/{name}", {"spec": {"suspend": True}})
@@ -101,3 +118,42 @@ def test_killed_rank_suspend_resume_node_loss_and_delete_while_running(
     alive = [c.key for c in cluster.kubelet.containers.values()
              if c.key.startswith(f"{ns}/") and c.proc is not None and c.proc.poll() is None]
     assert not alive, f"processes still running after their pods were deleted: {alive}"
+    _check_followed_logs(cluster, ns, name, follower, follow_log)
+
+
+def _check_followed_logs(cluster: Cluster, ns: str, name: str,
+                         follower: subprocess.Popen[bytes], follow_log: Path) -> None:
+    """`cephalo logs --all -f` ended by itself once the job was gone (exit 0), and printed
+    rank 0's lines exactly as the kubelet kept them, for every incarnation of its pod (the
+    gang restart, resume and re-plan made new ones), each later attempt announced."""
+    try:
+        follower.wait(STEP_SECONDS)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait()
+    text = follow_log.read_text()
+    assert follower.returncode == 0, text[-3000:]
+    printed: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        assert line.startswith("[rank ") or line.startswith("[profiler "), line
+        label, _, rest = line[1:].partition("] ")
+        printed.setdefault(label, []).append(rest)
+    marker = "--- attempt 1: pod {pod} (the gang restarted) ---"
+    for rank in (0, 1):
+        assert marker.format(pod=f"{name}-rank-{rank}") in printed[f"rank {rank}"], printed
+    # Rank 0 ran on the node that stayed: each incarnation's log in full, in order. The
+    # follower looks for new pods once a second, so a pod that lived less than that may be
+    # missed whole (never cut short); the first gang's and the restarted gang's are there
+    # (the test waited for their steps).
+    ran = [c.log.text().splitlines() for c in cluster.kubelet.containers.values()
+           if c.key == f"{ns}/{name}-rank-0" and c.log is not None]
+    assert len(ran) >= 3, len(ran)  # the first gang, after the kill, after the resume, ...
+    shown = [x for x in printed["rank 0"] if not x.startswith("--- attempt ")]
+    at, found = 0, []
+    for i, lines in enumerate(ran):
+        if lines and shown[at:at + len(lines)] == lines:
+            at += len(lines)
+            found.append(i)
+    assert at == len(shown), f"lines no kubelet log has: {shown[at:at + 5]}"
+    assert found[:2] == [0, 1], found

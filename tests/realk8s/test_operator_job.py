@@ -4,10 +4,13 @@ real control plane: real profiler and trainer processes (CPU, gloo) started by t
 kubelet on GPU-labelled nodes the real scheduler picked; Profiling -> Planning -> Running ->
 Succeeded; the checkpoint the ranks wrote on the shared claim exports; the TTL deletes the
 finished job (its pods garbage-collected) and a job of the same name, submitted and watched
-through `cephalo submit --watch` (the client), runs again."""
+through `cephalo submit --watch` (the client), runs again. `cephalo logs` reads the ranks'
+logs through the real API server, and `cephalo plan --cluster` previews exactly the plan the
+operator then chooses."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -56,6 +59,19 @@ def test_job_trains_under_the_real_api_server_and_exports(
     order = [p for p in ("Profiling", "Planning", "Running", "Succeeded") if p in phases]
     assert order == ["Profiling", "Planning", "Running", "Succeeded"], phases
     print(f"realk8s: job tiny {' -> '.join(phases)} in {time.monotonic() - started:.0f} s")
+    # `cephalo logs --all` through the real API server and the kubelet's log endpoint: each
+    # rank pod's log as the kubelet kept it, every line prefixed by its rank; --rank 1 alone.
+    where = ["--namespace", ns, "--kubeconfig", str(cluster.plane.kubeconfig)]
+    capsys.readouterr()
+    assert cli_main(["logs", "tiny", "--all", *where]) == 0
+    shown = capsys.readouterr().out.splitlines()
+    kept = {f"rank {r}": cluster.kubelet.log_of(ns, f"tiny-rank-{r}").splitlines()
+            for r in (0, 1)}
+    assert [line for line in shown if not line.startswith("[profiler ")] == [
+        f"[{label}] {line}" for label, lines in kept.items() for line in lines], shown
+    assert any(line.startswith("[rank 0] step 6/6 ") for line in shown), shown
+    assert cli_main(["logs", "tiny", "--rank", "1", *where]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"[rank 1] {x}" for x in kept["rank 1"]]
     # Real pods ran where the real scheduler put them: one rank on each GPU node.
     pods = cluster.rest.must("GET", f"/api/v1/namespaces/{ns}/pods",
                              params={"labelSelector": "cephalo.dev/role=trainer"})["items"]
@@ -85,14 +101,22 @@ def test_job_trains_under_the_real_api_server_and_exports(
     # follows it to Succeeded (exit 0), then `cephalo status` lists it.
     job_file = tmp_path / "tiny.yaml"
     job_file.write_text(yaml.safe_dump(tiny_job("tiny", ns)))
-    where = ["--namespace", ns, "--kubeconfig", str(cluster.plane.kubeconfig)]
+    # First the preview: `cephalo plan --cluster` runs the operator's own discovery and planner
+    # on what it reads from the real API server (nodes, pods, jobs, the profiles the first job
+    # cached); the operator's plan for the job, below, must be exactly this one.
     capsys.readouterr()
+    assert cli_main(["plan", "--cluster", "--job", str(job_file), "--json", *where]) == 0
+    preview = capsys.readouterr()
+    assert "profile RTX-A6000: cached ConfigMap cephalo-profile-" in preview.err, preview.err
+    assert "profile P40: cached ConfigMap cephalo-profile-" in preview.err, preview.err
     assert cli_main(["submit", str(job_file), "--watch", *where]) == 0
     watched = capsys.readouterr().out
     assert "created" in watched and "Succeeded" in watched.splitlines()[-1], watched
     second = cluster.rest.must("GET", f"{JOBS.format(ns=ns)}/tiny")
     assert second["metadata"]["uid"] != first["metadata"]["uid"]
     assert second["status"]["phase"] == "Succeeded"
+    plan_map = cluster.rest.must("GET", f"/api/v1/namespaces/{ns}/configmaps/tiny-plan")
+    assert json.loads(preview.out) == json.loads(plan_map["data"]["plan.json"])
     assert cli_main(["status", *where]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split()[:2] == ["NAME", "PHASE"]
