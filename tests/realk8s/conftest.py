@@ -7,6 +7,8 @@ them where Go is installed) the whole folder skips with one reason."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -14,13 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
+
+from cephalo.cli import main as cli_main
 
 from .cluster import CHART, CRD, NODES, OPERATOR_NAMESPACE, RELEASE, Cluster, run_tool
 from .controlplane import ControlPlane, binaries_or_reason, elapsed
 from .kubelet import ProcessKubelet
 from .nodes import NodeHeartbeat
 from .operator_auth import operator_kubeconfig
-from .operator_run import Operator
+from .operator_run import Operator, tiny_job
 from .rest import wait_until
 
 BIN, SKIP_REASON = binaries_or_reason()
@@ -85,7 +90,25 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 @pytest.fixture(scope="session")
-def installed_chart(cluster: Cluster) -> subprocess.CompletedProcess[str]:
+def before_chart(cluster: Cluster) -> dict[str, tuple[int, str]]:
+    """What `cephalo status` and `cephalo submit` said (exit code, stderr) on the real API
+    server before the chart put the CRD there: taken before `installed_chart`, which needs
+    this fixture, so it never depends on the order the tests run in."""
+    job = cluster.plane.folder / "before-chart-job.yaml"
+    job.write_text(yaml.safe_dump(tiny_job("early", "default")))
+    where = ["--kubeconfig", str(cluster.plane.kubeconfig)]
+    said = {}
+    for name, argv in (("status", ["status", *where]), ("submit", ["submit", str(job), *where])):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = cli_main(argv)
+        said[name] = (code, err.getvalue())
+    return said
+
+
+@pytest.fixture(scope="session")
+def installed_chart(cluster: Cluster,
+                    before_chart: object) -> subprocess.CompletedProcess[str]:
     """`helm install` of the chart (real Helm): the only thing that creates the CRD, so every
     test that needs the CRD gets the chart's copy. The operator image need not be pullable:
     no Deployment controller runs, the objects only have to be accepted."""
