@@ -33,18 +33,23 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import urllib3
+
 from .kubelet_logs import ContainerLog, LogServer
 from .pki import Pki
-from .rest import Rest
+from .rest import Reply, Rest
 
 POD_IP = "127.0.0.1"
 CLUSTER_DNS = re.compile(r"^[a-z0-9.-]+\.svc(\.cluster\.local)?$")
 MAX_MESSAGE_BYTES = 4096  # the kubelet's termination-message limit
 FALLBACK_LOG_LINES = 80
+API_OUTAGE_SECONDS = 120.0  # how long a status write is retried while the API server is down
 
 
 def _now() -> str:
@@ -98,7 +103,11 @@ class ProcessKubelet:
 
     def _watch_loop(self) -> None:
         while not self._stop.is_set():
-            listing = self.rest.get("/api/v1/pods")
+            try:
+                listing = self.rest.get("/api/v1/pods")
+            except (urllib3.exceptions.HTTPError, OSError):  # the API server restarting
+                self._stop.wait(0.5)
+                continue
             if not listing.ok:
                 self._stop.wait(0.5)
                 continue
@@ -288,10 +297,10 @@ class ProcessKubelet:
                       "name": container["name"], "image": container["image"],
                       "imageID": f"process://{container['image']}", "ready": running,
                       "restartCount": 0, "started": running, "state": state}]}
-        reply = self.rest.request(
+        reply = self._retrying(lambda: self.rest.request(
             "PATCH", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status",
             {"metadata": {"uid": meta["uid"]}, "status": status},
-            ctype="application/strategic-merge-patch+json")
+            ctype="application/strategic-merge-patch+json"))
         if not reply.ok and reply.status != 404:
             print(f"process kubelet: status of {c.key} -> {reply.status}: {reply.message}",
                   file=sys.stderr)
@@ -348,8 +357,20 @@ class ProcessKubelet:
 
     def _final_delete(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
-        self.rest.request("DELETE", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
-                          {"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}})
+        self._retrying(lambda: self.rest.request(
+            "DELETE", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
+            {"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}}))
+
+    def _retrying(self, send: Callable[[], Reply]) -> Reply:
+        """A status write or final delete, sent again while the API server does not answer
+        (a test restarts it), as the kubelet's status manager keeps trying."""
+        deadline = time.monotonic() + API_OUTAGE_SECONDS
+        while True:
+            try:
+                return send()
+            except (urllib3.exceptions.HTTPError, OSError):
+                if time.monotonic() > deadline or self._stop.wait(0.2):
+                    raise
 
     def claim_folder(self, namespace: str, claim: str) -> Path:
         """The local folder behind a PersistentVolumeClaim (shared by every pod)."""

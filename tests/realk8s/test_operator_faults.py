@@ -1,10 +1,12 @@
 """One long job through what a real cluster does to it, under the real control plane: a rank
 process killed (gang restart), suspend and resume (the pods really deleted and recreated),
-a node deleted (re-plan on the GPU left), and delete while running (kopf's finalizer, then
-the real garbage collector removes every object the job owned, and the process kubelet stops
-the processes). Throughout, `cephalo logs long --all -f` (the real command, a process of its
-own) follows the ranks' logs through the real API server and the process kubelet's log
-endpoint: into each next attempt's pods, until the job is gone."""
+a node NotReady (re-plan on the GPU left), the node in use deleted (re-plan onto the one
+Ready again), and delete while running (kopf's finalizer, then the real garbage collector
+removes every object the job owned, and the process kubelet stops the processes); then the
+API server restarted over a compacted etcd (every watch 410 Gone): the operator still takes
+up new jobs and lets deleted ones go. Until the long job is deleted, `cephalo logs long --all
+-f` (the real command, a process of its own) follows the ranks' logs through the real API
+server and the process kubelet's log endpoint: into each next attempt's pods."""
 
 from __future__ import annotations
 
@@ -36,6 +38,21 @@ def _running_ranks(cluster: Cluster, ns: str, name: str, count: int) -> list[dic
             (p.get("status") or {}).get("phase") == "Running"
             and not p["metadata"].get("deletionTimestamp") for p in ps) else None),
         STEP_SECONDS, interval_seconds=0.2)
+
+
+def _watch_gone(cluster: Cluster, path: str, resource_version: str) -> bool | None:
+    """Is a watch from `resource_version` refused as too old (410 Gone: an ERROR event, or
+    the status itself)? None while the API server cannot say yet (its watch cache is still
+    initializing after a restart: 429)."""
+    reply = cluster.rest.request("GET", path, params={
+        "watch": "1", "resourceVersion": resource_version, "timeoutSeconds": "5"})
+    if reply.status == 429 or reply.status >= 500:
+        return None
+    if reply.status == 410:
+        return True
+    event = reply.body if "type" in reply.body else {}
+    assert event.get("type") == "ERROR", f"watch from {resource_version}: {reply}"
+    return bool(event["object"].get("code") == 410)
 
 
 def _phase(cluster: Cluster, ns: str, name: str, phase: str) -> dict[str, Any]:
@@ -85,18 +102,30 @@ def test_killed_rank_suspend_resume_node_loss_and_delete_while_running(
     _running_ranks(cluster, ns, name, 2)
     _phase(cluster, ns, name, "Running")
 
-    # A node is lost (deleted): the job re-plans on the GPU left and runs one rank there.
-    lost = NODES[1]
+    # A node goes NotReady (its kubelet reports Ready=False; the real node-lifecycle
+    # controller taints it): the job re-plans without that node's GPU, one rank on the other.
+    sick, well = NODES[1], NODES[0]
     try:
-        cluster.rest.must("DELETE", f"/api/v1/nodes/{lost.name}")
-        wait_until("a re-plan without the lost node", lambda: (
+        cluster.heartbeat.set_ready(sick.name, False)
+        wait_until("a re-plan without the NotReady node", lambda: (
             _status(cluster, ns, name).get("plan") or {}).get("worldSize") == 1, STEP_SECONDS)
         (survivor,) = _running_ranks(cluster, ns, name, 1)
-        assert survivor["spec"]["nodeName"] == NODES[0].name
+        assert survivor["spec"]["nodeName"] == well.name
+        _phase(cluster, ns, name, "Running")
+    finally:
+        cluster.heartbeat.set_ready(sick.name, True)
+
+    # The node in use is lost (deleted): the job re-plans onto the one that is Ready again
+    # (the controller lifted its taints).
+    try:
+        cluster.rest.must("DELETE", f"/api/v1/nodes/{well.name}")
+        wait_until(f"the rank re-planned onto {sick.name}", lambda: [
+            p["spec"]["nodeName"] for p in _running_ranks(cluster, ns, name, 1)] == [sick.name],
+            STEP_SECONDS)
         _phase(cluster, ns, name, "Running")
     finally:  # the node comes back for the tests after this one
-        if not cluster.rest.get(f"/api/v1/nodes/{lost.name}").ok:
-            cluster.heartbeat.register(lost)
+        if not cluster.rest.get(f"/api/v1/nodes/{well.name}").ok:
+            cluster.heartbeat.register(well)
 
     # Delete while running: the job goes, and the garbage collector takes what it owned.
     owned = cluster.rest.must("GET", f"/api/v1/namespaces/{ns}/configmaps", params={
@@ -120,6 +149,24 @@ def test_killed_rank_suspend_resume_node_loss_and_delete_while_running(
     assert not alive, f"processes still running after their pods were deleted: {alive}"
     _check_followed_logs(cluster, ns, name, follower, follow_log)
 
+    # Every watch breaks and cannot resume (the API server restarted, etcd compacted past
+    # every resourceVersion): a watch from before is 410 Gone. The operator re-lists and
+    # goes on: it takes up a job created after the restart, and lets one from before go.
+    cluster.rest.create(JOBS.format(ns=ns), tiny_job("kept", ns, suspend=True))
+    _phase(cluster, ns, "kept", "Suspended")
+    before = cluster.rest.must("GET", JOBS.format(ns=ns))["metadata"]["resourceVersion"]
+    cluster.plane.restart_apiserver_compacted()
+    wait_until(f"an answer to a watch from resourceVersion {before}", lambda: _watch_gone(
+        cluster, JOBS.format(ns=ns), before) is not None, STEP_SECONDS)
+    assert _watch_gone(cluster, JOBS.format(ns=ns), before)
+    cluster.rest.create(JOBS.format(ns=ns), tiny_job("later", ns, suspend=True))
+    _phase(cluster, ns, "later", "Suspended")
+    kept = f"{JOBS.format(ns=ns)}/kept"
+    assert "cephalo.dev/operator" in cluster.rest.must("GET", kept)["metadata"]["finalizers"]
+    cluster.rest.must("DELETE", kept)  # kopf must see it to remove its finalizer
+    wait_until("the job from before the restart deleted", lambda: cluster.rest.get(
+        kept).status == 404, STEP_SECONDS)
+
 
 def _check_followed_logs(cluster: Cluster, ns: str, name: str,
                          follower: subprocess.Popen[bytes], follow_log: Path) -> None:
@@ -142,7 +189,7 @@ def _check_followed_logs(cluster: Cluster, ns: str, name: str,
     marker = "--- attempt 1: pod {pod} (the gang restarted) ---"
     for rank in (0, 1):
         assert marker.format(pod=f"{name}-rank-{rank}") in printed[f"rank {rank}"], printed
-    # Rank 0 ran on the node that stayed: each incarnation's log in full, in order. The
+    # Rank 0's output: each incarnation's log in full, in order (whichever node ran it). The
     # follower looks for new pods once a second, so a pod that lived less than that may be
     # missed whole (never cut short); the first gang's and the restarted gang's are there
     # (the test waited for their steps).
