@@ -56,7 +56,8 @@ def _token(cluster: Cluster, ns: str, account: str) -> str:
 def test_rbac_refusals_name_the_verb_and_the_resource(
         cluster: Cluster, crd: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ns = cluster.namespace("rbac")
-    cluster.rest.create(JOBS.format(ns=ns), tiny_job("someone", ns))
+    # Suspended: an operator started by a later test leaves it alone (no GPUs taken).
+    cluster.rest.create(JOBS.format(ns=ns), tiny_job("someone", ns, suspend=True))
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(tiny_job("mine", ns)))
     # No rights at all (a fresh ServiceAccount): listing jobs, creating one.
@@ -94,12 +95,13 @@ def test_rbac_refusals_name_the_verb_and_the_resource(
                            f'{where}: pods is forbidden: User "system:serviceaccount:{ns}:'
                            'reader" cannot list resource "pods"'), line
     assert line.endswith("ask a cluster admin for a Role that grants list on pods"), line
+    cluster.rest.must("DELETE", f"{JOBS.format(ns=ns)}/someone")
 
 
 def test_unknown_job_says_where_one_is(cluster: Cluster, crd: Any,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     here, there = cluster.namespace("here"), cluster.namespace("there")
-    cluster.rest.create(JOBS.format(ns=there), tiny_job("elsewhere", there))
+    cluster.rest.create(JOBS.format(ns=there), tiny_job("elsewhere", there, suspend=True))
     admin = ["--kubeconfig", str(cluster.plane.kubeconfig)]
     where = f"(context 'test', server {cluster.plane.server})"
     assert run(capsys, "status", "nosuch", "-n", here, *admin) == (
@@ -111,6 +113,7 @@ def test_unknown_job_says_where_one_is(cluster: Cluster, crd: Any,
             f"cephalo {command[0]}: error: no CephaloJob 'elsewhere' in namespace {here}; "
             f"there is one in namespace {there}: add --namespace {there}")
     assert cluster.rest.get(f"{JOBS.format(ns=there)}/elsewhere").ok  # untouched
+    cluster.rest.must("DELETE", f"{JOBS.format(ns=there)}/elsewhere")
 
 
 def _kubeconfig(cluster: Cluster, path: Path, *, server: str, ca: Path) -> str:

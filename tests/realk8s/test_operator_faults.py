@@ -166,6 +166,9 @@ def test_killed_rank_suspend_resume_node_loss_and_delete_while_running(
     cluster.rest.must("DELETE", kept)  # kopf must see it to remove its finalizer
     wait_until("the job from before the restart deleted", lambda: cluster.rest.get(
         kept).status == 404, STEP_SECONDS)
+    cluster.rest.must("DELETE", f"{JOBS.format(ns=ns)}/later")  # leave no job behind
+    wait_until("the job from after the restart deleted", lambda: cluster.rest.get(
+        f"{JOBS.format(ns=ns)}/later").status == 404, STEP_SECONDS)
 
 
 def _check_followed_logs(cluster: Cluster, ns: str, name: str,
