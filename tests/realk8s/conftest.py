@@ -125,12 +125,19 @@ def crd(installed_chart: subprocess.CompletedProcess[str], cluster: Cluster) -> 
     return cluster.rest.must("GET", CRD)
 
 
-@pytest.fixture
-def operator(cluster: Cluster, installed_chart: object, tmp_path: Path,
-             on_failure: Any) -> Iterator[Operator]:
-    proc = Operator(operator_kubeconfig(cluster), tmp_path / "operator.log")
-    on_failure(proc.log)
+@pytest.fixture(scope="session")
+def operator_process(cluster: Cluster, installed_chart: object) -> Iterator[Operator]:
+    """One operator for the session (its start-up is seconds of a shared CPU): a test after
+    test_operator_faults also checks that it came through that test's API server restart."""
+    proc = Operator(operator_kubeconfig(cluster), cluster.plane.folder / "operator.log")
     try:
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture
+def operator(operator_process: Operator, on_failure: Any) -> Operator:
+    assert operator_process.proc.poll() is None, operator_process.log()
+    on_failure(operator_process.log)
+    return operator_process

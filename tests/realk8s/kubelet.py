@@ -384,11 +384,16 @@ class ProcessKubelet:
                 return c.proc.pid
         raise AssertionError(f"no running process for pod {namespace}/{name}")
 
+    def newest(self, namespace: str, name: str) -> ContainerLog:
+        """The log of pod `name`'s newest container that has started."""
+        logs = [c.log for c in list(self.containers.values())
+                if c.key == f"{namespace}/{name}" and c.log is not None]
+        assert logs, f"no container of pod {namespace}/{name} has started"
+        return logs[-1]
+
     def log_of(self, namespace: str, name: str) -> str:
         """What the newest container of pod `name` has written (as the kubelet keeps it)."""
-        (*_, c) = [c for c in self.containers.values() if c.key == f"{namespace}/{name}"
-                   and c.log is not None]
-        return c.log.text() if c.log else ""
+        return self.newest(namespace, name).text()
 
     def stop(self) -> None:
         """Kill every container and end the watch."""

@@ -80,6 +80,7 @@ class ContainerLog:
         self.path = path
         self.changed = threading.Condition()
         self.closed = False  # every writer has ended (the process exited, pipes drained)
+        self.followers = 0  # `follow` streams being served now (tests wait for a reader)
         self._pumps: list[threading.Thread] = []
         path.touch()
 
@@ -97,6 +98,11 @@ class ContainerLog:
         thread = threading.Thread(target=run, daemon=True, name=f"log-{stream}")
         self._pumps.append(thread)
         thread.start()
+
+    def reading(self, follow: bool, delta: int) -> None:
+        if follow:
+            with self.changed:
+                self.followers += delta
 
     def close(self, timeout_seconds: float = 10.0) -> None:
         """The process exited: wait for the pipes to drain (a child that kept them open is
@@ -219,16 +225,20 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         left = query.limit_bytes
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError, ssl.SSLError):
-            for chunk in read_log(found, query, self.server.stopped.is_set):
-                if left is not None:
-                    chunk, left = chunk[:left], left - len(chunk[:left])
-                if chunk:
-                    self.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
-                    self.wfile.flush()
-                if left == 0:
-                    break
-            self.wfile.write(b"0\r\n\r\n")
+        found.reading(query.follow, +1)
+        try:
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError, ssl.SSLError):
+                for chunk in read_log(found, query, self.server.stopped.is_set):
+                    if left is not None:
+                        chunk, left = chunk[:left], left - len(chunk[:left])
+                    if chunk:
+                        self.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+                        self.wfile.flush()
+                    if left == 0:
+                        break
+                self.wfile.write(b"0\r\n\r\n")
+        finally:
+            found.reading(query.follow, -1)
         self.close_connection = True
 
 

@@ -43,6 +43,15 @@ class Operator:
                     self.proc.kill()
                 self.proc.wait()
 
+    def log_size(self) -> int:
+        return self.log_path.stat().st_size if self.log_path.exists() else 0
+
+    def log_text(self, since: int = 0) -> str:
+        """The log from byte `since` on (what one test's part of a session's operator said)."""
+        with self.log_path.open("rb") as f:
+            f.seek(since)
+            return f.read().decode(errors="replace")
+
     def log(self) -> str:
         return f"--- operator ---\n{self.log_path.read_text(errors='replace')[-8000:]}"
 

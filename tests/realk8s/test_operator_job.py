@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,61 +25,52 @@ from .cluster import Cluster
 from .operator_run import JOB_SECONDS, JOBS, Operator, make_claim, tiny_job
 from .rest import wait_until
 
-TTL_SECONDS = 15
+# Short: the checks that need the finished job's pods run on the re-created job (no TTL);
+# the phases are read from a watch, so the job's deletion cannot hide its last status.
+TTL_SECONDS = 2
 
 
-def _phases(cluster: Cluster, ns: str, name: str, until: set[str],
-            timeout_seconds: float) -> list[str]:
+def _phases(cluster: Cluster, ns: str, name: str, since: str, until: set[str],
+            timeout_seconds: float) -> tuple[list[str], dict[str, Any]]:
+    """Every phase the job went through after resourceVersion `since`, from a watch (no
+    change is missed, however short), until one of `until`; and its status then."""
     seen: list[str] = []
-
-    def done() -> bool:
-        status = cluster.rest.get(f"{JOBS.format(ns=ns)}/{name}").body.get("status") or {}
-        phase = status.get("phase")
-        if phase and (not seen or seen[-1] != phase):
-            seen.append(phase)
-        return phase in until
-    wait_until(f"job {name} in {sorted(until)} (phases so far: {seen})", done, timeout_seconds,
-               interval_seconds=0.2)
-    return seen
+    deadline = time.monotonic() + timeout_seconds
+    version = since
+    while time.monotonic() < deadline:
+        for event in cluster.rest.watch(JOBS.format(ns=ns), version, lambda: False):
+            obj = event["object"]
+            version = obj["metadata"].get("resourceVersion", version)
+            if event["type"] not in ("ADDED", "MODIFIED") or obj["metadata"]["name"] != name:
+                continue
+            status = obj.get("status") or {}
+            if (phase := status.get("phase")) and (not seen or seen[-1] != phase):
+                seen.append(phase)
+            if phase in until:
+                return seen, status
+    raise AssertionError(f"timed out after {timeout_seconds:.0f} s waiting for job {name} in "
+                         f"{sorted(until)} (phases so far: {seen})")
 
 
 def test_job_trains_under_the_real_api_server_and_exports(
         cluster: Cluster, operator: Operator, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     started = time.monotonic()
+    log_from = operator.log_size()  # one operator for the session: this test's part of its log
     ns = cluster.namespace("e2e")
     make_claim(cluster, ns, "ckpt")
     print(f"realk8s: namespace and bound claim in {time.monotonic() - started:.1f} s")
     started = time.monotonic()
-    # A TTL long enough for the checks below, short enough to watch it act.
     first = cluster.rest.create(JOBS.format(ns=ns), tiny_job(
         "tiny", ns, ttlSecondsAfterFinished=TTL_SECONDS), fieldValidation="Strict")
-    phases = _phases(cluster, ns, "tiny", {"Succeeded", "Failed"}, JOB_SECONDS)
-    status = cluster.rest.must("GET", f"{JOBS.format(ns=ns)}/tiny")["status"]
+    phases, status = _phases(cluster, ns, "tiny", first["metadata"]["resourceVersion"],
+                             {"Succeeded", "Failed"}, JOB_SECONDS)
     assert phases[-1] == "Succeeded", f"{phases}: {status.get('message')}"
     order = [p for p in ("Profiling", "Planning", "Running", "Succeeded") if p in phases]
     assert order == ["Profiling", "Planning", "Running", "Succeeded"], phases
     print(f"realk8s: job tiny {' -> '.join(phases)} in {time.monotonic() - started:.0f} s")
-    # `cephalo logs --all` through the real API server and the kubelet's log endpoint: each
-    # rank pod's log as the kubelet kept it, every line prefixed by its rank; --rank 1 alone.
-    where = ["--namespace", ns, "--kubeconfig", str(cluster.plane.kubeconfig)]
-    capsys.readouterr()
-    assert cli_main(["logs", "tiny", "--all", *where]) == 0
-    shown = capsys.readouterr().out.splitlines()
-    kept = {f"rank {r}": cluster.kubelet.log_of(ns, f"tiny-rank-{r}").splitlines()
-            for r in (0, 1)}
-    assert [line for line in shown if not line.startswith("[profiler ")] == [
-        f"[{label}] {line}" for label, lines in kept.items() for line in lines], shown
-    assert any(line.startswith("[rank 0] step 6/6 ") for line in shown), shown
-    assert cli_main(["logs", "tiny", "--rank", "1", *where]) == 0
-    assert capsys.readouterr().out.splitlines() == [f"[rank 1] {x}" for x in kept["rank 1"]]
-    # Real pods ran where the real scheduler put them: one rank on each GPU node.
-    pods = cluster.rest.must("GET", f"/api/v1/namespaces/{ns}/pods",
-                             params={"labelSelector": "cephalo.dev/role=trainer"})["items"]
-    assert sorted(p["spec"]["nodeName"] for p in pods) == ["gpu-a6000", "gpu-p40"], pods
-    assert all(p["status"]["phase"] == "Succeeded" for p in pods)
     # The chart's RBAC sufficed: the real authorizer refused the operator nothing.
-    assert "forbidden" not in operator.log_path.read_text().lower(), operator.log()
+    assert "forbidden" not in operator.log_text(log_from).lower(), operator.log()
     # The checkpoint the ranks wrote on the shared claim is a model that exports.
     folder = cluster.kubelet.claim_folder(ns, "ckpt") / "tiny"
     out = tmp_path / "model.pt"
@@ -101,6 +93,7 @@ def test_job_trains_under_the_real_api_server_and_exports(
     # follows it to Succeeded (exit 0), then `cephalo status` lists it.
     job_file = tmp_path / "tiny.yaml"
     job_file.write_text(yaml.safe_dump(tiny_job("tiny", ns)))
+    where = ["--namespace", ns, "--kubeconfig", str(cluster.plane.kubeconfig)]
     # First the preview: `cephalo plan --cluster` runs the operator's own discovery and planner
     # on what it reads from the real API server (nodes, pods, jobs, the profiles the first job
     # cached); the operator's plan for the job, below, must be exactly this one.
@@ -121,3 +114,21 @@ def test_job_trains_under_the_real_api_server_and_exports(
     table = capsys.readouterr().out.splitlines()
     assert table[0].split()[:2] == ["NAME", "PHASE"]
     assert table[1].split()[:2] == ["tiny", "Succeeded"], table
+    # `cephalo logs --all` through the real API server and the kubelet's log endpoint: each
+    # rank pod's log as the kubelet kept it, every line prefixed by its rank; --rank 1 alone.
+    capsys.readouterr()
+    assert cli_main(["logs", "tiny", "--all", *where]) == 0
+    shown = capsys.readouterr().out.splitlines()
+    kept = {f"rank {r}": cluster.kubelet.log_of(ns, f"tiny-rank-{r}").splitlines()
+            for r in (0, 1)}
+    assert [line for line in shown if not line.startswith("[profiler ")] == [
+        f"[{label}] {line}" for label, lines in kept.items() for line in lines], shown
+    # (it resumed from the first job's final checkpoint: same name, same claim)
+    assert any(line.startswith("[rank 0] cephalo trainer: resumed from ") for line in shown)
+    assert cli_main(["logs", "tiny", "--rank", "1", *where]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"[rank 1] {x}" for x in kept["rank 1"]]
+    # Real pods ran where the real scheduler put them: one rank on each GPU node.
+    pods = cluster.rest.must("GET", f"/api/v1/namespaces/{ns}/pods",
+                             params={"labelSelector": "cephalo.dev/role=trainer"})["items"]
+    assert sorted(p["spec"]["nodeName"] for p in pods) == ["gpu-a6000", "gpu-p40"], pods
+    assert all(p["status"]["phase"] == "Succeeded" for p in pods)
