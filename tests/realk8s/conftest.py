@@ -25,7 +25,7 @@ from .controlplane import ControlPlane, binaries_or_reason, elapsed
 from .kubelet import ProcessKubelet
 from .nodes import NodeHeartbeat
 from .operator_auth import operator_kubeconfig
-from .operator_run import Operator, tiny_job
+from .operator_run import Operator, make_claim, tiny_job
 from .rest import wait_until
 
 BIN, SKIP_REASON = binaries_or_reason()
@@ -134,6 +134,16 @@ def operator_process(cluster: Cluster, installed_chart: object) -> Iterator[Oper
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="session")
+def job_namespace(cluster: Cluster) -> str:
+    """The operator tests' namespace, with the ReadWriteMany claim `ckpt`: shared, so the
+    GPU profiles one test's job measured are the next one's cache (profiling is seconds of
+    a shared CPU); each test's jobs have their own names and are gone when it ends."""
+    ns = cluster.namespace("jobs")
+    make_claim(cluster, ns, "ckpt")
+    return ns
 
 
 @pytest.fixture

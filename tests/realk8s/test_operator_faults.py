@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .cluster import NODES, Cluster
-from .operator_run import JOBS, Operator, make_claim, tiny_job
+from .operator_run import JOBS, Operator, cached_profiles, phases_until, tiny_job
 from .rest import wait_until
 
 STEP_SECONDS = 120.0  # a phase change on two shared cores (profiling included)
@@ -62,18 +62,24 @@ def _phase(cluster: Cluster, ns: str, name: str, phase: str) -> dict[str, Any]:
 
 
 def test_killed_rank_suspend_resume_node_loss_and_delete_while_running(
-        cluster: Cluster, operator: Operator, tmp_path: Path) -> None:
-    ns, name = cluster.namespace("faults"), "long"
-    make_claim(cluster, ns, "ckpt")
+        cluster: Cluster, operator: Operator, job_namespace: str, tmp_path: Path) -> None:
+    ns, name = job_namespace, "long"
+    cached = cached_profiles(cluster, ns)  # the job test's, when it ran first
     body = tiny_job(name, ns, terminationGracePeriodSeconds=10, backoffLimit=3)
     body["spec"]["training"]["steps"] = 1_000_000  # runs until the test ends it
-    cluster.rest.create(JOBS.format(ns=ns), body, fieldValidation="Strict")
+    created = cluster.rest.create(JOBS.format(ns=ns), body, fieldValidation="Strict")
     follow_log = tmp_path / "cephalo-logs-f.txt"
     with follow_log.open("w") as out:
         follower = subprocess.Popen(
             [str(Path(sys.executable).parent / "cephalo"), "logs", name, "--all", "-f", "-n",
              ns, "--kubeconfig", str(cluster.plane.kubeconfig)],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    # Profiled (unless cached), planned, running: every phase from a watch.
+    phases, _ = phases_until(cluster, ns, name, created["metadata"]["resourceVersion"],
+                             {"Running", "Failed"}, STEP_SECONDS)
+    assert [p for p in phases if p in ("Profiling", "Planning", "Running")] == (
+        ["Planning", "Running"] if cached else ["Profiling", "Planning", "Running"]), phases
 
     # A rank dies (SIGKILL): the whole gang restarts, as new pods.
     first = _running_ranks(cluster, ns, name, 2)
