@@ -103,12 +103,18 @@ class Kube:
         response = self.api.call_api(method, url, header_params=headers, body=body,
                                      _request_timeout=REQUEST_TIMEOUT_SECONDS)
         response.read()
-        text = response.data.decode() if response.data else ""
-        data = json.loads(text) if text else {}
+        text = response.data.decode(errors="replace") if response.data else ""
         if response.status >= 400:
-            raise ApiError(response.status, str(data.get("reason", response.reason)),
-                           str(data.get("message", text[:200])))
-        return data
+            # A Status object, usually; but the API server answers a path that no API group
+            # serves with a text/plain "404 page not found", and a proxy may answer in HTML.
+            try:
+                status = json.loads(text) if text else {}
+            except ValueError:
+                status = {}
+            status = status if isinstance(status, dict) else {}
+            raise ApiError(response.status, str(status.get("reason") or response.reason),
+                           str(status.get("message") or text.strip()[:200]))
+        return json.loads(text) if text else {}
 
     def get(self, path: str) -> dict[str, Any] | None:
         try:

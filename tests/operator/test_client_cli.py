@@ -167,6 +167,27 @@ async def test_logs_follow_rank_into_the_next_attempt_and_a_failed_job_exits_1(
     assert rc == 1 and "Blamed rank: rank 0 (pool NVIDIA-L4" in out and "Recent events:" in out
 
 
+async def test_logs_follow_ends_quietly_when_the_job_is_deleted(
+        emulator: ApiEmulator, cluster: TrainingSim, tmp_path: Path) -> None:
+    # It raised JobNotFound ('no CephaloJob', exit 2) once the followed job was gone, and the
+    # lines still queued were lost (found under tests/realk8s).
+    client = await asyncio.to_thread(CephaloClient, kubeconfig=str(emulator.kubeconfig))
+    spec = {"checkpoint": {"claimName": "ckpt"}, "planner": {"chooseGpus": False},
+            "gpuPools": [{"product": "L4"}], "training": {"steps": 10**6}}
+    await asyncio.to_thread(client.submit, str(job_file(tmp_path, "gone", **spec)))
+    lines: list[str] = []
+
+    def follow() -> None:
+        lines.extend(str(line) for line in client.logs("gone", rank=0, follow=True,
+                                                      poll_seconds=0.1))
+    follower = asyncio.ensure_future(asyncio.to_thread(follow))
+    await wait_for("rank 0 lines followed", lambda: any(
+        line.startswith("[rank 0] ") for line in lines), timeout=120)
+    await asyncio.to_thread(client.delete, "gone")
+    await asyncio.wait_for(follower, 120)  # ends, and without an exception
+    assert all(line.startswith("[rank 0] ") for line in lines), lines
+
+
 async def test_plan_on_cluster_equals_the_operators_plan(
         emulator: ApiEmulator, cluster: TrainingSim, tmp_path: Path) -> None:
     # Taken: a foreign pod holds one L4; a running job reserves the A6000 (its rank pod is

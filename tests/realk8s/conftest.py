@@ -7,6 +7,8 @@ them where Go is installed) the whole folder skips with one reason."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -14,13 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
+
+from cephalo.cli import main as cli_main
 
 from .cluster import CHART, CRD, NODES, OPERATOR_NAMESPACE, RELEASE, Cluster, run_tool
 from .controlplane import ControlPlane, binaries_or_reason, elapsed
 from .kubelet import ProcessKubelet
 from .nodes import NodeHeartbeat
 from .operator_auth import operator_kubeconfig
-from .operator_run import Operator
+from .operator_run import Operator, make_claim, tiny_job
 from .rest import wait_until
 
 BIN, SKIP_REASON = binaries_or_reason()
@@ -46,8 +51,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     try:
         plane.start()
         rest = plane.admin()
-        heartbeat = NodeHeartbeat(rest, NODES).start()
-        kubelet = ProcessKubelet(rest, folder / "kubelet", {n.name for n in NODES}).start()
+        kubelet = ProcessKubelet(rest, folder / "kubelet", {n.name for n in NODES},
+                                 plane.pki).start()
+        heartbeat = NodeHeartbeat(rest, NODES, kubelet.ports).start()
         print(f"realk8s: control plane up in {elapsed(started)} ({folder})")
         yield Cluster(plane, heartbeat, kubelet)
     except BaseException:
@@ -84,7 +90,25 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 @pytest.fixture(scope="session")
-def installed_chart(cluster: Cluster) -> subprocess.CompletedProcess[str]:
+def before_chart(cluster: Cluster) -> dict[str, tuple[int, str]]:
+    """What `cephalo status` and `cephalo submit` said (exit code, stderr) on the real API
+    server before the chart put the CRD there: taken before `installed_chart`, which needs
+    this fixture, so it never depends on the order the tests run in."""
+    job = cluster.plane.folder / "before-chart-job.yaml"
+    job.write_text(yaml.safe_dump(tiny_job("early", "default")))
+    where = ["--kubeconfig", str(cluster.plane.kubeconfig)]
+    said = {}
+    for name, argv in (("status", ["status", *where]), ("submit", ["submit", str(job), *where])):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = cli_main(argv)
+        said[name] = (code, err.getvalue())
+    return said
+
+
+@pytest.fixture(scope="session")
+def installed_chart(cluster: Cluster,
+                    before_chart: object) -> subprocess.CompletedProcess[str]:
     """`helm install` of the chart (real Helm): the only thing that creates the CRD, so every
     test that needs the CRD gets the chart's copy. The operator image need not be pullable:
     no Deployment controller runs, the objects only have to be accepted."""
@@ -101,12 +125,29 @@ def crd(installed_chart: subprocess.CompletedProcess[str], cluster: Cluster) -> 
     return cluster.rest.must("GET", CRD)
 
 
-@pytest.fixture
-def operator(cluster: Cluster, installed_chart: object, tmp_path: Path,
-             on_failure: Any) -> Iterator[Operator]:
-    proc = Operator(operator_kubeconfig(cluster), tmp_path / "operator.log")
-    on_failure(proc.log)
+@pytest.fixture(scope="session")
+def operator_process(cluster: Cluster, installed_chart: object) -> Iterator[Operator]:
+    """One operator for the session (its start-up is seconds of a shared CPU): a test after
+    test_operator_faults also checks that it came through that test's API server restart."""
+    proc = Operator(operator_kubeconfig(cluster), cluster.plane.folder / "operator.log")
     try:
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="session")
+def job_namespace(cluster: Cluster) -> str:
+    """The operator tests' namespace, with the ReadWriteMany claim `ckpt`: shared, so the
+    GPU profiles one test's job measured are the next one's cache (profiling is seconds of
+    a shared CPU); each test's jobs have their own names and are gone when it ends."""
+    ns = cluster.namespace("jobs")
+    make_claim(cluster, ns, "ckpt")
+    return ns
+
+
+@pytest.fixture
+def operator(operator_process: Operator, on_failure: Any) -> Operator:
+    assert operator_process.proc.poll() is None, operator_process.log()
+    on_failure(operator_process.log)
+    return operator_process

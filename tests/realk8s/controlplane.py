@@ -9,7 +9,9 @@ the repo); `binaries_or_reason` says where they are, or why there are none.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -21,6 +23,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -80,6 +83,11 @@ class Process:
         log.close()
         return self
 
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
@@ -110,6 +118,14 @@ def _https_ok(url: str) -> bool:
         return False
 
 
+def _etcd(url: str, path: str, body: dict[str, object]) -> dict[str, Any]:
+    request = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        reply: dict[str, Any] = json.loads(resp.read())
+        return reply
+
+
 def _http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:
@@ -126,6 +142,8 @@ class ControlPlane:
     processes: list[Process] = field(default_factory=list)
     server: str = ""
     kubeconfig: Path = field(init=False)
+    etcd_url: str = ""
+    api: Process | None = None
 
     def _process(self, name: str, *args: str) -> Process:
         proc = Process(name, [str(self.bin / name), *args], self.folder / f"{name}.log")
@@ -168,12 +186,19 @@ class ControlPlane:
             f"--service-account-key-file={p.sa_pub}",
             f"--service-account-signing-key-file={p.sa_key}",
             "--authorization-mode=RBAC",
+            # Pod logs: the process kubelet's endpoint at the node's InternalIP (the nodes'
+            # Hostname addresses do not resolve), its certificate verified, ours presented.
+            f"--kubelet-certificate-authority={p.ca_cert}",
+            f"--kubelet-client-certificate={p.kubelet_client_cert}",
+            f"--kubelet-client-key={p.kubelet_client_key}",
+            "--kubelet-preferred-address-types=InternalIP",
             # PodSecurity is on by default; listed so that a reader sees it is the judge.
             "--enable-admission-plugins=NamespaceLifecycle,ServiceAccount,PodSecurity,"
             "DefaultTolerationSeconds,Priority",
             "--service-cluster-ip-range=10.96.0.0/16", "--profiling=false",
             "--enable-priority-and-fairness=false", "--event-ttl=30m").start()
         self.server = f"https://127.0.0.1:{api_port}"
+        self.etcd_url, self.api = etcd_url, api
         self._wait("kube-apiserver ready", api, f"{self.server}/readyz")
         self.kubeconfig = self._write_kubeconfig()
 
@@ -195,6 +220,21 @@ class ControlPlane:
                    f"https://127.0.0.1:{kcm_port}/healthz")
         self._wait("kube-scheduler healthy", sched, f"https://127.0.0.1:{sched_port}/healthz")
         return self
+
+    def restart_apiserver_compacted(self) -> int:
+        """Stop kube-apiserver, compact etcd past every revision any client has seen (a
+        write, then compaction at its revision, through etcd's own gRPC gateway), start it
+        again: every watch breaks, and resuming one from its last resourceVersion is now
+        410 Gone. Returns the compacted revision."""
+        assert self.api is not None
+        self.api.kill()  # a crash: a graceful stop would wait for the open watches
+        revision = int(_etcd(self.etcd_url, "/v3/kv/put", {
+            "key": base64.b64encode(b"/cephalo-test/compaction").decode(),
+            "value": base64.b64encode(str(time.time()).encode()).decode()})["header"]["revision"])
+        _etcd(self.etcd_url, "/v3/kv/compaction", {"revision": revision, "physical": True})
+        self.api.start()
+        self._wait("kube-apiserver ready again", self.api, f"{self.server}/readyz")
+        return revision
 
     def _write_kubeconfig(self, name: str = "admin.kubeconfig", token: str | None = None) -> Path:
         user: dict[str, str] = ({"token": token} if token else

@@ -13,6 +13,8 @@ What it emulates, and how:
   FallbackToLogsOnError);
 * the network: every pod shares the host's loopback (pod IP 127.0.0.1) and a cluster DNS
   name (`*.svc`, `*.svc.cluster.local`) in an env value resolves to it;
+* logs: stdout and stderr kept in the CRI log format and served at the kubelet's log
+  endpoint for `kubectl logs` through the API server (tests/realk8s/kubelet_logs.py);
 * status: Running with a running containerStatus, then Succeeded or Failed with the exit
   code; a pod being deleted gets SIGTERM, SIGKILL after its grace period, then the final
   delete (grace 0, uid precondition), as the real kubelet does.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import datetime as dt
+import functools
 import os
 import re
 import shutil
@@ -30,16 +33,23 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .rest import Rest
+import urllib3
+
+from .kubelet_logs import ContainerLog, LogServer
+from .pki import Pki
+from .rest import Reply, Rest
 
 POD_IP = "127.0.0.1"
 CLUSTER_DNS = re.compile(r"^[a-z0-9.-]+\.svc(\.cluster\.local)?$")
 MAX_MESSAGE_BYTES = 4096  # the kubelet's termination-message limit
 FALLBACK_LOG_LINES = 80
+API_OUTAGE_SECONDS = 120.0  # how long a status write is retried while the API server is down
 
 
 def _now() -> str:
@@ -54,6 +64,7 @@ class Container:
     started_at: str = ""
     mounts: list[tuple[str, Path]] = field(default_factory=list)  # (container path, folder)
     deleting: bool = False
+    log: ContainerLog | None = None
 
     @property
     def key(self) -> str:
@@ -68,21 +79,35 @@ class Container:
 
 
 class ProcessKubelet:
-    def __init__(self, rest: Rest, folder: Path, node_names: set[str]) -> None:
+    def __init__(self, rest: Rest, folder: Path, node_names: set[str], pki: Pki) -> None:
         self.rest, self.folder, self.node_names = rest, folder, node_names
         self.containers: dict[str, Container] = {}  # by pod uid
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch_loop, name="kubelet", daemon=True)
+        # Each node's log endpoint: its port goes into the node's status (daemonEndpoints).
+        self.log_servers = {node: LogServer(functools.partial(self._log_of, node),
+                                            pki.kubelet_cert, pki.kubelet_key, pki.ca_cert)
+                            for node in sorted(node_names)}
+
+    @property
+    def ports(self) -> dict[str, int]:
+        return {node: server.port for node, server in self.log_servers.items()}
 
     # ---- the watch ---------------------------------------------------------------------------
     def start(self) -> ProcessKubelet:
+        for server in self.log_servers.values():
+            server.start()
         self._thread.start()
         return self
 
     def _watch_loop(self) -> None:
         while not self._stop.is_set():
-            listing = self.rest.get("/api/v1/pods")
+            try:
+                listing = self.rest.get("/api/v1/pods")
+            except (urllib3.exceptions.HTTPError, OSError):  # the API server restarting
+                self._stop.wait(0.5)
+                continue
             if not listing.ok:
                 self._stop.wait(0.5)
                 continue
@@ -130,18 +155,21 @@ class ProcessKubelet:
             return
         argv = [self._expand(a, env, c) for a in
                 [*spec_container.get("command", []), *spec_container.get("args", [])]]
-        log = (c.folder / "container.log").open("ab")
         with self._lock:
             if c.deleting:
                 return
             c.started_at = _now()
-            c.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, cwd=c.folder,
-                                      start_new_session=True)
-        log.close()
+            c.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                      cwd=c.folder, start_new_session=True)
+            c.log = ContainerLog(c.folder / "container.log")
+            for pipe, stream in ((c.proc.stdout, "stdout"), (c.proc.stderr, "stderr")):
+                assert pipe is not None
+                c.log.pump(pipe, stream)
         (c.folder / "pid").write_text(str(c.proc.pid))
         self._report(c, "Running")
         code = c.proc.wait()
+        c.log.close()  # the whole log is written before the container is reported ended
         if c.deleting:
             return  # _terminate reports and deletes
         self._report(c, "Succeeded" if code == 0 else "Failed", exit_code=code,
@@ -241,7 +269,7 @@ class ProcessKubelet:
             errors="replace")
         if not text and code != 0 and \
                 container.get("terminationMessagePolicy") == "FallbackToLogsOnError":
-            lines = (c.folder / "container.log").read_text(errors="replace").splitlines()
+            lines = c.log.text().splitlines() if c.log else []
             text = "\n".join(lines[-FALLBACK_LOG_LINES:])[-MAX_MESSAGE_BYTES:]
         return text
 
@@ -269,10 +297,10 @@ class ProcessKubelet:
                       "name": container["name"], "image": container["image"],
                       "imageID": f"process://{container['image']}", "ready": running,
                       "restartCount": 0, "started": running, "state": state}]}
-        reply = self.rest.request(
+        reply = self._retrying(lambda: self.rest.request(
             "PATCH", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status",
             {"metadata": {"uid": meta["uid"]}, "status": status},
-            ctype="application/strategic-merge-patch+json")
+            ctype="application/strategic-merge-patch+json"))
         if not reply.ok and reply.status != 404:
             print(f"process kubelet: status of {c.key} -> {reply.status}: {reply.message}",
                   file=sys.stderr)
@@ -305,12 +333,44 @@ class ProcessKubelet:
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(c.proc.pid, signal.SIGKILL)
-        return c.proc.wait()
+        code = c.proc.wait()
+        if c.log is not None:
+            c.log.close()
+        return code
+
+    def _log_of(self, node: str, namespace: str, pod: str,
+                container: str) -> ContainerLog | tuple[int, str]:
+        """The log the kubelet of `node` has for a container, or (status, message) as the
+        kubelet answers: the pod's newest incarnation here (rank pods keep their names)."""
+        with self._lock:
+            mine = [c for c in self.containers.values() if c.key == f"{namespace}/{pod}"
+                    and c.pod["spec"].get("nodeName") == node]
+        if not mine:
+            return 404, f'pod "{pod}" does not exist\n'
+        c = mine[-1]
+        if container not in {s["name"] for s in c.pod["spec"]["containers"]}:
+            return 404, f'container "{container}" not found in pod "{pod}"\n'
+        if c.log is None:
+            return 400, (f'container "{container}" in pod "{pod}" is waiting to start: '
+                         "ContainerCreating")
+        return c.log
 
     def _final_delete(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
-        self.rest.request("DELETE", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
-                          {"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}})
+        self._retrying(lambda: self.rest.request(
+            "DELETE", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
+            {"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}}))
+
+    def _retrying(self, send: Callable[[], Reply]) -> Reply:
+        """A status write or final delete, sent again while the API server does not answer
+        (a test restarts it), as the kubelet's status manager keeps trying."""
+        deadline = time.monotonic() + API_OUTAGE_SECONDS
+        while True:
+            try:
+                return send()
+            except (urllib3.exceptions.HTTPError, OSError):
+                if time.monotonic() > deadline or self._stop.wait(0.2):
+                    raise
 
     def claim_folder(self, namespace: str, claim: str) -> Path:
         """The local folder behind a PersistentVolumeClaim (shared by every pod)."""
@@ -324,10 +384,23 @@ class ProcessKubelet:
                 return c.proc.pid
         raise AssertionError(f"no running process for pod {namespace}/{name}")
 
+    def newest(self, namespace: str, name: str) -> ContainerLog:
+        """The log of pod `name`'s newest container that has started."""
+        logs = [c.log for c in list(self.containers.values())
+                if c.key == f"{namespace}/{name}" and c.log is not None]
+        assert logs, f"no container of pod {namespace}/{name} has started"
+        return logs[-1]
+
+    def log_of(self, namespace: str, name: str) -> str:
+        """What the newest container of pod `name` has written (as the kubelet keeps it)."""
+        return self.newest(namespace, name).text()
+
     def stop(self) -> None:
         """Kill every container and end the watch."""
         self._stop.set()
         self.rest.close_watches()
+        for server in self.log_servers.values():
+            server.stop()
         for c in list(self.containers.values()):
             c.deleting = True
             if c.proc is not None and c.proc.poll() is None:
@@ -341,9 +414,8 @@ class ProcessKubelet:
     def logs(self, chars: int = 3000) -> str:
         parts = []
         for c in self.containers.values():
-            log = c.folder / "container.log"
-            if log.exists():
-                parts.append(f"--- pod {c.key} ---\n{log.read_text(errors='replace')[-chars:]}")
+            if c.log is not None:
+                parts.append(f"--- pod {c.key} ---\n{c.log.text()[-chars:]}")
         return "\n".join(parts)
 
     def cleanup(self) -> None:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,46 @@ class Operator:
                     self.proc.kill()
                 self.proc.wait()
 
+    def log_size(self) -> int:
+        return self.log_path.stat().st_size if self.log_path.exists() else 0
+
+    def log_text(self, since: int = 0) -> str:
+        """The log from byte `since` on (what one test's part of a session's operator said)."""
+        with self.log_path.open("rb") as f:
+            f.seek(since)
+            return f.read().decode(errors="replace")
+
     def log(self) -> str:
         return f"--- operator ---\n{self.log_path.read_text(errors='replace')[-8000:]}"
+
+
+def phases_until(cluster: Cluster, ns: str, name: str, since: str, until: set[str],
+            timeout_seconds: float) -> tuple[list[str], dict[str, Any]]:
+    """Every phase the job went through after resourceVersion `since`, from a watch (no
+    change is missed, however short), until one of `until`; and its status then."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout_seconds
+    version = since
+    while time.monotonic() < deadline:
+        for event in cluster.rest.watch(JOBS.format(ns=ns), version, lambda: False):
+            obj = event["object"]
+            version = obj["metadata"].get("resourceVersion", version)
+            if event["type"] not in ("ADDED", "MODIFIED") or obj["metadata"]["name"] != name:
+                continue
+            status = obj.get("status") or {}
+            if (phase := status.get("phase")) and (not seen or seen[-1] != phase):
+                seen.append(phase)
+            if phase in until:
+                return seen, status
+    raise AssertionError(f"timed out after {timeout_seconds:.0f} s waiting for job {name} in "
+                         f"{sorted(until)} (phases so far: {seen})")
+
+
+def cached_profiles(cluster: Cluster, ns: str) -> list[str]:
+    """The operator's cached GPU profiles (ConfigMaps) in namespace `ns`."""
+    return [cm["metadata"]["name"] for cm in cluster.rest.must(
+        "GET", f"/api/v1/namespaces/{ns}/configmaps")["items"]
+        if cm["metadata"]["name"].startswith("cephalo-profile-")]
 
 
 def make_claim(cluster: Cluster, ns: str, name: str) -> None:

@@ -1,6 +1,8 @@
 """Self-made certificates for the test control plane: one CA, the API server's serving
-certificate (127.0.0.1), an admin client certificate (group system:masters) and the
-service-account signing key. EC P-256 keys: fast to make, accepted everywhere."""
+certificate (127.0.0.1), an admin client certificate (group system:masters), the
+service-account signing key, and the kubelet pair: the process kubelet's serving certificate
+(127.0.0.1, verified by the API server) and the API server's client certificate for it.
+EC P-256 keys: fast to make, accepted everywhere."""
 
 from __future__ import annotations
 
@@ -27,6 +29,10 @@ class Pki:
     admin_key: Path
     sa_key: Path  # service-account token signing key (private)
     sa_pub: Path  # and its public half, for the API server's token authenticator
+    kubelet_cert: Path  # the process kubelet's log endpoint (serving, 127.0.0.1)
+    kubelet_key: Path
+    kubelet_client_cert: Path  # the API server's identity towards kubelets
+    kubelet_client_key: Path
 
 
 def _key() -> ec.EllipticCurvePrivateKey:
@@ -85,6 +91,13 @@ def make_pki(folder: Path) -> Pki:
     admin_key = _key()
     admin = _sign(_name("cephalo-test-admin", "system:masters"), admin_key, ca_name, ca_key,
                   ca=False, usage=[ExtendedKeyUsageOID.CLIENT_AUTH], sans=[])
+    kubelet_key = _key()
+    kubelet = _sign(_name("system:node:process-kubelet", "system:nodes"), kubelet_key, ca_name,
+                    ca_key, ca=False, usage=[ExtendedKeyUsageOID.SERVER_AUTH],
+                    sans=[x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    client_key = _key()
+    client = _sign(_name("kube-apiserver-kubelet-client", "kubeadm:cluster-admins"), client_key,
+                   ca_name, ca_key, ca=False, usage=[ExtendedKeyUsageOID.CLIENT_AUTH], sans=[])
     sa_key = _key()
     sa_pub = folder / "sa.pub"
     sa_pub.write_bytes(sa_key.public_key().public_bytes(
@@ -95,4 +108,8 @@ def make_pki(folder: Path) -> Pki:
                server_key=_write_key(server_key, folder / "server.key"),
                admin_cert=_write_cert(admin, folder / "admin.crt"),
                admin_key=_write_key(admin_key, folder / "admin.key"),
-               sa_key=_write_key(sa_key, folder / "sa.key"), sa_pub=sa_pub)
+               sa_key=_write_key(sa_key, folder / "sa.key"), sa_pub=sa_pub,
+               kubelet_cert=_write_cert(kubelet, folder / "kubelet.crt"),
+               kubelet_key=_write_key(kubelet_key, folder / "kubelet.key"),
+               kubelet_client_cert=_write_cert(client, folder / "kubelet-client.crt"),
+               kubelet_client_key=_write_key(client_key, folder / "kubelet-client.key"))

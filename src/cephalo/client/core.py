@@ -248,7 +248,9 @@ class CephaloClient:
              poll_seconds: float = 1.0) -> Iterator[LogLine]:
         """The job's pod logs, each line prefixed by its rank (or profiler); with `follow`,
         as they are written, into the next attempt's pods after a gang restart, until the
-        job finished. `rank`: only the pod that runs that rank (no profilers)."""
+        job finished or was deleted (then the last pods' streams are read to their end, as
+        `kubectl logs -f` ends with its pod). `rank`: only the pod that runs that rank (no
+        profilers)."""
         ns = self._ns(namespace)
         self.get(name, namespace=ns)  # a missing job is an error, not an empty log
         reader = JobLogs(self.session, ns, name, rank=rank, profilers=profilers,
@@ -256,7 +258,12 @@ class CephaloClient:
         if not follow:
             yield from reader.read()
             return
-        yield from reader.follow(lambda: self.get(name, namespace=ns).finished)
+        def ended() -> bool:
+            try:
+                return self.get(name, namespace=ns).finished
+            except JobNotFound:  # deleted while followed: its pods' streams end with them
+                return True
+        yield from reader.follow(ended)
 
     def plan_on_cluster(self, job: str | dict[str, Any] | CephaloJob, *,
                         namespace: str | None = None,

@@ -5,7 +5,8 @@ but each attempt's pod is a new object (new uid, label `cephalo.dev/attempt`). F
 job therefore means following *pods*: every pod of the job that has started is streamed once
 (`GET pods/<name>/log?follow=true`, ending when its container ends), and the pod list is
 looked at again every `poll_seconds`, so the next attempt's pods, and profiler pods, are
-picked up as they start. Following ends once the job has finished and every stream ended.
+picked up as they start (a pod that lives less than `poll_seconds` may be missed whole).
+Following ends once the job has finished (or is gone) and every stream ended.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`cephalo logs NAME [--rank N | --all] [-f]`: rank pods' logs, each line prefixed by its
 rank; `-f` follows them, into the next attempt's pods after a gang restart, until the job
-ends. Default: rank 0; `--all`: every rank and the profilers."""
+ends (or is deleted). Default: rank 0; `--all`: every rank and the profilers."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     which.add_argument("--rank", type=int, metavar="N", help="only rank N (default 0)")
     which.add_argument("--all", action="store_true", help="every rank and profiler pod")
     parser.add_argument("--follow", "-f", action="store_true",
-                        help="keep reading as the ranks write, until the job ends")
+                        help="keep reading as the ranks write, until the job ends (or is deleted)")
     add_cluster_arguments(parser)
 
 
