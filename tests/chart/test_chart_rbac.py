@@ -191,7 +191,7 @@ async def _run_under_chart_rbac(scope: str, tmp: Path, stack: AsyncExitStack) ->
     server = await stack.enter_async_context(kmock.Server(api))
     api[forbidden] << kmock.KubernetesError(
         status=403, reason="Forbidden", message="forbidden by the chart's RBAC", details={})
-    api.add_resource(API_GROUP, API_VERSION, PLURAL, KIND, shortnames=("cj",))
+    api.add_resource(API_GROUP, API_VERSION, PLURAL, KIND, shortnames=("cjob",))
     kubeconfig = tmp / "kubeconfig"
     kubeconfig.write_text(yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config", "current-context": "emulator",

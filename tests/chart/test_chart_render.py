@@ -160,7 +160,7 @@ def test_chart_crd_is_the_generated_one() -> None:
     assert [c["filename"] for c in crds] == ["cephalo-operator/crds/cephalojob.yaml"]
     crd = yaml.safe_load(crds[0]["data"])
     kubernetes_validate.validate(crd, K8S_VERSIONS[0], strict=True)
-    assert crd["spec"]["names"]["shortNames"] == ["cj"]
+    assert crd["spec"]["names"]["shortNames"] == ["cjob"]
 
 
 def test_operator_pod_is_hardened() -> None:

@@ -207,7 +207,7 @@ class TrainingSim:
 
 
 async def declare_crd(api: ApiEmulator) -> None:
-    api.add_resource(API_GROUP, API_VERSION, PLURAL, KIND, shortnames=("cj",))
+    api.add_resource(API_GROUP, API_VERSION, PLURAL, KIND, shortnames=("cjob",))
 
 
 def operator_env(sim: TrainingSim) -> dict[str, str]:

@@ -34,7 +34,7 @@ def write_kubeconfig(path: Path, url: str) -> Path:
 async def emulator(tmp_path: Path) -> AsyncIterator[ApiEmulator]:
     """The emulator with the CephaloJob resource declared, served on a random local port."""
     async with ApiEmulator() as api, kmock.Server(api) as server:
-        api.add_resource(API_GROUP, API_VERSION, PLURAL, KIND, shortnames=("cj",))
+        api.add_resource(API_GROUP, API_VERSION, PLURAL, KIND, shortnames=("cjob",))
         api.kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", str(server.url).rstrip("/"))
         yield api
 

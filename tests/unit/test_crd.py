@@ -87,7 +87,7 @@ def test_crd_contract() -> None:
     assert (spec["group"], spec["scope"]) == ("cephalo.dev", "Namespaced")
     assert spec["names"]["kind"] == "CephaloJob"
     assert spec["names"]["plural"] == "cephalojobs"
-    assert spec["names"]["shortNames"] == ["cj"]
+    assert spec["names"]["shortNames"] == ["cjob"]
     (version,) = spec["versions"]
     assert (version["name"], version["served"], version["storage"]) == ("v1alpha1", True, True)
     assert version["subresources"] == {"status": {}}

@@ -43,7 +43,9 @@ from cephalo.api.job import (
     CephaloJobStatus,
 )
 
-SHORT_NAMES = ["cj"]
+# Not `cj`: that is CronJob's short name, and on a real API server built-in groups win it
+# (`kubectl get cj` lists CronJobs, with a warning that it could also match cephalojobs).
+SHORT_NAMES = ["cjob"]
 CRD_NAME = f"{PLURAL}.{API_GROUP}"
 
 # JSON Schema keywords copied unchanged; anything not listed here or handled explicitly is
