@@ -52,6 +52,7 @@ pytestmark = pytest.mark.asyncio
 POOL = "NVIDIA-A10G"
 GPUS = int(os.environ.get("CEPHALO_ELASTIC_E2E_GPUS", "4"))  # even: two nodes of GPUS / 2
 HALF = GPUS // 2
+DILATION = float(os.environ.get("CEPHALO_ELASTIC_E2E_DILATION", "4"))
 STEPS = 30
 RESCALE_AFTER_STEP = 3  # b ends once a has logged this many steps on 4 GPUs
 TINY = {"family": "gpt", "numLayers": 2, "hiddenSize": 64, "numHeads": 4,
@@ -95,8 +96,10 @@ async def cluster_fixture(emulator: ApiEmulator, tmp_path: Path) -> AsyncIterato
     Scheduler(emulator, run=False)
     # Time dilation 4 (emulated GPUs a quarter of this CPU's speed): steps long enough that
     # job a is still training when the operator has decided, whatever the machine's load.
+    # CEPHALO_ELASTIC_E2E_DILATION sets another (session 9 on 2 cores, 4 -> 8 GPUs: 0.52x at
+    # 100, 1.07x at 25 with a 4x wider model; the rise needs a core per rank).
     kubelet = ProcessKubelet(emulator, tmp_path / "kubelet", jobs={"a"},
-                             metrics_port=free_port(), time_dilation=4.0).start()
+                             metrics_port=free_port(), time_dilation=DILATION).start()
     proc = OperatorProcess(emulator.kubeconfig, tmp_path / "operator.log",
                            CEPHALO_TRAINER_METRICS_PORT=str(kubelet.metrics_port),
                            CEPHALO_PROGRESS_INTERVAL_SECONDS="0.3",
