@@ -173,7 +173,10 @@ async def test_job_a_grows_onto_every_gpu_when_job_b_ends(cluster: Cluster,
     await wait_for("b Running on half the GPUs", lambda: (s := job_status(api, NS, "b")).get(
         "phase") == "Running" and s["plan"]["worldSize"] == HALF)
     # a: the same model, so b's cached profile serves it (no profiler pod while b runs)
-    await apply_job(api, _job("a", elastic={"enabled": True, "restartCostSeconds": 1.0}))
+    # No assumed restart cost: what is tested is the rescale, not the decision's arithmetic
+    # (unit-tested). With 1 s, an idle machine's fast steps saved 0.8 s over the remaining
+    # steps and job a rightly skipped (session 9); a loaded one's saved more.
+    await apply_job(api, _job("a", elastic={"enabled": True, "restartCostSeconds": 0.0}))
     status = await wait_for("a Running on the other half", lambda: (
         s if (s := job_status(api, NS, "a")).get("phase") == "Running" else None))
     assert status["plan"]["worldSize"] == HALF
@@ -185,8 +188,11 @@ async def test_job_a_grows_onto_every_gpu_when_job_b_ends(cluster: Cluster,
     b_ended_wall = time.time()
     for pod in pods(api, NS, "trainer", "b"):  # b's ranks complete: b Succeeded
         await set_pod(api, NS, pod["metadata"]["name"], "Succeeded")
-    await wait_for("the Rescaled event", lambda: any(
-        r == "Rescaled" for _, r, _ in events(api, "a")))
+    try:
+        await wait_for("the Rescaled event", lambda: any(
+            r == "Rescaled" for _, r, _ in events(api, "a")))
+    except AssertionError as err:  # say what the operator decided instead
+        raise AssertionError(f"{err}; a's status: {job_status(api, NS, 'a')}") from None
     decided = time.monotonic() - b_ended
     status = await wait_for("a Succeeded", lambda: (
         s if (s := job_status(api, NS, "a")).get("phase") in ("Succeeded", "Failed")
