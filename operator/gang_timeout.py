@@ -49,8 +49,12 @@ def unscheduled(pod: dict[str, Any]) -> bool:
             and not (pod.get("spec") or {}).get("nodeName"))
 
 
-def _why(pod: dict[str, Any]) -> str:
-    """The scheduler's own words (PodScheduled=False), e.g. "0/8 nodes are available: …"."""
+def unscheduled_reason(pod: dict[str, Any]) -> str:
+    """Why the pod waits: its scheduling gates (Kueue's admission gate), else the
+    scheduler's own words (PodScheduled=False), e.g. "0/8 nodes are available: …"."""
+    gates = [g.get("name", "") for g in (pod.get("spec") or {}).get("schedulingGates") or []]
+    if gates:
+        return f"held by scheduling gate(s) {', '.join(gates)}"[:MESSAGE_CHARS]
     for c in (pod.get("status") or {}).get("conditions") or []:
         if c.get("type") == "PodScheduled" and c.get("status") == "False":
             text = c.get("message") or c.get("reason") or ""
@@ -87,7 +91,7 @@ async def check(ctx: JobContext, plan: Plan, pods: dict[str, dict[str, Any]],
             "True", "AllRanksScheduled", f"all {plan.world_size} rank pods are on nodes")})
         return False
     ranks = ", ".join(str(rank) for rank, _ in waiting)
-    why = _why(waiting[0][1])
+    why = unscheduled_reason(waiting[0][1])
     since = _since(ctx)
     if since is None or ctx.now - since < timeout:
         ctx.wake_in(timeout - (0.0 if since is None else ctx.now - since))

@@ -55,8 +55,12 @@ RESCALES = Counter("cephalo_operator_rescales_total",
 RESCALE_SKIPS = Counter("cephalo_operator_rescale_skips_total",
                         "Offers of more GPUs an elastic job declined (gain below minGain, "
                         "saving below the restart cost, cooldown, …)", JOB_LABELS)
+RESCALE_ROLLBACKS = Counter("cephalo_operator_rescale_rollbacks_total",
+                            "Rescales rolled back to the GPUs the job had: the grown gang was "
+                            "not scheduled within spec.elastic.rescaleTimeoutSeconds (a gang "
+                            "scheduler's quota refused it)", JOB_LABELS)
 PER_JOB = (PREDICTED_SAMPLES, MEASURED_SAMPLES, RESTARTS, PREEMPTIONS, REPLANS, GANG_RELEASES,
-           RESCALES, RESCALE_SKIPS)
+           RESCALES, RESCALE_SKIPS, RESCALE_ROLLBACKS)
 
 _phases: dict[tuple[str, str], str] = {}
 

@@ -204,6 +204,10 @@ async def _step(ctx: JobContext) -> None:
         plan = await _plan(ctx, nodes)
         if plan is None:
             return
+    elif (back := await rescale.roll_back(ctx, nodes, plan)) is not None:
+        # spec.elastic: the grown gang was not admitted in time (a gang scheduler's quota):
+        # back to the GPUs the job had, from the checkpoint its drain wrote.
+        plan = await _adopt(ctx, back.plan, back.pools, back.storage)
     elif (grown := await rescale.consider(ctx, nodes, plan)) is not None:
         # spec.elastic: more GPUs pay for a restart. The ranks of the old plan are stale
         # now; train() drains them (SIGTERM: a checkpoint at the next step boundary) and

@@ -41,16 +41,23 @@ from cephalo.operator.elastic import (
     restart_cost,
     should_evaluate,
 )
+from cephalo.operator.gang_timeout import unscheduled, unscheduled_reason
 from cephalo.operator.gpu_usage import CLAIMS, free_pools
+from cephalo.operator.kube import core_path
 from cephalo.operator.planning import PlanningFailed, plan_job, with_price_list
 from cephalo.operator.profiling import cached_profiles
-from cephalo.operator.render import CheckpointTarget, checkpoint_target
+from cephalo.operator.render import LABEL_JOB, LABEL_ROLE, CheckpointTarget, checkpoint_target
 from cephalo.operator.status import JobPhase, now_iso, parse_time
 
 if TYPE_CHECKING:
     from cephalo.operator.context import JobContext
 
 log = logging.getLogger("cephalo.operator")
+NOT_ADMITTED = "NotAdmitted"
+# status.elastic fields of a rescale in progress, all cleared when it ends or rolls back
+IN_PROGRESS = ("rescaleStartedTime", "rescaleFromStep", "rescaleFromGpus",
+               "rescaleLaunchedTime")
+MAX_RETRY_SECONDS = 86_400.0  # a rolled-back offer is looked at again at least daily
 
 
 @dataclass(frozen=True)
@@ -160,7 +167,7 @@ async def _decide(ctx: JobContext, plan: Plan, offer: dict[str, int], cluster: A
     elastic = dict(ctx.decided("elastic") or {})
     elastic.update(rescales=int(elastic.get("rescales") or 0) + 1,
                    lastRescaleTime=now_iso(ctx.now), rescaleStartedTime=now_iso(ctx.now),
-                   rescaleFromStep=step)
+                   rescaleFromStep=step, rescaleFromGpus=plan_pools(plan))
     ctx.record(elastic=elastic)
     ctx.after_write(lambda: _count(metrics.RESCALES, ctx))
     log.info("%s/%s: rescaling: %s", ctx.namespace, ctx.name, decision.reason)
@@ -172,8 +179,9 @@ def _gpus(offer: dict[str, int]) -> str:
 
 
 def _record(ctx: JobContext, elastic: dict[str, Any], decision: Decision,
-            figures: dict[str, Any]) -> None:
-    """The decision into status.elastic.lastDecision; an Event when it says something new."""
+            figures: dict[str, Any], post_event: bool = True) -> None:
+    """The decision into status.elastic.lastDecision; an Event when it says something new
+    (unless the caller posts its own)."""
     last = elastic.get("lastDecision") or {}
     entry: dict[str, Any] = {
         "time": now_iso(ctx.now), "verdict": decision.verdict, "reasonCode": decision.code,
@@ -181,7 +189,7 @@ def _record(ctx: JobContext, elastic: dict[str, Any], decision: Decision,
         "gain": round(decision.gain, 4), "savedSeconds": round(decision.saved_seconds, 3)}
     if decision.retry_at is not None:
         entry["retryTime"] = now_iso(decision.retry_at)
-    if announce((last.get("verdict"), last.get("reasonCode")), decision):
+    if post_event and announce((last.get("verdict"), last.get("reasonCode")), decision):
         if decision.verdict == "Rescale":
             ctx.event("Normal", "Rescaled", f"rescaling {decision.reason}; the ranks drain at "
                       "the next step boundary and resume from its checkpoint")
@@ -202,11 +210,100 @@ def measure_restart(ctx: JobContext, progress: dict[str, Any]) -> None:
         return
     seconds = max(0.0, ctx.now - started)
     elastic["restartSeconds"] = record_restart(elastic.get("restartSeconds"), seconds)
-    elastic.pop("rescaleStartedTime", None)
-    elastic.pop("rescaleFromStep", None)
+    for name in IN_PROGRESS:
+        elastic.pop(name, None)
     ctx.record(elastic=elastic)
     log.info("%s/%s: rescale done: step %s after %.1f s", ctx.namespace, ctx.name, step,
              seconds)
+
+
+def note_launch(ctx: JobContext) -> None:
+    """Every rank pod of the current plan exists: a rescale's timeout runs from here."""
+    elastic: dict[str, Any] = dict(ctx.decided("elastic") or {})
+    if elastic.get("rescaleStartedTime") and not elastic.get("rescaleLaunchedTime"):
+        elastic["rescaleLaunchedTime"] = now_iso(ctx.now)
+        ctx.record(elastic=elastic)
+
+
+async def roll_back(ctx: JobContext, nodes: list[dict[str, Any]], plan: Plan) -> Growth | None:
+    """A rescale whose new rank pods are not all scheduled rescaleTimeoutSeconds after they
+    were created (a gang scheduler's quota refused the grown gang: Kueue keeps it gated,
+    Volcano keeps it pending) goes back to the GPUs the job had: a Growth on the previous
+    plan's pools, which reconcile adopts like a rescale (the waiting pods are stale then).
+    Else None. The grown offer is looked at again only after a backoff (cooldownSeconds,
+    doubled with every rollback, at most a day): a quota raised later is found then."""
+    spec = ctx.job.spec
+    elastic: dict[str, Any] = dict(ctx.decided("elastic") or {})
+    launched = parse_time(elastic.get("rescaleLaunchedTime"))
+    if spec.elastic is None or launched is None or not elastic.get("rescaleStartedTime"):
+        return None
+    timeout = spec.elastic.rescale_timeout_seconds
+    waited = ctx.now - launched
+    if waited < timeout:
+        ctx.wake_in(timeout - waited)
+        return None
+    pods = await ctx.kube.list(core_path(ctx.namespace, "pods"),
+                               f"{LABEL_JOB}={ctx.name},{LABEL_ROLE}=trainer")
+    waiting = sorted((p for p in pods if unscheduled(p)), key=lambda p: p["metadata"]["name"])
+    if not waiting:
+        return None  # on nodes (starting, pulling images): measure_restart ends the rescale
+    previous: dict[str, int] = elastic.get("rescaleFromGpus") or {}
+    back = await _plan_on(ctx, nodes, previous)
+    if back is None:
+        ctx.wake_in(ctx.config.recheck_seconds)
+        return None
+    rollbacks = int(elastic.get("rollbacks") or 0) + 1
+    backoff = min(MAX_RETRY_SECONDS, max(spec.elastic.cooldown_seconds, timeout)
+                  * 2 ** (rollbacks - 1))
+    offer = (elastic.get("lastDecision") or {}).get("freeGpus") or plan_pools(plan)
+    reason = (f"the {plan.world_size}-GPU gang was not scheduled {waited:.0f} s after its pods "
+              f"were created (rescaleTimeoutSeconds {timeout}): {len(waiting)} pod(s), e.g. "
+              f"{waiting[0]['metadata']['name']}: {unscheduled_reason(waiting[0])}; back to "
+              f"{_gpus(previous)}; {_gpus(offer)} is looked at again in {backoff:.0f} s")
+    for name in IN_PROGRESS:
+        elastic.pop(name, None)
+    elastic["rollbacks"] = rollbacks
+    ctx.event("Warning", "RescaleRolledBack", reason)
+    _record(ctx, elastic, Decision("Skip", NOT_ADMITTED, reason, 0.0, 0.0,
+                                   retry_at=ctx.now + backoff),
+            {"freeGpus": dict(sorted(offer.items())), "currentGpus": back[0].world_size,
+             "candidateGpus": plan.world_size}, post_event=False)
+    ctx.after_write(lambda: _count(metrics.RESCALE_ROLLBACKS, ctx))
+    log.warning("%s/%s: rescale rolled back: %s", ctx.namespace, ctx.name, reason)
+    return Growth(back[0], back[1], checkpoint_target(ctx.job, back[0].world_size))
+
+
+async def _plan_on(ctx: JobContext, nodes: list[dict[str, Any]],
+                   gpus: dict[str, int]) -> tuple[Plan, list[Pool]] | None:
+    """The job planned on at most `gpus` per pool of what it can use now, from cached
+    profiles (the plan it had, when those GPUs are still there); None when that fails."""
+    spec = ctx.job.spec
+    discovery = await free_pools(ctx.kube, (ctx.namespace, ctx.name), ctx.uid, nodes,
+                                 job_tolerations(spec))
+    try:
+        cluster, pools = select_cluster(capped_spec(spec), discovery, nodes)
+    except NoGpusError as err:
+        log.info("%s/%s: no rollback yet: %s", ctx.namespace, ctx.name, err)
+        return None
+    groups = [g.model_copy(update={"count": min(g.count, gpus.get(g.pool or g.product, 0))})
+              for g in cluster.groups]
+    groups = [g for g in groups if g.count > 0]
+    kept = {g.pool or g.product for g in groups}
+    pools = [p for p in pools if p.product in kept]
+    profiles, missing = await cached_profiles(ctx, pools)
+    if not groups or missing:
+        log.info("%s/%s: no rollback yet: none of %s usable with a cached profile",
+                 ctx.namespace, ctx.name, _gpus(gpus))
+        return None
+    try:
+        plan = await plan_job(with_price_list(capped_spec(spec), ctx.config.prices()),
+                              cluster.model_copy(update={"groups": groups}), profiles,
+                              timeout_seconds=ctx.config.planning_timeout_seconds,
+                              memory_bytes=ctx.config.planning_memory_bytes)
+    except PlanningFailed as err:
+        log.info("%s/%s: no rollback yet: %s", ctx.namespace, ctx.name, err)
+        return None
+    return plan, pools
 
 
 def rescaling(ctx: JobContext) -> bool:
@@ -218,4 +315,5 @@ async def _count(counter: Any, ctx: JobContext) -> None:
     counter.labels(ctx.namespace, ctx.name).inc()
 
 
-__all__ = ["Growth", "consider", "measure_restart", "plan_pools", "rescaling"]
+__all__ = ["Growth", "consider", "measure_restart", "note_launch", "plan_pools", "rescaling",
+           "roll_back"]

@@ -120,6 +120,7 @@ async def train(ctx: JobContext, plan: Plan) -> None:
                 raise not_owned(created)
             by_name[obj["metadata"]["name"]] = created
     if not launched:  # every rank pod of this attempt exists now: from here, missing = lost
+        rescale.note_launch(ctx)  # a rescale's rescaleTimeoutSeconds runs from here
         await ctx.write_status(ctx.phase or JobPhase.PENDING, "rank pods created",
                                launchedAttempt=launch)
     if await gang_timeout.check(ctx, plan, by_name, created_now=not launched):

@@ -6,6 +6,7 @@ the trainer for the operator's pods.
 * a profiler pod logs a few lines and succeeds with a GpuProfile as its termination message:
   the catalog's estimate with its block times scaled by `speed[product]` (so a cached
   profile differs from what the planner would estimate without it);
+* a pod with scheduling gates (Kueue's admission gate) is left alone, as no kubelet sees it;
 * a rank pod starts (Running), logs what it runs, and while every rank of its job runs, the
   job advances `steps_per_tick` steps a tick; rank 0's `/metrics` (the page the operator
   scrapes, on 127.0.0.1) serves step, loss and samples/s; at the last step every rank
@@ -119,6 +120,8 @@ class TrainingSim:
             labels, ns, name = pod["metadata"]["labels"], pod["metadata"]["namespace"], \
                 pod["metadata"]["name"]
             phase = (pod.get("status") or {}).get("phase")
+            if (pod.get("spec") or {}).get("schedulingGates"):
+                continue  # no kubelet runs a gated pod: the scheduler does not place it
             if labels[ROLE] == "profiler" and phase == "Pending":
                 await set_pod(self.api, ns, name, "Running")
                 self.api.write_log(ns, name, f"profiling {pod['spec']['nodeSelector']}")

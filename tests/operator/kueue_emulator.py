@@ -158,11 +158,15 @@ class KueueEmulation:
         if not freed["metadata"]["finalizers"]:
             del freed["metadata"]["finalizers"]
         self.api.replace_object(key, freed)
-        if meta.get("deletionTimestamp") and not freed["metadata"].get("finalizers") \
-                and not self.api._runs_on_a_node(freed):
-            # The last finalizer went: the API server lets it go (a pod still running on a
-            # node goes when its kubelet reports it stopped).
-            self.api._remove(key)
+        if meta.get("deletionTimestamp") and not freed["metadata"].get("finalizers"):
+            # The last finalizer went: the API server lets it go; a pod still running on a
+            # node goes when its kubelet has stopped it and reported so.
+            if self.api._runs_on_a_node(freed):
+                asyncio.get_running_loop().call_later(
+                    self.api.kubelet_stop_seconds, self.api._kubelet_stopped, key,
+                    freed["metadata"]["uid"])
+            else:
+                self.api._remove(key)
 
     def _finished(self, members: list[tuple[ObjKey, dict[str, Any]]]) -> bool:
         if not members:

@@ -82,3 +82,18 @@ def test_cephalo_status_explains_the_last_rescale_decision_in_two_lines() -> Non
         "Elastic:     on (minGain 10%, cooldown 300 s, maxGpus -); 0 rescale(s), restart "
         "assumed 120 s"]
     assert elastic_lines(job_from(_job(phase="Running"))) == []  # not elastic: nothing
+
+
+def test_cephalo_status_counts_rolled_back_rescales() -> None:
+    from cephalo.commands.jobview import elastic_lines
+
+    body = _job(phase="Running", elastic={"rescales": 1, "rollbacks": 1, "lastDecision": {
+        "time": "2026-12-02T11:59:00Z", "verdict": "Skip", "reasonCode": "NotAdmitted",
+        "freeGpus": {"NVIDIA-A10G": 8}, "reason": "the 8-GPU gang was not scheduled 300 s "
+        "after its pods were created (rescaleTimeoutSeconds 300): …; back to NVIDIA-A10G x4"}})
+    body["spec"]["elastic"] = {"enabled": True}
+    first, second = elastic_lines(job_from(body))
+    assert first == ("Elastic:     on (minGain 10%, cooldown 300 s, maxGpus -); 1 rescale(s) "
+                     "(1 rolled back: not admitted), restart assumed 120 s")
+    assert second.startswith("  2026-12-02T11:59:00Z not rescaled (NotAdmitted); could use "
+                             "NVIDIA-A10G x8: the 8-GPU gang was not scheduled")

@@ -40,6 +40,10 @@ class ElasticSpec(CamelModel):
     max_gpus: int | None = Field(default=None, ge=1, le=100_000, description=(
         "With elastic on, never plan on more GPUs than this (unset: no bound beyond "
         "spec.maxGpus and the pools' maxGpus)."))
+    rescale_timeout_seconds: int = Field(default=300, ge=1, le=86_400, description=(
+        "A rescale whose new rank pods are not all scheduled (admitted by Kueue or Volcano, "
+        "placed by the scheduler) this many seconds after they were created goes back to "
+        "the GPUs the job had: a gang scheduler's quota may refuse what the nodes offer."))
     restart_cost_seconds: float = Field(
         default=DEFAULT_RESTART_COST_SECONDS, ge=0, le=86_400, description=(
             "What a restart (drain, checkpoint, reschedule, load) is assumed to cost until "
@@ -58,7 +62,7 @@ class RescaleDecision(StatusModel):
     reason: str | None = Field(default=None, description="Why, in one sentence.")
     reason_code: str | None = Field(default=None, description=(
         "Rescale, GainBelowMinimum, SavingBelowRestartCost, Cooldown, NotDurable, "
-        "PlanningFailed, NoProgress."))
+        "PlanningFailed, NoProgress, NotAdmitted (a rescale rolled back)."))
     free_gpus: dict[str, int] | None = Field(default=None, description=(
         "GPUs per pool the job could use then (its own and the free ones)."))
     current_gpus: int | None = None
@@ -84,6 +88,9 @@ class ElasticStatus(StatusModel):
 
     rescales: int | None = Field(default=None, description=(
         "Rescales so far (not counted as restarts, failures or preemptions)."))
+    rollbacks: int | None = Field(default=None, description=(
+        "Rescales rolled back: the grown gang was not scheduled within "
+        "rescaleTimeoutSeconds, and the job went back to the GPUs it had."))
     last_rescale_time: str | None = None
     last_decision: RescaleDecision | None = None
     restart_seconds: list[float] | None = Field(default=None, max_length=16, description=(
@@ -93,3 +100,8 @@ class ElasticStatus(StatusModel):
         "A rescale in progress: when its drain started (cleared at its first step)."))
     rescale_from_step: int | None = Field(default=None, description=(
         "A rescale in progress: the last step reported before the drain."))
+    rescale_from_gpus: dict[str, int] | None = Field(default=None, description=(
+        "A rescale in progress: GPUs per pool of the plan before it (a rollback's target)."))
+    rescale_launched_time: str | None = Field(default=None, description=(
+        "A rescale in progress: when every rank pod of the new plan existed (the "
+        "rescaleTimeoutSeconds clock starts)."))

@@ -135,7 +135,9 @@ def elastic_lines(job: Job) -> list[str]:
     measured = status.restart_seconds if status else None
     cost = (f", restart measured {max(measured):.1f} s" if measured else
             f", restart assumed {spec.restart_cost_seconds:g} s" if spec else "")
-    lines = [f"Elastic:     {setting}; {rescales} rescale(s){cost}"]
+    rollbacks = (status.rollbacks if status else None) or 0
+    rolled = f" ({rollbacks} rolled back: not admitted)" if rollbacks else ""
+    lines = [f"Elastic:     {setting}; {rescales} rescale(s){rolled}{cost}"]
     d = status.last_decision if status else None
     if d is not None and d.verdict:
         free = ", ".join(f"{p} x{n}" for p, n in sorted((d.free_gpus or {}).items())) or "-"
