@@ -27,6 +27,8 @@ from .rest import wait_until
 # Short: the checks that need the finished job's pods run on the re-created job (no TTL);
 # the phases are read from a watch, so the job's deletion cannot hide its last status.
 TTL_SECONDS = 2
+PHASE_ORDER = {p: i for i, p in enumerate(
+    ("Profiling", "Planning", "Pending", "Running", "Succeeded"))}
 
 
 def test_job_trains_under_the_real_api_server_and_exports(
@@ -44,9 +46,13 @@ def test_job_trains_under_the_real_api_server_and_exports(
     phases, status = phases_until(cluster, ns, "tiny", first["metadata"]["resourceVersion"],
                                   {"Succeeded", "Failed"}, JOB_SECONDS)
     assert phases[-1] == "Succeeded", f"{phases}: {status.get('message')}"
+    # In order; Running only where a pass of the operator saw both ranks running: six tiny
+    # steps take milliseconds, and on a loaded machine the ranks may have finished by its
+    # next look (the faults test's long job checks Running).
     order = [p for p in ("Profiling", "Planning", "Running", "Succeeded") if p in phases]
-    assert order == ["Planning", "Running", "Succeeded"] if cached else [
-        "Profiling", "Planning", "Running", "Succeeded"], (cached, phases)
+    expected = ([] if cached else ["Profiling"]) + ["Planning", "Running", "Succeeded"]
+    assert order in (expected, [p for p in expected if p != "Running"]), (cached, phases)
+    assert phases == sorted(phases, key=lambda p: PHASE_ORDER.get(p, -1)), phases
     print(f"realk8s: job tiny {' -> '.join(phases)} in {time.monotonic() - started:.0f} s")
     # The chart's RBAC sufficed: the real authorizer refused the operator nothing.
     assert "forbidden" not in operator.log_text(log_from).lower(), operator.log()

@@ -1,8 +1,10 @@
-"""Issue 28 under Kueue (emulated as documented, kueue_emulator.py): an elastic job's grown
-gang goes through admission like any other gang, as a new pod group; and a grown gang that
-Kueue does not admit (the ClusterQueue's quota is smaller than what the nodes offer) goes
-back to the GPUs the job had after `spec.elastic.rescaleTimeoutSeconds`, instead of leaving
-the job waiting with no GPUs (it had drained its ranks to grow)."""
+"""Issue 28 under gang schedulers. Kueue (emulated as documented, kueue_emulator.py): an
+elastic job's grown gang goes through admission like any other gang, as a new pod group; a
+grown gang that Kueue does not admit (the ClusterQueue's quota is smaller than what the
+nodes offer) goes back to the GPUs the job had after `spec.elastic.rescaleTimeoutSeconds`,
+instead of leaving the job waiting with no GPUs (it had drained its ranks to grow).
+Volcano: the grown gang has a PodGroup of its own (minMember 8), created before its pods;
+the old one is deleted."""
 
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ from elastic_harness import (  # noqa: F401 (the sim fixture)
 from kubelet import JOBS, WAIT_SECONDS, apply_job, call, pods, wait_for
 from kueue_emulator import GROUP_LABEL, QUEUE_LABEL, KueueEmulation, gated
 from operator_harness import NS, events
+
+from cephalo.operator.gang import POD_GROUP_APIS
 
 pytestmark = pytest.mark.asyncio
 QUEUE = {QUEUE_LABEL: "team-a"}
@@ -95,3 +99,38 @@ async def test_a_grown_gang_kueue_does_not_admit_goes_back_to_the_gpus_it_had(
     assert world_sizes(sim.api, "a") == [4, 8, 4]
     assert status["elastic"]["rescales"] == 1  # the offer is not retried within the cooldown
     assert not status.get("restarts") and not status.get("preemptions")
+
+
+async def test_under_volcano_the_grown_gang_has_a_pod_group_of_its_own(sim: Sim) -> None:
+    volcano = POD_GROUP_APIS["volcano"]
+    sim.api.add_resource(volcano.group, volcano.version, volcano.plural, volcano.kind)
+    await _both_nodes_ready(sim)
+    await hold_four_gpus(sim)
+    policy = {"schedulerName": "volcano", "queue": "research"}
+    await apply_job(sim.api, elastic_job("a", 400, elastic=ELASTIC, schedulingPolicy=policy))
+    await running_with_progress(sim.api, "a")
+
+    def groups() -> list[dict]:
+        return [g for g in sim.api.list_objects(volcano.plural, NS, group=volcano.group)
+                if g["metadata"]["labels"].get("cephalo.dev/job") == "a"
+                and not g["metadata"].get("deletionTimestamp")]
+
+    (first,) = groups()
+    assert first["spec"]["minMember"] == 4
+    await call(sim.api, "DELETE", JOBS.format(ns=NS) + "/b")
+    await running_on(sim.api, "a", 8)
+    (grown,) = groups()  # the old PodGroup deleted (its queue reservation let go)
+    assert grown["metadata"]["name"] != first["metadata"]["name"]
+    assert grown["spec"]["minMember"] == 8 and grown["spec"]["queue"] == "research"
+    ranks = [p for p in pods(sim.api, NS, "trainer", "a")
+             if not p["metadata"].get("deletionTimestamp")]
+    assert len(ranks) == 8 and {p["metadata"]["annotations"]["scheduling.k8s.io/group-name"]
+                                for p in ranks} == {grown["metadata"]["name"]}
+    created = [c for c in sim.api.calls if c.verb == "create" and c.committed and (
+        c.resource == volcano.plural or (c.resource == "pods" and "-rank-" in (c.name or "")))
+        and (c.name or "").startswith("a-")]
+    grown_at = next(i for i, c in enumerate(created) if c.name == grown["metadata"]["name"])
+    # The PodGroup before its pods: all 8 of the grown gang are created after it.
+    assert [c.resource for c in created[grown_at + 1:]] == ["pods"] * 8, created
+    status = await succeeded(sim.api, "a")
+    assert status["elastic"]["rescales"] == 1 and world_sizes(sim.api, "a") == [4, 8]
