@@ -126,9 +126,19 @@ NULLS: list[Case] = [
     ("unknown-spec-field", _job(replicas=3), False),
 ]
 
+ELASTIC: list[Case] = [
+    ("elastic-rescale-timeout", _job(elastic={"enabled": True, "rescaleTimeoutSeconds": 60}),
+     True),
+    ("elastic-rescale-timeout-zero", _job(elastic={"enabled": True,
+                                                   "rescaleTimeoutSeconds": 0}), False),
+    ("elastic-rescale-timeout-fraction", _job(elastic={"rescaleTimeoutSeconds": 1.5}), False),
+    ("elastic-null", _job(elastic=None), True),
+    ("elastic-unknown-field", _job(elastic={"enabled": True, "rollbacks": 1}), False),
+]
+
 
 def corpus() -> list[Case]:
-    cases = [*BATTERY, *PODTEMPLATE, *NULLS]
+    cases = [*BATTERY, *PODTEMPLATE, *NULLS, *ELASTIC]
     ids = [c[0] for c in cases]
     assert len(ids) == len(set(ids)), "case ids must be unique"
     return [(i, copy.deepcopy(o), v) for i, o, v in cases]
