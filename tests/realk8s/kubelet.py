@@ -12,7 +12,9 @@ What it emulates, and how:
   the terminationMessagePath (read back as the termination message, with the log tail under
   FallbackToLogsOnError);
 * the network: every pod shares the host's loopback (pod IP 127.0.0.1) and a cluster DNS
-  name (`*.svc`, `*.svc.cluster.local`) in an env value resolves to it;
+  name (`*.svc`, `*.svc.cluster.local`) in an env value resolves to it; MASTER_PORT is a
+  free port per gang (job, attempt, plan): on a cluster each rank-0 pod has an IP of its
+  own, here two gangs (or two test sessions on one machine) would both listen on 29500;
 * logs: stdout and stderr kept in the CRI log format and served at the kubelet's log
   endpoint for `kubectl logs` through the API server (tests/realk8s/kubelet_logs.py);
 * status: Running with a running containerStatus, then Succeeded or Failed with the exit
@@ -41,6 +43,7 @@ from typing import Any
 
 import urllib3
 
+from .controlplane import free_port
 from .kubelet_logs import ContainerLog, LogServer
 from .pki import Pki
 from .rest import Reply, Rest
@@ -82,6 +85,7 @@ class ProcessKubelet:
     def __init__(self, rest: Rest, folder: Path, node_names: set[str], pki: Pki) -> None:
         self.rest, self.folder, self.node_names = rest, folder, node_names
         self.containers: dict[str, Container] = {}  # by pod uid
+        self._master_ports: dict[tuple[str, ...], int] = {}  # per gang: see the docstring
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch_loop, name="kubelet", daemon=True)
@@ -255,6 +259,14 @@ class ProcessKubelet:
                 continue
             value = self._expand(value, env, c)
             env[var["name"]] = POD_IP if CLUSTER_DNS.match(value) else value
+        if "MASTER_PORT" in env:
+            meta = c.pod["metadata"]
+            labels, notes = meta.get("labels") or {}, meta.get("annotations") or {}
+            gang = ((ns, labels.get("cephalo.dev/job", ""), labels.get("cephalo.dev/attempt", ""),
+                     notes.get("cephalo.dev/config-hash", ""))
+                    if labels.get("cephalo.dev/role") == "trainer" else (meta["uid"],))
+            with self._lock:
+                env["MASTER_PORT"] = str(self._master_ports.setdefault(gang, free_port()))
         return env
 
     @staticmethod

@@ -25,7 +25,10 @@ class Operator:
 
     def __init__(self, kubeconfig: Path, log_path: Path) -> None:
         self.log_path = log_path
+        # The ranks' /metrics port, free on this machine: every pod shares its loopback here,
+        # and another session's rank 0 may hold the default 9400 (the scrape would read it).
         env = {"KUBECONFIG": str(kubeconfig), "CEPHALO_OPERATOR_METRICS_PORT": "0",
+               "CEPHALO_TRAINER_METRICS_PORT": str(free_port()),
                "CEPHALO_RECHECK_SECONDS": "1", "CEPHALO_PROGRESS_INTERVAL_SECONDS": "1",
                "CEPHALO_WATCH_TIMEOUT_SECONDS": "60", "CEPHALO_NODE_DEBOUNCE_SECONDS": "0.2"}
         with log_path.open("ab") as log:
