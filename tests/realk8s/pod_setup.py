@@ -1,0 +1,162 @@
+"""What the process kubelet makes of a pod before it starts the container's process: its
+volumes mapped to local folders and its environment, as a kubelet would build them.
+
+* volumes: configMap and secret keys written as files, emptyDir a fresh folder, a
+  persistentVolumeClaim one folder per claim shared by every pod (an RWX volume); the
+  terminationMessagePath a file of the pod's own;
+* env: `value`s with Kubernetes `$(VAR)` expansion, fieldRef (the downward API),
+  configMapKeyRef/secretKeyRef, resourceFieldRef, and `envFrom`; a cluster DNS name
+  (`*.svc`, `*.svc.cluster.local`) resolves to the shared loopback; MASTER_PORT is a free
+  port per gang (job, attempt, plan): on a cluster each rank-0 pod has an IP of its own,
+  here two gangs (or two test sessions on one machine) would both listen on 29500;
+* a container path in env values or arguments is rewritten to the folder behind it.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .controlplane import free_port
+from .kubelet_logs import ContainerLog
+from .rest import Rest
+
+POD_IP = "127.0.0.1"
+CLUSTER_DNS = re.compile(r"^[a-z0-9.-]+\.svc(\.cluster\.local)?$")
+
+
+@dataclass
+class Container:
+    pod: dict[str, Any]
+    folder: Path
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: str = ""
+    mounts: list[tuple[str, Path]] = field(default_factory=list)  # (container path, folder)
+    deleting: bool = False
+    log: ContainerLog | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.pod['metadata']['namespace']}/{self.pod['metadata']['name']}"
+
+    def host_path(self, path: str) -> str:
+        """A container path, as the folder its volume is mapped to (else unchanged)."""
+        for mount, folder in sorted(self.mounts, key=lambda m: -len(m[0])):
+            if path == mount or path.startswith(mount.rstrip("/") + "/"):
+                return str(folder) + path[len(mount.rstrip("/")):]
+        return path
+
+
+class PodSetup:
+    """Volumes and environment of the pods on one process kubelet."""
+
+    def __init__(self, rest: Rest, claims: Path) -> None:
+        self.rest, self.claims = rest, claims
+        self._master_ports: dict[tuple[str, ...], int] = {}  # per gang: see the docstring
+        self._lock = threading.Lock()
+
+    def claim_folder(self, namespace: str, claim: str) -> Path:
+        """The local folder behind a PersistentVolumeClaim (shared by every pod)."""
+        return self.claims / namespace / claim
+
+    def prepare_volumes(self, c: Container) -> None:
+        ns = c.pod["metadata"]["namespace"]
+        volumes = {v["name"]: v for v in c.pod["spec"].get("volumes", [])}
+        (spec_container,) = c.pod["spec"]["containers"]
+        folders: dict[str, Path] = {}
+        for name, volume in volumes.items():
+            folder = c.folder / "volumes" / name
+            if "persistentVolumeClaim" in volume:
+                folder = self.claim_folder(ns, volume["persistentVolumeClaim"]["claimName"])
+            folder.mkdir(parents=True, exist_ok=True)
+            for kind, api in (("configMap", "configmaps"), ("secret", "secrets")):
+                if kind in volume:
+                    ref = volume[kind].get("name") or volume[kind].get("secretName")
+                    obj = self.rest.must("GET", f"/api/v1/namespaces/{ns}/{api}/{ref}")
+                    data = obj.get("data") or {}
+                    items = volume[kind].get("items") or [{"key": k, "path": k} for k in data]
+                    for item in items:
+                        text = data[item["key"]]
+                        raw = base64.b64decode(text) if kind == "secret" else text.encode()
+                        (folder / item["path"]).parent.mkdir(parents=True, exist_ok=True)
+                        (folder / item["path"]).write_bytes(raw)
+            folders[name] = folder
+        for mount in spec_container.get("volumeMounts", []):
+            folder = folders[mount["name"]] / mount.get("subPath", "")
+            folder.mkdir(parents=True, exist_ok=True)
+            c.mounts.append((mount["mountPath"], folder))
+        message_path = spec_container.get("terminationMessagePath", "/dev/termination-log")
+        (c.folder / "termination-log").touch()
+        c.mounts.append((message_path, c.folder / "termination-log"))
+
+    def _field(self, c: Container, path: str) -> str:
+        meta = c.pod["metadata"]
+        if m := re.fullmatch(r"metadata\.(labels|annotations)\['(.+)'\]", path):
+            return str((meta.get(m.group(1)) or {}).get(m.group(2), ""))
+        values = {"metadata.name": meta["name"], "metadata.namespace": meta["namespace"],
+                  "metadata.uid": meta["uid"], "spec.nodeName": c.pod["spec"]["nodeName"],
+                  "spec.serviceAccountName": c.pod["spec"].get("serviceAccountName", ""),
+                  "status.podIP": POD_IP, "status.podIPs": POD_IP, "status.hostIP": POD_IP,
+                  "status.hostIPs": POD_IP}
+        return values[path]
+
+    def _key_ref(self, ns: str, ref: dict[str, Any], api: str) -> str | None:
+        reply = self.rest.get(f"/api/v1/namespaces/{ns}/{api}/{ref['name']}")
+        value = (reply.body.get("data") or {}).get(ref["key"]) if reply.ok else None
+        if value is None:
+            if ref.get("optional"):
+                return None
+            raise ValueError(f"{api} {ref['name']} has no key {ref['key']}")
+        return base64.b64decode(value).decode() if api == "secrets" else str(value)
+
+    def environment(self, c: Container, container: dict[str, Any]) -> dict[str, str]:
+        ns = c.pod["metadata"]["namespace"]
+        # The "image": this interpreter's environment (cephalo installed), nothing else.
+        env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
+               "HOSTNAME": c.pod["spec"].get("hostname", c.pod["metadata"]["name"]),
+               "PYTHONUNBUFFERED": "1"}
+        for source in container.get("envFrom", []):
+            for kind, api in (("configMapRef", "configmaps"), ("secretRef", "secrets")):
+                if kind in source:
+                    reply = self.rest.get(f"/api/v1/namespaces/{ns}/{api}/{source[kind]['name']}")
+                    for k, v in (reply.body.get("data") or {}).items() if reply.ok else []:
+                        text = base64.b64decode(v).decode() if api == "secrets" else v
+                        env[source.get("prefix", "") + k] = text
+        for var in container.get("env", []):
+            value: str | None = var.get("value", "")
+            source = var.get("valueFrom")
+            if source and "fieldRef" in source:
+                value = self._field(c, source["fieldRef"]["fieldPath"])
+            elif source and "configMapKeyRef" in source:
+                value = self._key_ref(ns, source["configMapKeyRef"], "configmaps")
+            elif source and "secretKeyRef" in source:
+                value = self._key_ref(ns, source["secretKeyRef"], "secrets")
+            elif source and "resourceFieldRef" in source:
+                kind, _, name = source["resourceFieldRef"]["resource"].partition(".")
+                value = str((container.get("resources", {}).get(kind) or {}).get(name, "0"))
+            if value is None:
+                continue
+            value = self.expand(value, env, c)
+            env[var["name"]] = POD_IP if CLUSTER_DNS.match(value) else value
+        if "MASTER_PORT" in env:
+            meta = c.pod["metadata"]
+            labels, notes = meta.get("labels") or {}, meta.get("annotations") or {}
+            gang = ((ns, labels.get("cephalo.dev/job", ""), labels.get("cephalo.dev/attempt", ""),
+                     notes.get("cephalo.dev/config-hash", ""))
+                    if labels.get("cephalo.dev/role") == "trainer" else (meta["uid"],))
+            with self._lock:
+                env["MASTER_PORT"] = str(self._master_ports.setdefault(gang, free_port()))
+        return env
+
+    @staticmethod
+    def expand(text: str, env: dict[str, str], c: Container) -> str:
+        """Kubernetes `$(VAR)` expansion (`$$` escapes), then container paths to folders."""
+        expanded = re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)", lambda m: "$" if m.group(0)
+                          == "$$" else env.get(m.group(1), m.group(0)), text)
+        return c.host_path(expanded) if expanded.startswith("/") else expanded
