@@ -24,6 +24,8 @@ from typing import Any
 from cephalo.api import ClusterSpec, GpuProfile, Plan
 from cephalo.api.job import CephaloJobSpec
 from cephalo.api.plan import parse_plan
+from cephalo.operator.config import OperatorConfig
+from cephalo.operator.elastic import capped_spec
 from cephalo.planner.worker import child_main, encode_request
 
 # Seconds a killed child gets to exit before the parent stops waiting for it.
@@ -93,6 +95,16 @@ def with_price_list(spec: CephaloJobSpec, prices: dict[str, float]) -> CephaloJo
         return spec
     planner = spec.planner.model_copy(update={"gpu_prices_per_hour": dict(prices)})
     return spec.model_copy(update={"planner": planner})
+
+
+async def plan_for(config: OperatorConfig, spec: CephaloJobSpec, cluster: ClusterSpec,
+                   profiles: Mapping[str, GpuProfile] | None) -> Plan:
+    """The job's plan as the operator makes it (first plan, rescale, rollback alike): capped
+    by spec.elastic.maxGpus, priced from the operator's list unless the job has its own,
+    solved in a child under the operator's planning time and memory limits."""
+    return await plan_job(with_price_list(capped_spec(spec), config.prices()), cluster,
+                          profiles, timeout_seconds=config.planning_timeout_seconds,
+                          memory_bytes=config.planning_memory_bytes)
 
 
 async def plan_job(spec: CephaloJobSpec, cluster: ClusterSpec,

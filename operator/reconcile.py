@@ -40,7 +40,7 @@ from cephalo.operator.gpu_usage import CLAIMS, free_pools
 from cephalo.operator.kube import AsyncKube, NotOwned, core_path, job_path, not_owned, owned_by
 from cephalo.operator.netpol import ensure_network_policy
 from cephalo.operator.nodes import NODES
-from cephalo.operator.planning import PlanningFailed, plan_job, with_price_list
+from cephalo.operator.planning import PlanningFailed, plan_for
 from cephalo.operator.podspec import pack_ranks, pods_fit, with_pod_ranks
 from cephalo.operator.profiling import ProfilingFailed, delete_profilers, profile
 from cephalo.operator.render import (
@@ -263,11 +263,7 @@ async def _plan(ctx: JobContext, nodes: list[dict[str, Any]]) -> Plan | None:
     try:
         # In a limited child process, off kopf's event loop: no spec can take the operator
         # down; a time-out, MemoryError or planner bug fails this job only.
-        plan = await plan_job(with_price_list(capped_spec(ctx.job.spec), ctx.config.prices()),
-                              cluster,
-                              profiles,
-                              timeout_seconds=ctx.config.planning_timeout_seconds,
-                              memory_bytes=ctx.config.planning_memory_bytes)
+        plan = await plan_for(ctx.config, ctx.job.spec, cluster, profiles)
     except PlanningFailed as err:
         await ctx.fail(err.reason, str(err))
         return None

@@ -44,7 +44,7 @@ from cephalo.operator.elastic import (
 from cephalo.operator.gang_timeout import unscheduled, unscheduled_reason
 from cephalo.operator.gpu_usage import CLAIMS, free_pools
 from cephalo.operator.kube import core_path
-from cephalo.operator.planning import PlanningFailed, plan_job, with_price_list
+from cephalo.operator.planning import PlanningFailed, plan_for
 from cephalo.operator.profiling import cached_profiles
 from cephalo.operator.render import LABEL_JOB, LABEL_ROLE, CheckpointTarget, checkpoint_target
 from cephalo.operator.status import JobPhase, now_iso, parse_time
@@ -134,7 +134,7 @@ async def _decide(ctx: JobContext, plan: Plan, offer: dict[str, int], cluster: A
             return None
         figures["freeGpus"] = dict(sorted(offer.items()))
     try:
-        candidate = await _solve(ctx, cluster, profiles)
+        candidate = await plan_for(ctx.config, spec, cluster, profiles)
     except PlanningFailed as err:
         _record(ctx, elastic, Decision("Skip", "PlanningFailed",
                                        f"no plan on {_gpus(offer)}: {err}", 0.0, 0.0), figures)
@@ -293,21 +293,12 @@ async def _plan_on(ctx: JobContext, nodes: list[dict[str, Any]],
                  ctx.namespace, ctx.name, _gpus(gpus))
         return None
     try:
-        plan = await _solve(ctx, cluster.model_copy(update={"groups": groups}), profiles)
+        plan = await plan_for(ctx.config, spec, cluster.model_copy(update={"groups": groups}),
+                              profiles)
     except PlanningFailed as err:
         log.info("%s/%s: no rollback yet: %s", ctx.namespace, ctx.name, err)
         return None
     return plan, pools
-
-
-async def _solve(ctx: JobContext, cluster: Any, profiles: Any) -> Plan:
-    """The job's plan on `cluster`, under the operator's planning limits and price list
-    (the same call for a rescale's candidate and a rollback's way back). Raises
-    PlanningFailed."""
-    return await plan_job(with_price_list(capped_spec(ctx.job.spec), ctx.config.prices()),
-                          cluster, profiles,
-                          timeout_seconds=ctx.config.planning_timeout_seconds,
-                          memory_bytes=ctx.config.planning_memory_bytes)
 
 
 def rescaling(ctx: JobContext) -> bool:
