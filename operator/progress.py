@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from cephalo.operator import metrics
-from cephalo.operator.status import now_iso, parse_progress, parse_time
+from cephalo.operator.status import SERVED_BY, now_iso, parse_progress, parse_time
 
 if TYPE_CHECKING:
     from cephalo.operator.context import JobContext
@@ -92,16 +92,19 @@ def parse_progress_checked(text: str) -> dict[str, Any]:
         found = parse_progress(text)
     except (ValueError, OverflowError, TypeError, IndexError) as err:
         raise ValueError(f"not Prometheus text: {err}") from None
-    return {k: v for k, v in found.items()
-            if (k != "step" or 0 <= v <= MAX_STEP) and math.isfinite(v)}
+    return {k: v for k, v in found.items() if k == SERVED_BY
+            or ((k != "step" or 0 <= v <= MAX_STEP) and math.isfinite(v))}
 
 
-async def scrape_progress(url: str, key: str, *, max_bytes: int = MAX_BODY_BYTES,
+async def scrape_progress(url: str, key: str, *, pod_uid: str | None = None,
+                          max_bytes: int = MAX_BODY_BYTES,
                           deadline_seconds: float = SCRAPE_DEADLINE_SECONDS) -> dict[str, Any]:
     """Progress fields from one scrape; {} when there is none. Never raises.
 
     `key` names the job in the log: the first failure is a warning, repeats are debug, until a
-    scrape succeeds again.
+    scrape succeeds again. With `pod_uid`, a page that names another pod (cephalo_trainer_info)
+    is none: its IP was reused by a newer pod or is shared (hostNetwork), and another job's
+    step must not become this one's. A page naming no pod (an older trainer) is taken.
     """
     try:
         text = await fetch_metrics_text(url, max_bytes=max_bytes,
@@ -120,18 +123,27 @@ async def scrape_progress(url: str, key: str, *, max_bytes: int = MAX_BODY_BYTES
         _warned.add(key)
         log.exception("%s: scraping %s failed unexpectedly", key, url)
         return {}
+    served_by = progress.pop(SERVED_BY, None)
+    if pod_uid is not None and served_by is not None and served_by != pod_uid:
+        level = logging.DEBUG if key in _warned else logging.WARNING
+        _warned.add(key)
+        log.log(level, "%s: no progress from %s: it is pod %s's page, not rank 0's (%s); the "
+                "IP is shared or was reused", key, url, served_by, pod_uid)
+        return {}
     _warned.discard(key)
     return progress
 
 
-async def job_progress(ctx: JobContext, pod_ip: str | None) -> dict[str, Any] | None:
-    """Scrape rank 0 when the last update is older than the progress interval."""
+async def job_progress(ctx: JobContext, pod_ip: str | None,
+                       pod_uid: str | None = None) -> dict[str, Any] | None:
+    """Scrape rank 0 (its pod's IP and uid) when the last update is older than the progress
+    interval."""
     last = parse_time((ctx.status.get("progress") or {}).get("lastUpdateTime"))
     if pod_ip is None or (last is not None
                           and ctx.now - last < ctx.config.progress_interval_seconds):
         return None
     url = f"http://{pod_ip}:{ctx.config.trainer_metrics_port}/metrics"
-    progress = await scrape_progress(url, f"{ctx.namespace}/{ctx.name}")
+    progress = await scrape_progress(url, f"{ctx.namespace}/{ctx.name}", pod_uid=pod_uid)
     if not progress:
         return None  # rank 0 not serving yet, or serving garbage: try again next pass
     progress["totalSteps"] = progress.get("totalSteps", ctx.job.spec.training.steps)

@@ -17,7 +17,7 @@ import yaml
 
 from cephalo.api import API_GROUP, API_VERSION, KIND, CephaloJob, Plan
 from cephalo.api.profile import profile_cache_key
-from cephalo.api.trainer_env import TrainerVars, to_environ
+from cephalo.api.trainer_env import POD_UID, TrainerVars, to_environ
 from cephalo.operator.config import OperatorConfig
 from cephalo.operator.discovery import GPU_RESOURCE, PRODUCT_LABEL, product_matches
 from cephalo.operator.gang import apply_gang, apply_scheduling, group_name
@@ -376,6 +376,8 @@ def render(job: CephaloJob, plan: Plan, config: OperatorConfig | None = None,
             shard_ratio=r.shard_ratio if single else None, checkpoint_dir=target.directory,
             metrics_port=config.trainer_metrics_port, restart_attempt=attempt,
             ranks_per_pod=None if single else count))
+        # Known only once the API server has created the pod: the downward API gives it.
+        env.append({"name": POD_UID, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}})
         labels = {LABEL_ROLE: "trainer", LABEL_RANK: str(r.rank), LABEL_ATTEMPT: str(attempt),
                   LABEL_PRODUCT: _dns_safe(pool, 63)}
         if not single:

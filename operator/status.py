@@ -97,6 +97,7 @@ class PodState:
     pod_ip: str | None
     finished_at: str | None
     disruption: str | None = None  # why the pod was taken away (preempted, evicted …), if so
+    uid: str | None = None
 
 
 def pod_state(pod: dict[str, Any]) -> PodState:
@@ -112,7 +113,7 @@ def pod_state(pod: dict[str, Any]) -> PodState:
         or status.get("reason"),
         message=terminated.get("message") or status.get("message"),
         pod_ip=status.get("podIP"), finished_at=terminated.get("finishedAt"),
-        disruption=disruption(pod))
+        disruption=disruption(pod), uid=pod["metadata"].get("uid"))
 
 
 def disruption(pod: dict[str, Any]) -> str | None:
@@ -152,11 +153,19 @@ TRAINER_METRICS = {
 }
 
 
+# The trainer's info metric: its pod_uid label names the pod serving the page.
+TRAINER_INFO = "cephalo_trainer_info"
+SERVED_BY = "servedBy"  # parse_progress's key for that uid (not a status field)
+
+
 def parse_progress(metrics_text: str) -> dict[str, Any]:
-    """Prometheus text from rank 0 → status.progress fields (missing metrics are left out)."""
+    """Prometheus text from rank 0 → status.progress fields (missing metrics are left out),
+    plus SERVED_BY: the uid of the pod the page names, when it names one."""
     found: dict[str, Any] = {}
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
+            if sample.name == TRAINER_INFO and sample.labels.get("pod_uid"):
+                found[SERVED_BY] = sample.labels["pod_uid"]
             field = TRAINER_METRICS.get(sample.name)
             if field is not None:
                 value = sample.value

@@ -186,7 +186,7 @@ async def _report(ctx: JobContext, plan: Plan, states: list[PodState]) -> None:
         return
     if all(s.phase in (PodPhase.RUNNING, PodPhase.SUCCEEDED) for s in states):
         fields: dict[str, Any] = {}
-        progress = await _progress(ctx, states[0].pod_ip)
+        progress = await _progress(ctx, states[0].pod_ip, states[0].uid)
         if progress is not None:
             fields["progress"] = progress
             rescale.measure_restart(ctx, progress)  # the new plan's first step, if rescaling

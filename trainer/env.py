@@ -43,6 +43,8 @@ class TrainerEnv:
     num_threads: int | None = None  # CEPHALO_NUM_THREADS (local runs share the CPU)
     time_dilation: float = 1.0  # CEPHALO_TIME_DILATION: emulate a device this much slower
     memory_limit_bytes: int | None = None  # CEPHALO_MEMORY_LIMIT_BYTES: emulated capacity
+    pod_uid: str | None = None  # CEPHALO_POD_UID: named on /metrics (whose page it is)
+    metrics_address: str = ""  # CEPHALO_METRICS_ADDRESS: /metrics listens here ("": all)
 
     @property
     def layout(self) -> Layout:
@@ -132,7 +134,8 @@ def read_env(env: Mapping[str, str] | None = None) -> TrainerEnv:
         plan=plan, job=job, checkpoint_dir=checkpoint_dir, metrics_port=raw.metrics_port or 0,
         metrics_file=_metrics_file(raw.metrics_file, checkpoint_dir),
         timeout_seconds=raw.collective_timeout_seconds or DEFAULT_COLLECTIVE_TIMEOUT_SECONDS,
-        stop_after_step=raw.stop_after_step)
+        stop_after_step=raw.stop_after_step, pod_uid=raw.pod_uid,
+        metrics_address=raw.metrics_address or "")
 
 
 def _check_kept_blocks(plan: Plan, job: CephaloJobSpec) -> None:

@@ -6,7 +6,10 @@ compute / collective-wait seconds, and validation_loss on the steps that evaluat
 `cephalo run` reads to show progress.
 
 Rank r serves Prometheus on CEPHALO_METRICS_PORT + LOCAL_RANK: one rank per pod (LOCAL_RANK
-0) keeps the configured port, several local ranks on one machine do not collide.
+0) keeps the configured port, several local ranks on one machine do not collide; on
+CEPHALO_METRICS_ADDRESS if set (else every interface). In a pod, `cephalo_trainer_info`
+names the pod (CEPHALO_POD_UID), so the operator's scrape can tell its rank 0's page from
+another pod's at the same address.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ def gpu_memory_bytes(local_rank: int) -> tuple[int, int] | None:
 
 
 class TrainerMetrics:
-    def __init__(self, rank: int, port: int, predicted_step_seconds: float | None) -> None:
+    def __init__(self, rank: int, port: int, predicted_step_seconds: float | None,
+                 pod_uid: str | None = None, address: str = "") -> None:
         self.rank = rank
         self.registry = CollectorRegistry()
         labels = {"rank": str(rank)}
@@ -79,14 +83,18 @@ class TrainerMetrics:
             "cephalo_collective_wait_seconds", "Seconds compute waited on collectives",
             ["rank", "op"], registry=r)
         self.labels = labels
+        if pod_uid:  # whose page this is: the operator checks it against the pod it scrapes
+            Gauge("cephalo_trainer_info", "The pod serving this page (always 1)",
+                  ["rank", "pod_uid"], registry=r).labels(**labels, pod_uid=pod_uid).set(1)
         if predicted_step_seconds is not None:
             self.predicted.labels(**labels).set(predicted_step_seconds)
         self.port = port
         if port:
             try:
-                start_http_server(port, registry=r)
+                start_http_server(port, addr=address or "0.0.0.0", registry=r)
             except OSError as err:  # metrics are not worth killing a training run for
-                print(f"cephalo trainer (rank {rank}): warning: metrics port {port}: {err}; "
+                print(f"cephalo trainer (rank {rank}): warning: metrics port "
+                      f"{address + ':' if address else ''}{port}: {err}; "
                       f"serving no metrics", file=sys.stderr, flush=True)
                 self.port = 0
 

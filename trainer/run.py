@@ -217,7 +217,8 @@ def main() -> int:
                             timeout=datetime.timedelta(seconds=env.timeout_seconds))
     try:
         port = env.metrics_port + env.local_rank if env.metrics_port else 0
-        metrics = TrainerMetrics(env.rank, port, env.plan.predicted_step_seconds)
+        metrics = TrainerMetrics(env.rank, port, env.plan.predicted_step_seconds,
+                                 pod_uid=env.pod_uid, address=env.metrics_address)
         try:
             outcome = train(env.job, env.layout, env.checkpoint_dir, device=device,
                             stop_after_step=env.stop_after_step,

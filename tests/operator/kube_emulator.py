@@ -288,6 +288,10 @@ class ApiEmulator(FaultVerbs, WriteVerbs, LogVerbs, kmock.KubernetesEmulator):
         self._bump(obj)
         self._store[key] = obj
         self._publish(key, "ADDED", obj)
+        owners = {o.get("uid") for o in meta.get("ownerReferences") or []}
+        live = {o["metadata"]["uid"] for o in self._store.values()}
+        if owners and not owners & live:  # every owner already gone: the GC collects it too
+            self._collect_dependents(next(iter(owners)), orphan=False, later=True)
         return obj
 
     def _remove(self, key: ObjKey, orphan: bool = False) -> None:

@@ -10,7 +10,8 @@ A mixin of `kube_emulator.ApiEmulator` (split out to keep modules small):
 * **watch drops** (`Faults.watch_drop_seconds`): every watch stream ends after that long, as
   apiservers and load balancers do; clients must resume from their last resourceVersion;
 * **delayed garbage collection** (`Faults.gc_delay_seconds`): dependents of a deleted owner go
-  a while after it (the real GC is a separate controller working from its own informers);
+  a while after it (the real GC is a separate controller working from its own informers),
+  and one created after all its owners went is collected too (the GC finds dangling owners);
   `propagationPolicy: Orphan` strips the owner's references from its dependents instead;
 * **graceful pod deletion**: a pod running on a node is not removed by DELETE; it gets
   `deletionTimestamp`, its containers get SIGTERM (the emulated kubelet ends them with exit
@@ -104,8 +105,9 @@ class FaultVerbs:
     __slots__ = ()  # a mixin of an attrs-slotted class
 
     # ---- garbage collection --------------------------------------------------------------
-    def _collect_dependents(self, uid: str, orphan: bool) -> None:
-        """Dependents of the owner `uid` (now gone): deleted, or with `orphan` freed of it."""
+    def _collect_dependents(self, uid: str, orphan: bool, later: bool = False) -> None:
+        """Dependents of the owner `uid` (now gone): deleted, or with `orphan` freed of it;
+        `later`: not within this call even without a delay (a create in progress)."""
         if orphan:
             for dep_key, dep in list(self._store.items()):
                 owners = dep["metadata"].get("ownerReferences") or []
@@ -121,7 +123,7 @@ class FaultVerbs:
                     self._publish(dep_key, "MODIFIED", dep)
             return
         delay = self.faults.gc_delay_seconds
-        if delay > 0:
+        if delay > 0 or later:
             asyncio.get_running_loop().call_later(delay, self._collect_now, uid)
         else:
             self._collect_now(uid)

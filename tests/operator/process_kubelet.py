@@ -147,6 +147,9 @@ class ProcessKubelet:
                "OMP_NUM_THREADS": "1"}
         for var in container.get("env", []):
             value = str(var.get("value", ""))
+            ref = (var.get("valueFrom") or {}).get("fieldRef") or {}
+            if ref.get("fieldPath") == "metadata.uid":  # the downward API's pod uid
+                value = pod["metadata"]["uid"]
             env[var["name"]] = "127.0.0.1" if CLUSTER_DNS.match(value) else local(value)
         gang = (labels[JOB], labels.get(ATTEMPT, "0"), pod["metadata"]["annotations"][HASH])
         env["MASTER_PORT"] = str(self._ports.setdefault(gang, free_port()))

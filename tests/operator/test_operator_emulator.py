@@ -8,6 +8,7 @@ import json
 import pytest
 from kube_emulator import ApiEmulator
 from kube_selectors import match_labels, strategic_merge
+from kubelet import wait_for
 
 pytestmark = pytest.mark.asyncio
 
@@ -161,6 +162,33 @@ async def test_finalizers_and_owner_reference_garbage_collection(emulator: ApiEm
     await _patch(emulator, f"{JOBS}/j", {"metadata": {"finalizers": None}})
     assert emulator.list_objects("cephalojobs", group="cephalo.dev") == []
     assert emulator.list_objects("pods") == [] and emulator.list_objects("configmaps") == []
+
+
+async def test_a_dependent_created_after_its_owner_went_is_collected(
+        emulator: ApiEmulator) -> None:
+    """The real garbage collector deletes a dependent whose owners are all gone, also one
+    created after they went (an operator's write in flight while its job was deleted): the
+    API server accepts it, the collector removes it. Only dangling owners count: one live
+    owner keeps it."""
+    job = await _post(emulator, JOBS, {"apiVersion": "cephalo.dev/v1alpha1",
+                                       "kind": "CephaloJob", "metadata": {"name": "j"},
+                                       "spec": {}})
+    await _json(emulator.delete(f"{JOBS}/j"))
+
+    def owned(name: str, *uids: str) -> dict:
+        return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {
+            "name": name, "ownerReferences": [
+                {"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob", "name": "j",
+                 "uid": uid} for uid in uids]}}
+    live = await _post(emulator, JOBS, {"apiVersion": "cephalo.dev/v1alpha1",
+                                        "kind": "CephaloJob", "metadata": {"name": "k"},
+                                        "spec": {}})
+    cms = "/api/v1/namespaces/default/configmaps"
+    late = await _post(emulator, cms, owned("late", job["metadata"]["uid"]))
+    assert late["http"] == 201  # accepted, as a real API server does
+    await _post(emulator, cms, owned("kept", job["metadata"]["uid"], live["metadata"]["uid"]))
+    await wait_for("the late dependent collected", lambda: [
+        c["metadata"]["name"] for c in emulator.list_objects("configmaps")] == ["kept"], 10.0)
 
 
 async def test_namespaces_endpoint_and_recorded_calls(emulator: ApiEmulator) -> None:

@@ -143,7 +143,8 @@ def test_each_process_of_a_pod_passes_the_trainers_own_checks(tmp_path: Path) ->
         (tmp_path / key).write_text(text)
     seen = []
     for pod in objects[2:]:
-        env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+        env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]
+               if "value" in e}
         pod_vars = read_env(env)
         env[names.JOB], env[names.PLAN] = str(tmp_path / "job.yaml"), str(tmp_path / "plan.json")
         assert pod_vars.ranks_per_pod is not None and pod_vars.batch_size is None
@@ -219,7 +220,8 @@ def test_one_rank_process_refuses_a_whole_pods_environment(tmp_path: Path) -> No
     from cephalo.trainer.env import read_env as trainer_read_env
 
     objects = render(_job(), with_pod_ranks(_plan(SIX), [4, 2]))
-    env = {e["name"]: e["value"] for e in objects[2]["spec"]["containers"][0]["env"]}
+    env = {e["name"]: e["value"] for e in objects[2]["spec"]["containers"][0]["env"]
+               if "value" in e}
     with pytest.raises(EnvError, match="CEPHALO_RANKS_PER_POD=4: a pod of several ranks"):
         trainer_read_env(env)
     ports = [p["containerPort"] for p in objects[2]["spec"]["containers"][0]["ports"]]

@@ -45,7 +45,8 @@ def nodes_fixture(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _env(pod: dict) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+    return {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]
+               if "value" in e}
 
 
 def _running(api: ApiEmulator, attempt: int):

@@ -121,10 +121,11 @@ def _ctx(address: str) -> SimpleNamespace:
                            job=parse_job(job_body("gpt", namespace="team-a")))
 
 
-async def _progress(address: str) -> dict[str, Any] | None:
-    """The operator's own progress step (training.py) against the server at `address`."""
+async def _progress(address: str, pod_uid: str | None = None) -> dict[str, Any] | None:
+    """The operator's own progress step (training.py) against the server at `address`, for
+    rank 0's pod `pod_uid`."""
     ctx = _ctx(address)
-    return await asyncio.wait_for(training._progress(ctx, address.split(":")[0]),
+    return await asyncio.wait_for(training._progress(ctx, address.split(":")[0], pod_uid),
                                   HANG_GUARD_SECONDS)
 
 
@@ -198,3 +199,32 @@ async def test_unreachable_rank_is_no_progress_and_no_warning(caplog) -> None:
     assert await _progress("127.0.0.1:9") is None  # the discard port: nothing listens
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], \
         "rank 0 not listening yet is normal at start-up: no warning"
+
+
+def _trainer_page(pod_uid: str | None, step: int) -> str:
+    """What a trainer rank serves (its own TrainerMetrics registry) after `step`."""
+    from prometheus_client import generate_latest
+
+    from cephalo.trainer.metrics import TrainerMetrics
+
+    metrics = TrainerMetrics(rank=0, port=0, predicted_step_seconds=1.0, pod_uid=pod_uid)
+    metrics.observe(step=step, loss=2.0, step_seconds=0.5, samples_per_second=32.0,
+                    tokens_per_second=1024.0, tflops=0.1, wait_seconds_by_op={}, local_rank=0)
+    return generate_latest(metrics.registry).decode()
+
+
+async def test_a_page_naming_another_pod_is_not_this_jobs_progress(server, caplog) -> None:
+    """Pods that share an IP (hostNetwork, the realk8s process kubelet) or a pod IP reused by
+    a newer pod: rank 0's address can serve another job's page. Its step must not become this
+    job's: an elastic job once drained its fresh rank as if it had trained (realk8s)."""
+    caplog.set_level(logging.WARNING, logger="cephalo.operator")
+    address, _ = await server(_text(_trainer_page("uid-of-hold-rank-0", 14)))
+    assert await _progress(address, pod_uid="uid-of-grow-rank-0") is None
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "pod uid-of-hold-rank-0's page, not rank 0's (uid-of-grow-rank-0)" in warning
+    mine = await _progress(address, pod_uid="uid-of-hold-rank-0")
+    assert mine is not None and mine["step"] == 14 and "servedBy" not in mine
+    # A trainer too old to name its pod is taken at its word.
+    address, _ = await server(_text(_trainer_page(None, 3)))
+    older = await _progress(address, pod_uid="uid-of-grow-rank-0")
+    assert older is not None and older["step"] == 3

@@ -166,7 +166,8 @@ def test_rank_pods_carry_the_plan() -> None:
     assert yaml.safe_load(cm["data"]["job.yaml"])["spec"]["globalBatchSize"] == 64
     assert service["spec"]["clusterIP"] == "None"
     for pod, rank in zip(pods, plan.ranks, strict=True):
-        env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+        env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]
+               if "value" in e}
         assert env["RANK"] == str(rank.rank) and env["WORLD_SIZE"] == "3"
         assert env["MASTER_ADDR"] == "gpt-rank-0.gpt.default.svc"
         assert env["CEPHALO_BATCH_SIZE"] == str(rank.batch_size)

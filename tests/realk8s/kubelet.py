@@ -11,15 +11,18 @@ What it emulates, and how:
   volume); a container path in env values or arguments is rewritten to its folder, and so is
   the terminationMessagePath (read back as the termination message, with the log tail under
   FallbackToLogsOnError);
-* the network: every pod shares the host's loopback (pod IP 127.0.0.1) and a cluster DNS
+* the network: every pod shares the host's loopback and a cluster DNS
   name (`*.svc`, `*.svc.cluster.local`) in an env value resolves to it; MASTER_PORT is a
   free port per gang (job, attempt, plan): on a cluster each rank-0 pod has an IP of its
-  own, here two gangs (or two test sessions on one machine) would both listen on 29500;
+  own, here two gangs (or two test sessions on one machine) would both listen on 29500.
+  Each pod's IP is a loopback address of its own, where its trainer's /metrics listens
+  (tests/realk8s/pod_setup.py);
 * logs: stdout and stderr kept in the CRI log format and served at the kubelet's log
   endpoint for `kubectl logs` through the API server (tests/realk8s/kubelet_logs.py);
 * status: Running with a running containerStatus, then Succeeded or Failed with the exit
-  code; a pod being deleted gets SIGTERM, SIGKILL after its grace period, then the final
-  delete (grace 0, uid precondition), as the real kubelet does.
+  code (128 + N for a process ended by signal N, as container runtimes report it); a pod
+  being deleted gets SIGTERM, SIGKILL after its grace period, then the final delete (grace
+  0, uid precondition), as the real kubelet does.
 """
 
 from __future__ import annotations
@@ -48,6 +51,12 @@ from .rest import Reply, Rest
 MAX_MESSAGE_BYTES = 4096  # the kubelet's termination-message limit
 FALLBACK_LOG_LINES = 80
 API_OUTAGE_SECONDS = 120.0  # how long a status write is retried while the API server is down
+
+
+def exit_code(returncode: int) -> int:
+    """What a container runtime reports for a process's Popen returncode: 128 + N for one
+    ended by signal N (Popen's -N), as containerd and Docker do."""
+    return 128 - returncode if returncode < 0 else returncode
 
 
 def _now() -> str:
@@ -147,7 +156,7 @@ class ProcessKubelet:
                 c.log.pump(pipe, stream)
         (c.folder / "pid").write_text(str(c.proc.pid))
         self._report(c, "Running")
-        code = c.proc.wait()
+        code = exit_code(c.proc.wait())
         c.log.close()  # the whole log is written before the container is reported ended
         if c.deleting:
             return  # _terminate reports and deletes
@@ -184,7 +193,8 @@ class ProcessKubelet:
             ("PodReadyToStartContainers", "True"), ("Initialized", "True"), ("Ready", ready),
             ("ContainersReady", ready), ("PodScheduled", "True"))]
         status = {"phase": phase, "hostIP": POD_IP, "hostIPs": [{"ip": POD_IP}],
-                  "podIP": POD_IP, "podIPs": [{"ip": POD_IP}], "startTime": c.started_at or now,
+                  "podIP": c.pod_ip, "podIPs": [{"ip": c.pod_ip}],
+                  "startTime": c.started_at or now,
                   "conditions": conditions, "containerStatuses": [{
                       "name": container["name"], "image": container["image"],
                       "imageID": f"process://{container['image']}", "ready": running,
@@ -225,7 +235,7 @@ class ProcessKubelet:
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(c.proc.pid, signal.SIGKILL)
-        code = c.proc.wait()
+        code = exit_code(c.proc.wait())
         if c.log is not None:
             c.log.close()
         return code

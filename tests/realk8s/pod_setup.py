@@ -9,6 +9,9 @@ volumes mapped to local folders and its environment, as a kubelet would build th
   (`*.svc`, `*.svc.cluster.local`) resolves to the shared loopback; MASTER_PORT is a free
   port per gang (job, attempt, plan): on a cluster each rank-0 pod has an IP of its own,
   here two gangs (or two test sessions on one machine) would both listen on 29500;
+* every pod gets its own loopback address (127.x.y.z) as its pod IP, and a trainer's
+  /metrics listens there (CEPHALO_METRICS_ADDRESS): on a cluster each pod has a network of
+  its own, here two jobs' rank 0 would both want 0.0.0.0:<trainer metrics port>;
 * a container path in env values or arguments is rewritten to the folder behind it.
 """
 
@@ -27,7 +30,8 @@ from .controlplane import free_port
 from .kubelet_logs import ContainerLog
 from .rest import Rest
 
-POD_IP = "127.0.0.1"
+POD_IP = "127.0.0.1"  # the node's address, and where cluster DNS names lead
+METRICS_PORT_ENV, METRICS_ADDRESS_ENV = "CEPHALO_METRICS_PORT", "CEPHALO_METRICS_ADDRESS"
 CLUSTER_DNS = re.compile(r"^[a-z0-9.-]+\.svc(\.cluster\.local)?$")
 
 
@@ -40,6 +44,7 @@ class Container:
     mounts: list[tuple[str, Path]] = field(default_factory=list)  # (container path, folder)
     deleting: bool = False
     log: ContainerLog | None = None
+    pod_ip: str = POD_IP  # its own loopback address (PodSetup.environment)
 
     @property
     def key(self) -> str:
@@ -59,6 +64,7 @@ class PodSetup:
     def __init__(self, rest: Rest, claims: Path) -> None:
         self.rest, self.claims = rest, claims
         self._master_ports: dict[tuple[str, ...], int] = {}  # per gang: see the docstring
+        self._pods_started = 0  # numbers each pod's loopback address
         self._lock = threading.Lock()
 
     def claim_folder(self, namespace: str, claim: str) -> Path:
@@ -102,7 +108,7 @@ class PodSetup:
         values = {"metadata.name": meta["name"], "metadata.namespace": meta["namespace"],
                   "metadata.uid": meta["uid"], "spec.nodeName": c.pod["spec"]["nodeName"],
                   "spec.serviceAccountName": c.pod["spec"].get("serviceAccountName", ""),
-                  "status.podIP": POD_IP, "status.podIPs": POD_IP, "status.hostIP": POD_IP,
+                  "status.podIP": c.pod_ip, "status.podIPs": c.pod_ip, "status.hostIP": POD_IP,
                   "status.hostIPs": POD_IP}
         return values[path]
 
@@ -116,7 +122,12 @@ class PodSetup:
         return base64.b64decode(value).decode() if api == "secrets" else str(value)
 
     def environment(self, c: Container, container: dict[str, Any]) -> dict[str, str]:
+        """The container's environment; also gives the pod its own loopback address."""
         ns = c.pod["metadata"]["namespace"]
+        with self._lock:
+            self._pods_started += 1
+            n = self._pods_started
+        c.pod_ip = f"127.{(n >> 14) % 254 + 1}.{(n >> 6) & 255}.{(n & 63) + 2}"
         # The "image": this interpreter's environment (cephalo installed), nothing else.
         env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
                "HOSTNAME": c.pod["spec"].get("hostname", c.pod["metadata"]["name"]),
@@ -144,6 +155,8 @@ class PodSetup:
                 continue
             value = self.expand(value, env, c)
             env[var["name"]] = POD_IP if CLUSTER_DNS.match(value) else value
+        if METRICS_PORT_ENV in env:  # a trainer's /metrics on its pod's address, not all
+            env.setdefault(METRICS_ADDRESS_ENV, c.pod_ip)
         if "MASTER_PORT" in env:
             meta = c.pod["metadata"]
             labels, notes = meta.get("labels") or {}, meta.get("annotations") or {}

@@ -23,6 +23,10 @@ def test_prometheus_series_after_a_step() -> None:
     assert 'cephalo_collective_wait_seconds_total{op="all_gather",rank="2"} 0.05' in text
     assert 'op="reduce_scatter"' not in text  # nothing waited: no series yet
     assert 'cephalo_tokens_per_second{rank="2"} 854.0' in text
+    assert "cephalo_trainer_info" not in text  # no pod to name (a local run)
+    named = TrainerMetrics(rank=2, port=0, predicted_step_seconds=None, pod_uid="5f0c-uid")
+    assert 'cephalo_trainer_info{pod_uid="5f0c-uid",rank="2"} 1.0' in \
+        generate_latest(named.registry).decode()
 
 
 def test_progress_file_appends_json_lines(tmp_path: Path) -> None:

@@ -124,7 +124,8 @@ def test_plan_with_idle_gpus_renders_and_launches_only_its_ranks() -> None:
     pods = [o for o in render(job, plan) if o["kind"] == "Pod"]
     assert len(pods) == plan.world_size
     for pod, rank in zip(pods, plan.ranks, strict=True):
-        env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+        env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]
+               if "value" in e}
         assert env["WORLD_SIZE"] == str(plan.world_size) and env["RANK"] == str(rank.rank)
         assert rank.pool in pod["spec"]["nodeSelector"].values()
     # `cephalo run`: rank r runs on the device at its gpu_index (the devices in order).

@@ -43,7 +43,8 @@ def test_every_field_round_trips_through_the_reader() -> None:
         micro_batch_size=7, num_micro_batches=1, shard_ratio=1 / 3, checkpoint_dir="s3://b/p",
         metrics_port=9400, restart_attempt=2, metrics_file="/tmp/m.jsonl", num_threads=4,
         time_dilation=2.5, memory_limit_bytes=10**9, collective_timeout_seconds=90.0,
-        stop_after_step=5, data_cache="/cache/tokens", tokenize_workers=4, ranks_per_pod=2)
+        stop_after_step=5, data_cache="/cache/tokens", tokenize_workers=4, ranks_per_pod=2,
+        pod_uid="0b4e-uid", metrics_address="127.0.0.1")
     environ = to_environ(full)
     assert set(environ) == names.ALL_NAMES and all(isinstance(v, str) for v in environ.values())
     assert read_env(environ) == full
@@ -61,8 +62,13 @@ def test_operator_rank_pods_read_back_as_the_plan() -> None:
     job, plan = CephaloJob.model_validate(JOB), Plan.model_validate(PLAN)
     pods = [o for o in render(job, plan) if o["kind"] == "Pod"]
     for rank, pod in enumerate(pods):
-        env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
-        got, mine = read_env(env), plan.ranks[rank]
+        entries = pod["spec"]["containers"][0]["env"]
+        env = {e["name"]: e["value"] for e in entries if "value" in e}
+        # The pod's own uid only exists once created: the downward API, nothing else.
+        assert {e["name"]: e["valueFrom"] for e in entries if "value" not in e} == {
+            names.POD_UID: {"fieldRef": {"fieldPath": "metadata.uid"}}}
+        got, mine = read_env({**env, names.POD_UID: "uid-1"}), plan.ranks[rank]
+        assert got.pod_uid == "uid-1"
         assert names.missing(got) == []
         assert (got.rank, got.world_size, got.local_rank) == (rank, 2, 0)
         assert (got.batch_size, got.micro_batch_size, got.num_micro_batches, got.shard_ratio) \

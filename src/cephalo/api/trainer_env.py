@@ -35,6 +35,9 @@ SHARD_RATIO = "CEPHALO_SHARD_RATIO"
 # A shared folder or an fsspec URL; set and empty = this job keeps no checkpoints.
 CHECKPOINT_DIR = "CEPHALO_CHECKPOINT_DIR"
 METRICS_PORT = "CEPHALO_METRICS_PORT"  # rank /metrics port (+ LOCAL_RANK); 0 = off
+# The address rank /metrics listens on; unset: every interface. E.g. 127.0.0.1 behind an
+# authenticating sidecar (kube-rbac-proxy), or the pod's own IP where pods share a network.
+METRICS_ADDRESS = "CEPHALO_METRICS_ADDRESS"
 RESTART_ATTEMPT = "CEPHALO_RESTART_ATTEMPT"  # the operator's gang-restart counter
 METRICS_FILE = "CEPHALO_METRICS_FILE"  # rank 0's JSON-lines progress file (local runs)
 NUM_THREADS = "CEPHALO_NUM_THREADS"  # torch intra-op threads (local ranks share the CPU)
@@ -47,6 +50,10 @@ TOKENIZE_WORKERS = "CEPHALO_TOKENIZE_WORKERS"  # processes that tokenize a text 
 # A pod running several ranks (one per GPU of a node): RANK is its first rank, and the
 # trainer's pod launcher starts this many processes, RANK+i with LOCAL_RANK i (pod_process_environ).
 RANKS_PER_POD = "CEPHALO_RANKS_PER_POD"
+# The rank pod's metadata.uid (the downward API): rank 0's /metrics says whose page it is, so
+# the operator never takes another pod's progress for its job's (a reused pod IP, pods that
+# share a network namespace).
+POD_UID = "CEPHALO_POD_UID"
 
 DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = 600.0
 # What a trainer rank cannot start without (the profiler needs only JOB).
@@ -56,7 +63,7 @@ REQUIRED = (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, PLAN, JOB)
 # other variables, e.g. the collective timeout, are the team's to set).
 OPERATOR_SET = (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, JOB, PLAN, BATCH_SIZE,
                 MICRO_BATCH_SIZE, NUM_MICRO_BATCHES, SHARD_RATIO, CHECKPOINT_DIR, METRICS_PORT,
-                RESTART_ATTEMPT, RANKS_PER_POD)
+                RESTART_ATTEMPT, RANKS_PER_POD, POD_UID)
 
 
 class EnvError(CephaloError, ValueError):
@@ -91,6 +98,8 @@ class TrainerVars:
     data_cache: str | None = None
     tokenize_workers: int | None = None
     ranks_per_pod: int | None = None
+    pod_uid: str | None = None
+    metrics_address: str | None = None
 
 
 # field name -> variable name, in writing order.
@@ -106,6 +115,7 @@ NAMES: dict[str, str] = {
     "collective_timeout_seconds": COLLECTIVE_TIMEOUT_SECONDS,
     "stop_after_step": STOP_AFTER_STEP, "data_cache": DATA_CACHE,
     "tokenize_workers": TOKENIZE_WORKERS, "ranks_per_pod": RANKS_PER_POD,
+    "pod_uid": POD_UID, "metrics_address": METRICS_ADDRESS,
 }
 assert list(NAMES) == [f.name for f in fields(TrainerVars)], "NAMES must follow TrainerVars"
 ALL_NAMES = frozenset(NAMES.values())
