@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cephalo.api.trainer_env import METRICS_ADDRESS, METRICS_PORT
+
 from .controlplane import free_port
 from .kubelet_logs import ContainerLog
 from .rest import Rest
 
 POD_IP = "127.0.0.1"  # the node's address, and where cluster DNS names lead
-METRICS_PORT_ENV, METRICS_ADDRESS_ENV = "CEPHALO_METRICS_PORT", "CEPHALO_METRICS_ADDRESS"
 CLUSTER_DNS = re.compile(r"^[a-z0-9.-]+\.svc(\.cluster\.local)?$")
 
 
@@ -155,8 +156,8 @@ class PodSetup:
                 continue
             value = self.expand(value, env, c)
             env[var["name"]] = POD_IP if CLUSTER_DNS.match(value) else value
-        if METRICS_PORT_ENV in env:  # a trainer's /metrics on its pod's address, not all
-            env.setdefault(METRICS_ADDRESS_ENV, c.pod_ip)
+        if METRICS_PORT in env:  # a trainer's /metrics on its pod's address, not all
+            env.setdefault(METRICS_ADDRESS, c.pod_ip)
         if "MASTER_PORT" in env:
             meta = c.pod["metadata"]
             labels, notes = meta.get("labels") or {}, meta.get("annotations") or {}
