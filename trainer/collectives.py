@@ -1,7 +1,9 @@
 """Uneven AllGather / ReduceScatter of flat unit buffers, asynchronous, on gloo and NCCL.
 
 Neither backend has a native collective for arbitrary per-rank sizes that works everywhere
-(see shared/reference/torch-notes.md), so:
+(measured on torch 2.13 gloo: `all_gather_single` and `all_gather(list)` fail on uneven sizes,
+`invalid tensor size`; `reduce_scatter_single` asks `outputShape[0] * worldSize ==
+inputShape[0]`; only `reduce_scatter(list)` takes uneven sizes), so:
 
 * **AllGather** — NCCL with even shards: `all_gather_into_tensor` straight into the full
   buffer. Otherwise (gloo, or uneven shards): one async `broadcast` per non-empty shard,

@@ -50,12 +50,12 @@ def _version() -> str:
 
 
 def build_parser(load: list[str] | None = None,
-                 commands: dict[str, argparse.ArgumentParser] | None = None
-                 ) -> argparse.ArgumentParser:
+                 commands: dict[str, argparse.ArgumentParser] | None = None,
+                 prog: str = "cephalo") -> argparse.ArgumentParser:
     """The `cephalo` parser (subcommands' arguments only for those in `load`, default all);
     `commands`, when given, receives each subcommand's parser."""
     parser = argparse.ArgumentParser(
-        prog="cephalo", description="Train transformers on mixed-GPU clusters.")
+        prog=prog, description="Train transformers on mixed-GPU clusters.")
     parser.add_argument("--version", action="version", version=f"cephalo {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
@@ -67,12 +67,12 @@ def build_parser(load: list[str] | None = None,
     return parser
 
 
-def _parse(argv: list[str]) -> argparse.Namespace:
+def _parse(argv: list[str], prog: str) -> argparse.Namespace:
     """The arguments; an unknown option is reported by its subcommand, with that command's
     usage (argparse leaves it to the top-level parser: `cephalo: error`, `cephalo` usage)."""
     wanted = [a for a in argv if a in COMMANDS][:1]
     commands: dict[str, argparse.ArgumentParser] = {}
-    args, unknown = build_parser(wanted or None, commands).parse_known_args(argv)
+    args, unknown = build_parser(wanted or None, commands, prog).parse_known_args(argv)
     if unknown:
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     return args
@@ -82,26 +82,33 @@ def _terminate(_signum: int, _frame: object) -> None:
     raise Terminated
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "cephalo") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parse(argv)
+    args = _parse(argv, prog)
     module = importlib.import_module(COMMANDS[args.command][0])
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)
     try:
         return int(module.run(args) or 0)
     except CephaloError as err:  # the user's mistake: one line, no traceback
-        print(f"cephalo {args.command}: error: {err}", file=sys.stderr)
+        print(f"{prog} {args.command}: error: {err}", file=sys.stderr)
         return 2
     except Terminated:
-        print(f"cephalo {args.command}: terminated", file=sys.stderr)
+        print(f"{prog} {args.command}: terminated", file=sys.stderr)
         return 143
     except KeyboardInterrupt:
-        print(f"cephalo {args.command}: interrupted", file=sys.stderr)
+        print(f"{prog} {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `cephalo status | head`: the reader left, nothing to report
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (Python flushes stdout at exit)
         return 141
+
+
+def kubectl_main() -> int:
+    """`kubectl cephalo ...`: kubectl runs the `kubectl-cephalo` on PATH with the words after
+    `cephalo` (and its own environment: KUBECONFIG); usage and errors name the command as the
+    user typed it."""
+    return main(prog="kubectl cephalo")
 
 
 if __name__ == "__main__":

@@ -132,6 +132,13 @@ async def test_submit_watch_to_succeeded_piped_and_on_a_terminal(
     table = out.splitlines()
     assert rc == 0 and table[0].split()[:3] == ["NAME", "PHASE", "GPUS"], out
     assert any(r.split()[:4] == ["tiny", "Succeeded", "1xNVIDIA-L4", "20/20"] for r in table)
+    # One job in full: its phase, the plan per rank and the conditions.
+    rc, out, _ = await cephalo(emulator.kubeconfig, "status", "tiny")
+    lines = out.splitlines()
+    assert rc == 0 and lines[1].startswith("Phase:       Succeeded"), out
+    assert [row.split()[:2] for row in lines if row.split()[1:2] == ["L4"]] == [["0", "L4"]], out
+    conditions = [row.split()[:2] for row in lines[lines.index("Conditions:") + 1:]]
+    assert ["Planned", "True"] in conditions and ["Succeeded", "True"] in conditions, out
 
 
 async def test_logs_follow_rank_into_the_next_attempt_and_a_failed_job_exits_1(

@@ -1,4 +1,4 @@
-"""The layer rules of DESIGN.md on the whole import graph, by import-linter.
+"""The layer rules of docs/architecture.md on the whole import graph, by import-linter.
 
 `tests/unit/test_layering.py` checks what importing the top packages loads at run time;
 this checks every module, including imports inside functions and modules nothing imports

@@ -1,4 +1,4 @@
-"""Layer rules of DESIGN.md: the operator's side never imports torch, the trainer never
+"""Layer rules of docs/architecture.md: the operator's side never imports torch, the trainer never
 imports kopf or kubernetes. Checked in a fresh interpreter so nothing is preloaded."""
 
 from __future__ import annotations

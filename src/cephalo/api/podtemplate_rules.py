@@ -15,8 +15,9 @@ from pydantic.config import JsonValue
 
 from cephalo.api.trainer_env import OPERATOR_SET
 
-# Environment variables the operator sets on rank and profiler pods (DESIGN.md's trainer
-# contract, plus HOME, which must point at the writable /tmp under a read-only root).
+# Environment variables the operator sets on rank and profiler pods (the trainer contract of
+# cephalo.api.trainer_env, plus HOME, which must point at the writable /tmp under a read-only
+# root).
 CONTRACT_ENV = frozenset({*OPERATOR_SET, "HOME"})
 # Volumes the operator mounts, by name and path (the token-file volume's path is the job's
 # data.tokenFile.mountPath; the operator checks that one when it renders).
