@@ -23,6 +23,7 @@ from cephalo.cli import main as cli_main
 from .cluster import CHART, CRD, NODES, OPERATOR_NAMESPACE, RELEASE, Cluster, run_tool
 from .controlplane import ControlPlane, binaries_or_reason, elapsed
 from .kubelet import ProcessKubelet
+from .kueue import Kueue, kueue_or_reason, private_etc_or_reason
 from .nodes import NodeHeartbeat
 from .operator_auth import operator_kubeconfig
 from .operator_run import Operator, make_claim, tiny_job
@@ -151,3 +152,20 @@ def operator(operator_process: Operator, on_failure: Any) -> Operator:
     assert operator_process.proc.poll() is None, operator_process.log()
     on_failure(operator_process.log)
     return operator_process
+
+
+@pytest.fixture(scope="session")
+def kueue(cluster: Cluster) -> Iterator[Kueue]:
+    """Real Kueue for the session (scripts/kueue-binary.sh); its tests skip with one reason
+    where it is not built."""
+    home, reason = kueue_or_reason()
+    if home is None or (reason := private_etc_or_reason()):
+        pytest.skip(reason)
+    manager = Kueue(cluster, cluster.plane.folder / "kueue", home)
+    try:
+        yield manager.start()
+    except BaseException:
+        print(manager.logs())
+        raise
+    finally:
+        manager.stop()

@@ -37,11 +37,15 @@ BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler
 ISSUER = "https://kubernetes.default.svc.cluster.local"
 
 
-def k8s_version() -> str:
-    """The release the build script pins (its K8S_VERSION line: one source of truth)."""
-    match = re.search(r"^K8S_VERSION=(v[0-9.]+)", BUILD_SCRIPT.read_text(), re.M)
-    assert match, f"{BUILD_SCRIPT} has no K8S_VERSION= line"
+def pinned_version(script: Path, name: str) -> str:
+    """The version a build script pins on its `NAME=v...` line (one source of truth)."""
+    match = re.search(rf"^{name}=(v[0-9.]+)", script.read_text(), re.M)
+    assert match, f"{script} has no {name}= line"
     return match.group(1)
+
+
+def k8s_version() -> str:
+    return pinned_version(BUILD_SCRIPT, "K8S_VERSION")
 
 
 def bin_dir() -> Path:

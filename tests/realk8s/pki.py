@@ -33,6 +33,7 @@ class Pki:
     kubelet_key: Path
     kubelet_client_cert: Path  # the API server's identity towards kubelets
     kubelet_client_key: Path
+    webhook_dir: Path  # tls.crt and tls.key: a webhook server on 127.0.0.1 (Kueue's manager)
 
 
 def _key() -> ec.EllipticCurvePrivateKey:
@@ -98,6 +99,14 @@ def make_pki(folder: Path) -> Pki:
     client_key = _key()
     client = _sign(_name("kube-apiserver-kubelet-client", "kubeadm:cluster-admins"), client_key,
                    ca_name, ca_key, ca=False, usage=[ExtendedKeyUsageOID.CLIENT_AUTH], sans=[])
+    webhook_key = _key()
+    webhook = _sign(_name("webhook-server"), webhook_key, ca_name, ca_key, ca=False,
+                    usage=[ExtendedKeyUsageOID.SERVER_AUTH],
+                    sans=[x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    webhook_dir = folder / "webhook"
+    webhook_dir.mkdir(exist_ok=True)
+    _write_cert(webhook, webhook_dir / "tls.crt")
+    _write_key(webhook_key, webhook_dir / "tls.key")
     sa_key = _key()
     sa_pub = folder / "sa.pub"
     sa_pub.write_bytes(sa_key.public_key().public_bytes(
@@ -112,4 +121,5 @@ def make_pki(folder: Path) -> Pki:
                kubelet_cert=_write_cert(kubelet, folder / "kubelet.crt"),
                kubelet_key=_write_key(kubelet_key, folder / "kubelet.key"),
                kubelet_client_cert=_write_cert(client, folder / "kubelet-client.crt"),
-               kubelet_client_key=_write_key(client_key, folder / "kubelet-client.key"))
+               kubelet_client_key=_write_key(client_key, folder / "kubelet-client.key"),
+               webhook_dir=webhook_dir)
