@@ -57,11 +57,23 @@ def test_profile_is_well_formed(tiny_profile: GpuProfile) -> None:
 
 def test_forward_separates_what_a_pass_pays_once(tiny_profile: GpuProfile) -> None:
     # Measured by running one and two microbatches through a unit: the once-per-pass part is
-    # real (binding the flat buffer costs something) and never more than a whole pass.
+    # never negative and never more than a whole pass. Not "> 0": on a loaded machine the
+    # second microbatch's timing noise can exceed it (two CI runs at load 6 measured 0.0, the
+    # clamp below); the arithmetic is checked exactly in the test after this one.
     for fixed, series in ((tiny_profile.block_forward_fixed_seconds, "block_forward_seconds"),
                           (tiny_profile.other_forward_fixed_seconds, "other_forward_seconds")):
         assert fixed is not None
-        assert 0 < fixed <= min(getattr(p, series) for p in tiny_profile.points)
+        assert 0 <= fixed <= min(getattr(p, series) for p in tiny_profile.points)
+
+
+def test_once_per_pass_is_what_a_second_microbatch_does_not_repeat() -> None:
+    """t1 - (t2 - t1), the median over sizes, clamped to [0, the smallest t1]."""
+    from cephalo.trainer.profile_units import _once_per_pass
+    med = {("bf1", 1): 3.0, ("bf2", 1): 5.0, ("bf1", 2): 4.0, ("bf2", 2): 6.0,
+           ("bf1", 4): 6.0, ("bf2", 4): 11.0}
+    assert _once_per_pass(med, "bf", [1, 2, 4]) == 1.0  # median of 1, 2, 1
+    assert _once_per_pass({**med, ("bf2", 2): 9.0}, "bf", [1, 2]) == 0.0  # noise: clamped
+    assert _once_per_pass({("bf1", 1): 3.0, ("bf2", 1): 0.5}, "bf", [1]) == 3.0  # at most t1
 
 
 def test_profile_is_monotone_where_physics_says_so(tiny_profile: GpuProfile) -> None:
