@@ -79,14 +79,26 @@ def test_once_per_pass_is_what_a_second_microbatch_does_not_repeat() -> None:
 def test_profile_is_monotone_where_physics_says_so(tiny_profile: GpuProfile) -> None:
     memory = [p.compute_memory_bytes for p in tiny_profile.points]
     assert memory == sorted(memory) and len(set(memory)) == len(memory)
-    first, last = tiny_profile.points[0], tiny_profile.points[-1]
-    # 8x the tokens cannot be faster than 1x; backward (recompute + 2x FLOPs, about 3x the
-    # forward's work) is not faster than half the forward. Measured times on a loaded machine
-    # move by 2x (a CI run at load 10 timed the backward at 0.94x the forward), so the bound
-    # is what load cannot break and a defect still would: forward and backward swapped, or
-    # the backward timed without its recompute, read about 1/3 and 2/3.
-    assert last.block_forward_seconds > first.block_forward_seconds
-    assert last.block_backward_seconds > 0.5 * last.block_forward_seconds
+    # 32x the tokens cannot be faster than 1x; backward (recompute + 2x FLOPs, about 3x the
+    # forward's work) is not faster than half the forward. A defect breaks these every time:
+    # forward and backward swapped, or the backward timed without its recompute, read about
+    # 1/3 and 2/3. Load breaks them only by chance, so an inversion is measured again: a CI
+    # run at load 5 timed gpt-tiny's block forward at microbatch 8 (0.80 ms) below
+    # microbatch 1 (2.88 ms, one hiccup in the median of 3), and a run at load 10 the
+    # backward at 0.94x the forward. Microbatch 32 against 1 is about 14x the time on an idle
+    # core (8x was only 1.6x: a pass's fixed cost dominates gpt-tiny's small microbatches).
+    attempts = []
+    for _ in range(3):
+        profile = profiler.profile_job(_spec(), device=torch.device("cpu"),
+                                       micro_batch_sizes=[1, 32], repeats=5, warmup=1)
+        first, last = profile.points[0], profile.points[-1]
+        attempts.append((first.block_forward_seconds, last.block_forward_seconds,
+                         last.block_backward_seconds))
+        if (last.block_forward_seconds > first.block_forward_seconds
+                and last.block_backward_seconds > 0.5 * last.block_forward_seconds):
+            return
+    pytest.fail("block forward at microbatch 1 and 32, backward at 32 (s), three measurements: "
+                f"{attempts}")
 
 
 def test_memory_is_linear_within_ten_percent(tiny_profile: GpuProfile) -> None:
