@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 import re
 import shutil
+import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,6 +170,32 @@ def check_inputs(spec: CephaloJobSpec, options: RunOptions) -> None:
                        text.eos_id, config.vocab_size)
         except CephaloError as err:
             raise RunError(f"data.text: {err}{_on_this_machine(text.claim_name)}") from None
+
+
+HOSTNAME_LOOKUP_SECONDS = 10.0  # a resolver that answers takes milliseconds
+
+
+def check_hostname_resolves(timeout_s: float = HOSTNAME_LOOKUP_SECONDS) -> None:
+    """torchrun's agent looks up this machine's own name; where nothing resolves it (a
+    container under `buildah run --isolation chroot` whose hostname is not in /etc/hosts,
+    and no DNS), the rendezvous waits in gethostbyname without a word. Refuse instead."""
+    name = socket.gethostname()
+    failure: list[str] = []
+
+    def lookup() -> None:
+        try:
+            socket.gethostbyname(name)
+        except OSError as err:
+            failure.append(str(err))
+
+    thread = threading.Thread(target=lookup, daemon=True)  # gethostbyname cannot be cancelled
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive() or failure:
+        why = failure[0] if failure else f"no answer in {timeout_s:g} s"
+        raise RunError(f"this machine's hostname {name!r} does not resolve ({why}): torchrun's "
+                       "rendezvous would wait for it; add it to /etc/hosts (127.0.1.1 "
+                       f"{name}) or start the container with --hostname localhost")
 
 
 def _on_this_machine(claim_name: str | None) -> str:

@@ -22,6 +22,7 @@ from cephalo.api.trainer_env import TrainerVars, to_environ
 from cephalo.local.checks import (
     RunError,
     RunOptions,
+    check_hostname_resolves,
     check_inputs,
     check_memory_scale,
     check_plan,
@@ -262,6 +263,8 @@ def run_job(options: RunOptions, out=print) -> int:
     # Everything that can be refused is refused before anything is written.
     check_inputs(job.spec, options)
     check_memory_scale(options.memory_scale, devices)
+    if len(devices) > 1:  # one device runs no rendezvous
+        check_hostname_resolves()
     given_plan: Plan | None = None
     emulation: Emulation | None = None  # a given plan's; else _run_in's, after profiling
     if options.plan_path:
