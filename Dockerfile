@@ -22,28 +22,48 @@ ARG REVISION=unknown
 # The non-root user of both images; trainer pods run as it (chart: operator.trainerRunAsUser).
 ARG UID=1000
 
-# ---------------------------------------------------------------- operator: build stage
-FROM ${PYTHON_IMAGE} AS operator-build
+# ---------------------------------------------------------------- operator: dependencies
+# The locked dependencies in a stage of their own, before any source is copied: the layer
+# changes only with the lock or the base, so a rebuild after a code change reuses it from
+# the layer cache (docker's and buildah's --layers) and installs the project alone.
+FROM ${PYTHON_IMAGE} AS operator-deps
 ARG PIP_INDEX_URL=""
-# Set (scripts/build-images.sh does), it makes the bytecode pip compiles hash-checked, not
-# stamped with the install time.
-ARG SOURCE_DATE_EPOCH
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
 COPY constraints/ constraints/
-COPY src/ src/
-COPY operator/ operator/
-# Sources only (setuptools maps every subpackage); torch is not installed and never imported.
-COPY trainer/ trainer/
 # A venv without pip (and so without the old setuptools a Python 3.11 venv seeds), filled by
-# the base's pip; PIP_CONSTRAINT (not --constraint) also pins pip's isolated build backend.
+# the base's pip with exactly the lock (pip's whole resolution of the extra, --no-deps) less
+# the build backend ([build-system] requires: setuptools, wheel), which only builds the
+# project's wheel. Bytecode is compiled hash-checked, not stamped with the install time.
 RUN --mount=type=secret,id=pip-ca \
     { [ ! -s /run/secrets/pip-ca ] || export PIP_CERT=/run/secrets/pip-ca; } \
  && { [ -n "${PIP_INDEX_URL}" ] || unset PIP_INDEX_URL; } \
  && python -I -m venv --without-pip /opt/cephalo \
+ && grep -v -E '^(setuptools|wheel)==' constraints/operator.txt > /tmp/deps.txt \
  && PIP_CONSTRAINT=/src/constraints/operator.txt \
-    python -I -m pip --python /opt/cephalo/bin/python install ".[operator]" \
+    python -I -m pip --python /opt/cephalo/bin/python install --no-deps --no-compile -r /tmp/deps.txt \
+ && /opt/cephalo/bin/python -I -m compileall -q -j 0 --invalidation-mode checked-hash /opt/cephalo/lib
+
+# ---------------------------------------------------------------- operator: build stage
+FROM operator-deps AS operator-build
+ARG PIP_INDEX_URL=""
+# Set (scripts/build-images.sh does), it makes the bytecode pip compiles hash-checked, not
+# stamped with the install time.
+ARG SOURCE_DATE_EPOCH
+COPY pyproject.toml README.md ./
+COPY src/ src/
+COPY operator/ operator/
+# Sources only (setuptools maps every subpackage); torch is not installed and never imported.
+COPY trainer/ trainer/
+# The project alone (--no-deps: its dependencies are the lock above; `pip check` fails the
+# build where the lock misses one). PIP_CONSTRAINT, not --constraint, also pins pip's
+# isolated build backend.
+RUN --mount=type=secret,id=pip-ca \
+    { [ ! -s /run/secrets/pip-ca ] || export PIP_CERT=/run/secrets/pip-ca; } \
+ && { [ -n "${PIP_INDEX_URL}" ] || unset PIP_INDEX_URL; } \
+ && PIP_CONSTRAINT=/src/constraints/operator.txt \
+    python -I -m pip --python /opt/cephalo/bin/python install --no-deps ".[operator]" \
+ && python -I -m pip --python /opt/cephalo/bin/python check \
  && /opt/cephalo/bin/python -I -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)" \
  && /opt/cephalo/bin/python -I -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in ('pip', 'setuptools')))" \
  && /opt/cephalo/bin/python -I -c "import cephalo.operator"
@@ -72,30 +92,44 @@ EXPOSE 8080 8081
 ENTRYPOINT ["kopf", "run"]
 CMD ["--module=cephalo.operator", "--standalone", "--all-namespaces", "--liveness=http://0.0.0.0:8081/healthz"]
 
-# ---------------------------------------------------------------- trainer: build stage
-FROM ${PYTORCH_IMAGE} AS trainer-build
+# ---------------------------------------------------------------- trainer: dependencies
+# As for the operator: exactly the lock first (--no-deps), in a layer a code change reuses.
+# torch comes from the base image (its CUDA build): the venv sees it through system site
+# packages, and a constraint pins it so pip can never swap it for another build. --no-deps
+# also keeps pip from "completing" the base's torch: resolving it pulled torch's own CUDA
+# wheels (triton, cusolver, ... 1.3 GB, unlocked) into the venv, over what the base provides.
+# The venv has no pip of its own (uninstalling one would still leave the base's pip visible
+# through the system site packages): the base's pip fills it.
+FROM ${PYTORCH_IMAGE} AS trainer-deps
 ARG PIP_INDEX_URL=""
-# Set (scripts/build-images.sh does), it makes the bytecode pip compiles hash-checked, not
-# stamped with the install time.
-ARG SOURCE_DATE_EPOCH
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
 COPY constraints/ constraints/
-COPY src/ src/
-COPY operator/ operator/
-COPY trainer/ trainer/
-# torch comes from the base image (its CUDA build): the venv sees it through system site
-# packages, and a constraint pins it so pip can never swap it for another build. The venv has
-# no pip of its own (uninstalling one would still leave the base's pip visible through the
-# system site packages): the base's pip fills it.
 RUN --mount=type=secret,id=pip-ca \
     { [ ! -s /run/secrets/pip-ca ] || export PIP_CERT=/run/secrets/pip-ca; } \
  && { [ -n "${PIP_INDEX_URL}" ] || unset PIP_INDEX_URL; } \
  && python -I -m venv --without-pip --system-site-packages /opt/cephalo \
  && python -I -c "from importlib.metadata import version; print('torch==' + version('torch'))" > /tmp/torch.txt \
+ && grep -v -E '^(setuptools|wheel)==' constraints/trainer.txt > /tmp/deps.txt \
  && PIP_CONSTRAINT="/src/constraints/trainer.txt /tmp/torch.txt" \
-    python -I -m pip --python /opt/cephalo/bin/python install ".[trainer]" \
+    python -I -m pip --python /opt/cephalo/bin/python install --no-deps --no-compile -r /tmp/deps.txt \
+ && /opt/cephalo/bin/python -I -m compileall -q -j 0 --invalidation-mode checked-hash /opt/cephalo/lib
+
+# ---------------------------------------------------------------- trainer: build stage
+FROM trainer-deps AS trainer-build
+ARG PIP_INDEX_URL=""
+# Set (scripts/build-images.sh does), it makes the bytecode pip compiles hash-checked, not
+# stamped with the install time.
+ARG SOURCE_DATE_EPOCH
+COPY pyproject.toml README.md ./
+COPY src/ src/
+COPY operator/ operator/
+COPY trainer/ trainer/
+RUN --mount=type=secret,id=pip-ca \
+    { [ ! -s /run/secrets/pip-ca ] || export PIP_CERT=/run/secrets/pip-ca; } \
+ && { [ -n "${PIP_INDEX_URL}" ] || unset PIP_INDEX_URL; } \
+ && PIP_CONSTRAINT="/src/constraints/trainer.txt /tmp/torch.txt" \
+    python -I -m pip --python /opt/cephalo/bin/python install --no-deps ".[trainer]" \
  && /opt/cephalo/bin/python -I -c "import cephalo.trainer, torch"
 
 # ---------------------------------------------------------------- trainer: final image

@@ -21,8 +21,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("CEPHALO_IMAGE_CACHE", Path.home() / ".cache" / "cephalo-images"))
-BUILDAH = ["buildah", "--storage-driver", "vfs", "--root", str(CACHE / "storage"),
-           "--runroot", str(CACHE / "run")]
 SKIP_REASON = ("image smoke tests need root, buildah and the images of "
                "scripts/build-images.sh (run it as root, then pytest -m images)")
 
@@ -39,10 +37,20 @@ def image_name(target: str) -> str:
     if os.geteuid() != 0 or shutil.which("buildah") is None or not info.exists():
         pytest.skip(SKIP_REASON)
     image = str(json.loads(info.read_text())["image"])
-    if subprocess.run([*BUILDAH, "inspect", "--type", "image", image],
+    if subprocess.run([*buildah(), "inspect", "--type", "image", image],
                       capture_output=True).returncode != 0:
         pytest.skip(SKIP_REASON)
     return image
+
+
+def buildah() -> list[str]:
+    """buildah on the storage scripts/build-images.sh built into (overlay or vfs, as it
+    found the machine; written beside each image's facts)."""
+    facts = max((p for p in (CACHE / "out" / f"{t}.json" for t in ("operator", "trainer"))
+                 if p.exists()), key=lambda p: p.stat().st_mtime)
+    storage = json.loads(facts.read_text())["storage"]
+    return ["buildah", "--storage-driver", storage["driver"], "--root", storage["root"],
+            "--runroot", storage["runroot"]]
 
 
 def image_info(target: str) -> dict[str, object]:
@@ -51,7 +59,7 @@ def image_info(target: str) -> dict[str, object]:
 
 
 def image_config(image: str) -> dict[str, object]:
-    out = subprocess.run([*BUILDAH, "inspect", "--type", "image", image], check=True,
+    out = subprocess.run([*buildah(), "inspect", "--type", "image", image], check=True,
                          capture_output=True, text=True).stdout
     config: dict[str, object] = json.loads(out)["OCIv1"]["config"]
     return config
@@ -59,12 +67,12 @@ def image_config(image: str) -> dict[str, object]:
 
 def container(image: str) -> Iterator[str]:
     """A working container of `image` (for a module-scoped fixture); removed after."""
-    name = subprocess.run([*BUILDAH, "from", "--quiet", "--pull-never", image], check=True,
+    name = subprocess.run([*buildah(), "from", "--quiet", "--pull-never", image], check=True,
                           capture_output=True, text=True).stdout.strip()
     try:
         yield name
     finally:
-        subprocess.run([*BUILDAH, "rm", name], capture_output=True)
+        subprocess.run([*buildah(), "rm", name], capture_output=True)
 
 
 def run_argv(name: str, command: Sequence[str], *, user: str = "1000:1000",
@@ -73,7 +81,7 @@ def run_argv(name: str, command: Sequence[str], *, user: str = "1000:1000",
     """`buildah run` of `command` in container `name` as `user`. --hostname localhost: under
     chroot isolation the container's hostname is not in /etc/hosts and torch's rendezvous
     waits forever in gethostbyname (Kubernetes and Docker add the entry)."""
-    argv = [*BUILDAH, "run", "--isolation", "chroot", "--hostname", "localhost",
+    argv = [*buildah(), "run", "--isolation", "chroot", "--hostname", "localhost",
             "--user", user]
     for key, value in (env or {}).items():
         argv += ["--env", f"{key}={value}"]
