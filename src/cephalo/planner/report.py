@@ -150,6 +150,11 @@ def activations_line(plan: Plan) -> str:
         return f"activations: recomputed in the backward (set in the plan){kept}"
     if plan.predicted_step_seconds is None:
         return f"activations: recomputed in the backward (the engine's default){kept}"
+    layers = (plan.model or {}).get("num_layers")
+    if kept and plan_fused_tail_blocks(plan) == layers:  # nothing is recomputed: say so first
+        return (f"activations: not recomputed; every block ({layers}) runs per microbatch "
+                "with the head on every rank that has samples (parameters gathered once: the "
+                "fused tail)")
     if kept:
         return f"activations: recomputed in the backward{kept}"
     return "activations: recomputed in the backward (memory: keeping them does not fit " \
