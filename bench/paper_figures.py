@@ -26,7 +26,7 @@ from typing import Any
 
 from cephalo.api import ClusterSpec, GpuGroup, GpuProfile, Plan, parse_job
 from cephalo.api.job import CephaloJobSpec
-from cephalo.api.models import ModelConfig
+from cephalo.api.models import PRESETS, ModelConfig, preset
 from cephalo.planner import solve
 from cephalo.planner.authors_profiles import AUTHORS_GPUS, AUTHORS_MODELS, authors_profile
 from cephalo.planner.evaluate import score
@@ -65,13 +65,20 @@ def cluster_spec(gpus: Mapping[str, int], gbit: float) -> ClusterSpec:
 
 
 def job(config: ModelConfig, batch: int) -> CephaloJobSpec:
-    # The spec's model fields (numerics-only ones keep their defaults: no effect on plans).
-    skip = {"num_channels", "norm_epsilon", "rope_theta"}
-    model = {k: v for k, v in config.model_dump().items() if v is not None and k not in skip}
+    """A job whose model resolves to `config` exactly: the preset it comes from, with the
+    fields that differ (ViT-e's 384 px image) given next to it. Not the fields alone: the
+    spec has no field for numerics such as the Llama presets' norm_epsilon (1e-6, default
+    1e-5), which the profiles' model_key covers, so such a job's profiles were refused."""
+    name = next(p for p in sorted(PRESETS) if (preset(p).family, preset(p).num_layers,
+                                               preset(p).hidden_size) ==
+                (config.family, config.num_layers, config.hidden_size))
+    base = preset(name)
+    differ = {k: v for k, v in config.model_dump().items() if getattr(base, k) != v}
     camel = {"".join(w.capitalize() if i else w for i, w in enumerate(k.split("_"))): v
-             for k, v in model.items()}
+             for k, v in differ.items()}
     return parse_job({"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
-                      "spec": {"model": camel, "globalBatchSize": batch}}).spec
+                      "spec": {"model": {"preset": name, **camel},
+                               "globalBatchSize": batch}}).spec
 
 
 def profiles(model: str, gpus: Mapping[str, int], cluster: str) -> dict[str, GpuProfile]:

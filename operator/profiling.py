@@ -125,9 +125,10 @@ async def _profile_one(ctx: JobContext, pool: Pool, attempts: dict[str, int]) ->
             finished = ctx.now  # observed now, on the clock `created` is on
             metrics.PROFILING_SECONDS.labels(pool.catalog_name or product).observe(
                 max(0.0, finished - created))
+            how = "" if result.source == "measured" else f" ({result.source})"  # not twice
             ctx.event("Normal", "Profiled", (
-                f"{product}: measured {len(result.points)} microbatch sizes "
-                f"({result.source}) in {finished - created:.0f} s"))
+                f"{product}: measured {len(result.points)} microbatch sizes{how} in "
+                f"{finished - created:.0f} s"))
             await ctx.kube.delete(f"{pods_path}/{name}")
             return result
     elif state.phase == PodPhase.FAILED:

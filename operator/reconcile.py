@@ -67,6 +67,7 @@ from cephalo.operator.status import (
     parse_time,
 )
 from cephalo.operator.training import stop_unfinished, train
+from cephalo.planner.report import plural
 
 log = logging.getLogger("cephalo.operator")
 
@@ -299,7 +300,8 @@ async def _adopt(ctx: JobContext, plan: Plan, pools: list[Pool],
             + ((baseline.reason or "infeasible") if baseline else "not evaluated"))
     used = ", ".join(f"{k} x{v}" for k, v in summary["pools"].items())
     predicted = plan.predicted_samples_per_second or 0.0
-    message = f"{plan.world_size} GPUs ({used}), predicted {predicted:.1f} samples/s, {even}"
+    message = f"{plural(plan.world_size, 'GPU')} ({used}), predicted {predicted:.1f} " \
+        f"samples/s, {even}"
     ctx.event("Normal", "Planned", message)
     if not storage.durable:
         ctx.event("Warning", "CheckpointsNotDurable", storage.message)

@@ -48,6 +48,7 @@ from cephalo.operator.status import (
     now_iso,
     pod_state,
 )
+from cephalo.planner.report import plural
 from cephalo.rootcause import RankFailure, root_cause
 
 if TYPE_CHECKING:
@@ -178,7 +179,9 @@ def blame(failed: list[tuple[RankPlan, PodState]]) -> tuple[RankPlan, PodState]:
 async def _report(ctx: JobContext, plan: Plan, states: list[PodState]) -> None:
     status = ctx.status
     if all(s.phase == PodPhase.SUCCEEDED for s in states):
-        message = f"all {plan.world_size} ranks completed"
+        # 'all 1 ranks completed' read oddly in `cephalo submit --watch` (the README walk)
+        message = "1 rank completed" if plan.world_size == 1 else \
+            f"all {plan.world_size} ranks completed"
         ctx.event("Normal", "Succeeded", message)
         await ctx.write_status(JobPhase.SUCCEEDED, message, {
             SUCCEEDED: ("True", "Completed", message),
@@ -190,7 +193,7 @@ async def _report(ctx: JobContext, plan: Plan, states: list[PodState]) -> None:
         if progress is not None:
             fields["progress"] = progress
             rescale.measure_restart(ctx, progress)  # the new plan's first step, if rescaling
-        message = f"{plan.world_size} ranks running"
+        message = f"{plural(plan.world_size, 'rank')} running"
         if status.get("phase") != JobPhase.RUNNING:
             ctx.event("Normal", "Running", message)
         await ctx.write_status(JobPhase.RUNNING, message, {

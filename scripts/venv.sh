@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Creates (or updates) .venv with the CPU build of PyTorch and every extra, idempotently.
-# The CPU torch is installed first so that the `torch>=2.4` range in pyproject does not pull
-# a multi-GB CUDA build; on a GPU machine install your CUDA torch instead before this.
+# Creates (or updates) .venv with PyTorch and every extra, idempotently.
+# torch is pinned and installed first (a torch .venv already has is kept) so that the
+# `torch>=2.4` range in pyproject picks no other release. From PyPI on Linux x86-64 it is the
+# CUDA build (about 3 GB; it runs on CPUs too): for the CPU-only build, or your own CUDA
+# build, install torch into .venv before this (README, "Set up and run").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -121,13 +121,13 @@ async def test_submit_watch_to_succeeded_piped_and_on_a_terminal(
     progress = [line for line in lines if line.startswith("Running  step")]
     assert progress and "ETA" in progress[-1] and "samples/s" in progress[-1]
     assert progress[-1].startswith("Running  step 20/20 (100%)  loss "), out
-    assert lines[-1].startswith("Succeeded: all 1 ranks completed; step 20, loss "), out
+    assert lines[-1].startswith("Succeeded: 1 rank completed; step 20, loss "), out
     # On a terminal: one line redrawn in place, with a bar (profiles are cached by now).
     rc, out, err = await cephalo(emulator.kubeconfig, "submit",
                                  str(job_file(tmp_path, "tiny-tty")), "--watch", tty=True)
     assert rc == 0, out + err
     assert "\r\x1b[2K" in out and "█" * 24 + "]  step 20/20 (100%)" in out, out
-    assert "Succeeded: all 1 ranks completed" in out.splitlines()[-1]
+    assert "Succeeded: 1 rank completed" in out.splitlines()[-1]  # was "all 1 ranks"
     rc, out, _ = await cephalo(emulator.kubeconfig, "status")
     table = out.splitlines()
     assert rc == 0 and table[0].split()[:3] == ["NAME", "PHASE", "GPUS"], out

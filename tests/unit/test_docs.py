@@ -91,3 +91,20 @@ def test_sample_outputs_are_labelled_as_examples() -> None:
     assert len(starts) >= 2
     for start in starts:
         assert "Example output" in readme[max(0, start - 300):start], readme[start:start + 80]
+
+
+def test_the_cost_table_has_a_row_pair_per_case_the_bench_plans() -> None:
+    """The README walk: bench/cost_plans.py printed Cluster A's gpt-1.3b rows, which the
+    README's table (otherwise as printed) lacked."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cost_plans_bench",
+                                                  REPO / "bench" / "cost_plans.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    readme = (REPO / "README.md").read_text()
+    for cluster, _, model, batch in bench.CASES:
+        for objective in ("throughput", "cost (>= 50% of it)"):
+            row = f"| {cluster} | {model} | {batch} | {objective} |"
+            assert row in readme, f"README's cost table has no row {row}"

@@ -11,11 +11,11 @@ from cephalo.planner.report import format_plan, model_title
 
 
 def _plan(world: int = 2, used_bytes: int = 40 * 2**20, cap_bytes: int = 3 * 2**30,
-          **extra: object) -> Plan:
+          gpu: str = "cpu", **extra: object) -> Plan:
     return Plan.model_validate({
         "global_batch_size": 4 * world, "world_size": world, "predicted_step_seconds": 0.1,
         "predicted_samples_per_second": 40.0 * world,
-        "ranks": [{"rank": i, "gpu": "cpu", "batch_size": 4, "micro_batch_size": 4,
+        "ranks": [{"rank": i, "gpu": gpu, "batch_size": 4, "micro_batch_size": 4,
                    "num_micro_batches": 1, "shard_ratio": 1 / world,
                    "predicted_memory_bytes": used_bytes, "memory_capacity_bytes": cap_bytes}
                   for i in range(world)], **extra})
@@ -29,10 +29,13 @@ def test_memory_shows_each_figure_in_a_unit_that_shows_it() -> None:
     assert "5.0 GiB /  24.0 GiB" in big, big
 
 
-@pytest.mark.parametrize(("world", "words"), [(1, "on 1 GPU ("), (2, "on 2 GPUs (")])
-def test_plural_words(world: int, words: str) -> None:
-    """Issue 26 item 13: 'on 1 GPUs'."""
-    assert words in format_plan(_plan(world), "gpt-tiny").splitlines()[0]
+@pytest.mark.parametrize(("world", "gpu", "words"), [
+    (1, "L4", "on 1 GPU ("), (2, "L4", "on 2 GPUs ("),
+    (1, "cpu", "on 1 CPU rank ("), (3, "cpu", "on 3 CPU ranks ("),  # was 'on 3 GPUs'
+    (2, "RTX-A6000", "on 2 GPUs (")])  # emulated GPUs are named by the GPU they stand for
+def test_plural_words(world: int, gpu: str, words: str) -> None:
+    """Issue 26 item 13: 'on 1 GPUs'; the README walk: 'on 3 GPUs' for CPU ranks."""
+    assert words in format_plan(_plan(world, gpu=gpu), "gpt-tiny").splitlines()[0]
 
 
 @pytest.mark.parametrize(("model", "title"), [

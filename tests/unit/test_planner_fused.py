@@ -78,8 +78,12 @@ def test_solve_runs_every_block_per_microbatch_where_keeping_everything_does_not
     layers = problem.model.num_layers
     assert plan.recompute is None
     assert [r.kept_blocks for r in plan.ranks] == [layers] * 2
-    assert "every block (2) runs per microbatch with the head on every rank" in format_plan(
-        plan, "gpt-tiny")
+    (line,) = [t for t in format_plan(plan, "gpt-tiny").splitlines()
+               if t.startswith("activations:")]
+    # The README walk: 'recomputed in the backward; every block ... (no recompute, ...)'
+    assert line == ("activations: not recomputed; every block (2) runs per microbatch with the "
+                    "head on every rank that has samples (parameters gathered once: the fused "
+                    "tail)"), line
     with pytest.raises(Exception, match="iB"):
         solve(spec, ClusterSpec(groups=[GpuGroup(product="L4", count=2, memory_bytes=2 * MIB)]),
               profiles, choose_gpus=False)

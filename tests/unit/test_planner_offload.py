@@ -268,8 +268,8 @@ def test_a_cpu_rank_that_keeps_more_than_its_budget_says_so() -> None:
     assert boundary_activations_line(after) == "boundary activations: kept on the device " \
                                                "(ranks 0-1)"
     # A hand-written plan says nothing: the engine's default.
-    assert boundary_activations_line(plan) == "boundary activations: the engine's default, " \
-                                              "offloaded on CUDA (ranks 0-1)"
+    assert boundary_activations_line(plan) == "boundary activations: the engine's default: " \
+                                              "offloaded on a GPU, kept on a CPU (ranks 0-1)"
 
 
 def test_the_host_link_is_not_measured_off_cuda() -> None:

@@ -224,14 +224,30 @@ def check_plan(plan: Plan, devices: list[LocalDevice], source: str,
     """A given plan fits the job and the devices (checked before any rank starts)."""
     if spec is not None:
         check_plan_fits_job(plan, spec, source)
-    if plan.world_size != len(devices):
-        raise RunError(f"{source} is for {plan.world_size} ranks but {len(devices)} devices "
-                       f"were selected ({', '.join(d.label for d in devices)}); pass "
-                       f"--devices/--emulate with {plan.world_size} devices or re-plan")
-    for rank, device in zip(plan.ranks, devices, strict=True):
+    for rank, device in zip(plan.ranks, plan_rank_devices(plan, devices, source), strict=True):
         if rank.gpu not in ("cpu", device.product):
             raise RunError(f"{source}: rank {rank.rank} is planned for {rank.gpu} but runs on "
                            f"{device.label}; re-plan for these devices")
+
+
+def plan_rank_devices(plan: Plan, devices: list[LocalDevice],
+                      source: str) -> list[LocalDevice]:
+    """The device each rank of a given plan runs on: the devices in order, or, where the
+    plan left some of them idle (`idle_gpus`: fewer were faster), the one its `gpu_index`
+    names. A run's own plan.json is such a plan whenever the planner idled a device, and
+    `--plan` must take it back on the devices it was planned for."""
+    indices = [r.gpu_index for r in plan.ranks]
+    if plan.world_size == len(devices):
+        return devices
+    if plan.world_size < len(devices) and all(
+            i is not None and i < len(devices) for i in indices) and \
+            len(set(indices)) == len(indices):
+        return [devices[i] for i in indices if i is not None]
+    ranks = f"{plan.world_size} rank" + ("" if plan.world_size == 1 else "s")
+    selected = "1 device was" if len(devices) == 1 else f"{len(devices)} devices were"
+    raise RunError(f"{source} is for {ranks} but {selected} selected "
+                   f"({', '.join(d.label for d in devices)}); pass --devices/--emulate with "
+                   f"{plan.world_size} device{'' if plan.world_size == 1 else 's'} or re-plan")
 
 
 def check_plan_fits_job(plan: Plan, spec: CephaloJobSpec, source: str) -> None:

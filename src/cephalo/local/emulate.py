@@ -109,7 +109,8 @@ def _emulated_step(cpu_profile: GpuProfile, emulated: GpuProfile,
 
 
 def given_plan_emulation(plan: Plan, products: list[str], precision: str, source: str,
-                         memory_scale: float | None = None) -> Emulation:
+                         memory_scale: float | None = None,
+                         cluster_products: list[str] | None = None) -> Emulation:
     """The emulation a given plan (`cephalo run --plan`) runs under: the same time dilation
     as when it was planned (catalog peaks), and each emulated GPU's memory as the plan
     recorded it (`memory_capacity_bytes`, the capacity it was planned against), or catalog
@@ -119,7 +120,10 @@ def given_plan_emulation(plan: Plan, products: list[str], precision: str, source
 
     A plan timed from the catalog's estimates of the real GPUs (`cephalo plan` without
     profiles) is refused: its step times and memory are a real card's, which CPU ranks do not
-    emulate (its prediction would be off by orders of magnitude, its cap a real card's)."""
+    emulate (its prediction would be off by orders of magnitude, its cap a real card's).
+
+    `cluster_products`: every emulated device's GPU, idle ones included (default
+    `products`): the dilation is relative to the fastest of them, as when it was planned."""
     for r, product in zip(plan.ranks, products, strict=True):
         if r.estimated:
             raise ValueError(
@@ -139,6 +143,7 @@ def given_plan_emulation(plan: Plan, products: list[str], precision: str, source
             capacity[product] = min(capacity.get(product, r.memory_capacity_bytes),
                                     r.memory_capacity_bytes)
     first = products[0]
-    return Emulation(_dilation(products, precision), capacity,
+    dilation = _dilation(cluster_products or products, precision)
+    return Emulation({p: dilation[p] for p in set(products)}, capacity,
                      capacity[first] / lookup_gpu(first).memory_bytes)
 

@@ -96,10 +96,12 @@ def validation_points(records: Sequence[dict]) -> list[tuple[int, float]]:
 def format_summary(summary: Summary, plan: Plan, labels: list[str]) -> str:
     lines = ["", "Summary"]
     predicted = summary.predicted_samples_per_second
-    ratio = f" ({summary.measured_samples_per_second / predicted:.2f}x the prediction)" \
-        if predicted else ""
-    lines.append(f"  throughput  measured {summary.measured_samples_per_second:.2f} samples/s, "
-                 f"predicted {predicted or float('nan'):.2f}{ratio}")
+    measured = f"  throughput  measured {summary.measured_samples_per_second:.2f} samples/s"
+    if predicted:
+        lines.append(f"{measured}, predicted {predicted:.2f} "
+                     f"({summary.measured_samples_per_second / predicted:.2f}x the prediction)")
+    else:  # a plan written by hand predicts nothing (was 'predicted nan')
+        lines.append(f"{measured} (no prediction: the plan was given by hand)")
     span = (f"over {summary.steps} steps" if summary.first_step <= 1 else
             f"over steps {summary.first_step}-{summary.steps} (resumed after step "
             f"{summary.first_step - 1})")

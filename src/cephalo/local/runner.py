@@ -29,6 +29,7 @@ from cephalo.local.checks import (
     choose_run_dir,
     latest_complete_step,
     make_run_dir,
+    plan_rank_devices,
     remove_created,
 )
 from cephalo.local.devices import DeviceError, LocalDevice, select_devices
@@ -274,10 +275,12 @@ def run_job(options: RunOptions, out=print) -> int:
             raise RunError(str(err)) from None
         check_plan(given_plan, devices, options.plan_path, job.spec)
         if any(d.emulated for d in devices):
+            used = plan_rank_devices(given_plan, devices, options.plan_path)
             try:
-                emulation = given_plan_emulation(given_plan, [d.product for d in devices],
+                emulation = given_plan_emulation(given_plan, [d.product for d in used],
                                                  job.spec.precision, options.plan_path,
-                                                 options.memory_scale)
+                                                 options.memory_scale,
+                                                 [d.product for d in devices])
             except ValueError as err:
                 raise RunError(str(err)) from None
     run_dir = choose_run_dir(job, options)

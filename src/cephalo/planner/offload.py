@@ -262,5 +262,7 @@ def boundary_activations_line(plan: Plan) -> str:
             text += ", transfers hidden under compute"
         parts.append(text)
     if default:
-        parts.append(f"the engine's default, offloaded on CUDA ({_ranges(default)})")
+        # A hand-written plan's 'cpu' rank may run on any device: say what each kind does.
+        parts.append(f"the engine's default: offloaded on a GPU, kept on a CPU "
+                     f"({_ranges(default)})")
     return "boundary activations: " + "; ".join(parts)

@@ -17,19 +17,20 @@ def format_plan(plan: Plan, model_name: str) -> str:
     """The human-readable table: one row per rank, totals, baselines side by side."""
     fraction = plan.memory_fraction if plan.memory_fraction is not None else 0.8
     lines = [f"Plan for {model_name}: global batch {plan.global_batch_size} on "
-             f"{plural(plan.world_size, 'GPU')} (memory fraction {fraction:.0%})",
+             f"{plural(plan.world_size, device_noun(plan))} (memory fraction {fraction:.0%})",
              *assumptions_lines(plan), ""]
     header = f"{'rank':>4}  {'GPU':<10} {'batch':>5}  {'micro x n':>9}  {'shard':>6}  " \
              f"{'memory used / cap':>21}  {'step s':>8}"
     lines += [header, "-" * len(header)]
     for r in plan.ranks:
         est = "*" if r.estimated else " "
-        mem = (f"{memory_size(r.predicted_memory_bytes or 0, 5)} / "
-               f"{memory_size(r.memory_capacity_bytes or 0, 5)}")
+        # A plan written by hand has no predicted figures: '-', not a made-up 0.0 MiB / 0.000 s.
+        mem = f"{_figure_or_dash(r.predicted_memory_bytes)} / " \
+            f"{_figure_or_dash(r.memory_capacity_bytes)}"
         micro = f"{r.micro_batch_size}x{r.num_micro_batches}" if r.batch_size else "state"
-        seconds = r.predicted_step_seconds or 0.0
+        seconds = "-" if r.predicted_step_seconds is None else f"{r.predicted_step_seconds:.3f}"
         lines.append(f"{r.rank:>4}  {r.gpu:<10} {r.batch_size:>5}  {micro:>9}  "
-                     f"{r.shard_ratio:>6.1%}  {mem:>21}  {seconds:>8.3f}{est}")
+                     f"{r.shard_ratio:>6.1%}  {mem:>21}  {seconds:>8}{est}")
     lines.append("-" * len(header))
     if plan.predicted_step_seconds and plan.predicted_samples_per_second:
         lines.append(f"predicted step {plan.predicted_step_seconds:.3f} s, "
@@ -72,6 +73,17 @@ def assumptions_lines(plan: Plan) -> list[str]:
     if isinstance(state, int | float):
         parts.append(f"{state:g} bytes of training state per parameter")
     return ["assumes: " + ", ".join(parts)]
+
+
+def device_noun(plan: Plan) -> str:
+    """What the plan's ranks run on: 'CPU rank' when every rank is a plain CPU rank
+    (`cephalo run --devices cpu:N`, or a plan written for CPU ranks), else 'GPU' (emulated
+    GPUs included: they are named by the GPU they stand for)."""
+    return "CPU rank" if plan.ranks and all(r.gpu == "cpu" for r in plan.ranks) else "GPU"
+
+
+def _figure_or_dash(num_bytes: int | None) -> str:
+    return f"{'-':>9}" if num_bytes is None else memory_size(num_bytes, 5)
 
 
 def plural(count: int, noun: str) -> str:
@@ -138,6 +150,11 @@ def activations_line(plan: Plan) -> str:
         return f"activations: recomputed in the backward (set in the plan){kept}"
     if plan.predicted_step_seconds is None:
         return f"activations: recomputed in the backward (the engine's default){kept}"
+    layers = (plan.model or {}).get("num_layers")
+    if kept and plan_fused_tail_blocks(plan) == layers:  # nothing is recomputed: say so first
+        return (f"activations: not recomputed; every block ({layers}) runs per microbatch "
+                "with the head on every rank that has samples (parameters gathered once: the "
+                "fused tail)")
     if kept:
         return f"activations: recomputed in the backward{kept}"
     return "activations: recomputed in the backward (memory: keeping them does not fit " \
