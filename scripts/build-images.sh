@@ -15,7 +15,7 @@
 # Reproducible: SOURCE_DATE_EPOCH (default: the last commit's time) is every layer's file
 # and creation time (--timestamp) and makes pip's bytecode hash-checked; the dependency
 # layers are stamped DEPS_EPOCH instead, so they are the same whichever commit built them
-# first; versions are locked.
+# first, and the stand-ins STANDIN_EPOCH (scripts/standin-bases.sh); versions are locked.
 # Storage: overlay where the kernel mounts it for buildah (layers share files), else vfs
 # (every layer a full copy of the one below); CEPHALO_BUILDAH_DRIVER=overlay|vfs chooses.
 # Env: REVISION and SOURCE_DATE_EPOCH (rebuild an older commit's image), CEPHALO_PIP_CA (a CA
@@ -68,20 +68,21 @@ B=(buildah --storage-driver "$DRIVER" --root "$STORAGE/storage" --runroot "$STOR
 have_image() { "${B[@]}" inspect --type image "$1" >/dev/null 2>&1; }
 sha() { sha256sum | cut -c1-16; }
 
-# commit_rootfs DIR TAG: an image of a root filesystem, every file stamped SOURCE_DATE_EPOCH.
+# commit_rootfs DIR TAG: an image of a root filesystem, every file stamped STANDIN_EPOCH (the
+# stand-ins are keyed by their recipe, not by a commit: the same recipe, the same stamps).
 commit_rootfs() {
     local c
     c=$("${B[@]}" from scratch)
     "${B[@]}" add --quiet "$c" "$1.tar" /
     "${B[@]}" config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
         --env LANG=C.UTF-8 --cmd python3 "$c"
-    "${B[@]}" commit --quiet --timestamp "$SOURCE_DATE_EPOCH" "$c" "$2" >/dev/null
+    "${B[@]}" commit --quiet --timestamp "$STANDIN_EPOCH" "$c" "$2" >/dev/null
     "${B[@]}" rm "$c" >/dev/null
 }
 
 # tar_rootfs DIR: a tar with sorted names, fixed owners' names and mtimes (reproducible).
 tar_rootfs() {
-    tar --sort=name --mtime="@$SOURCE_DATE_EPOCH" --numeric-owner --xattrs -C "$1" -cf "$1.tar" .
+    tar --sort=name --mtime="@$STANDIN_EPOCH" --numeric-owner --xattrs -C "$1" -cf "$1.tar" .
 }
 
 standin_bases() {
@@ -102,6 +103,11 @@ standin_bases() {
             { echo "build-images: torch for the stand-in failed (PyPI out of reach?)" >&2; exit 3; }
         tar_rootfs "$tmp/python" && commit_rootfs "$tmp/python" "$PYTORCH_BASE"
         rm -rf "$tmp/python" "$tmp/python.tar"
+        # An older recipe's stand-ins go (the images built on them go with the older builds).
+        "${B[@]}" images --noheading --format '{{.Name}}:{{.Tag}}' |
+            { grep -E '^localhost/cephalo-standin-(python|pytorch):' || true; } |
+            { grep -v -E ":$key\$" || true; } |
+            while read -r ref; do "${B[@]}" rmi "$ref" >/dev/null 2>&1 || true; done
         echo "build-images: stand-in bases made in $((SECONDS - t0)) s"
     fi
 }

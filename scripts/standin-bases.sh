@@ -24,6 +24,7 @@
 # (their versions are listed in the stand-in's cache folder, dpkg.txt).
 
 STANDIN_SUITE=bookworm
+STANDIN_EPOCH=315532800  # every file's time and the image's (1980-01-01; not a commit's)
 STANDIN_MIRROR=${STANDIN_MIRROR:-http://deb.debian.org/debian}
 STANDIN_DEBS=python3,python3-venv,python3-pip,python-is-python3,ca-certificates
 STANDIN_TORCH=(torch==2.13.0 nvidia-cuda-runtime==13.0.96 nvidia-cuda-cupti==13.0.85
