@@ -30,7 +30,7 @@ from typing import Any
 import kopf
 
 from cephalo.api import API_GROUP, API_VERSION, PLURAL
-from cephalo.operator import metrics
+from cephalo.operator import disruptions, metrics
 from cephalo.operator.config import OperatorConfig
 from cephalo.operator.gpu_usage import CLAIMS, PODS, TERMINAL_POD_PHASES, pod_gpu_request
 from cephalo.operator.kube import AsyncKube, Kube, load_api_client
@@ -124,6 +124,7 @@ async def _sleep(wakeup: asyncio.Event, stopped: kopf.DaemonStopped, seconds: fl
 @kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
 async def pod_changed(type: str | None, meta: kopf.Meta, event: kopf.RawEvent,
                       memo: kopf.Memo, **_: Any) -> None:
+    disruptions.SEEN.note(dict(event["object"]))  # before the wake: the look may miss the pod
     _wake(meta.get("namespace"), (meta.get("labels") or {}).get(LABEL_JOB))
     if pod_frees_gpus(type, dict(event["object"]), _ended_pods):
         _schedule_freed_wake(memo.config.node_debounce_seconds)

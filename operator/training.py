@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from cephalo.api import Plan
 from cephalo.api.plan import RankPlan
-from cephalo.operator import gang_timeout, metrics, rescale
+from cephalo.operator import disruptions, gang_timeout, metrics, rescale
 from cephalo.operator.kube import core_path, not_owned, owned_by
 from cephalo.operator.progress import job_progress as _progress
 from cephalo.operator.render import (
@@ -151,11 +151,22 @@ async def _lost_a_rank(ctx: JobContext, plan: Plan, present: list[tuple[RankPlan
     # timeout release): its exit code (143 on SIGTERM) is not a failure of the rank.
     failed = [(r, s) for r, s in present if s.phase == PodPhase.FAILED
               and (launched or not s.deleting)]
+    missing = [r for r in plan.ranks if launched and pod_of[r.rank] not in names]
+    # Gone between two looks: the pod watch may have seen why (a preemption's condition).
+    seen = [(r, why) for r in missing
+            if (why := disruptions.SEEN.reason(ctx.namespace, pod_of[r.rank]))]
+    if seen:
+        rank, why = seen[0]
+        await _restart(ctx, plan, rank, PodState(
+            name=pod_of[rank.rank], phase="Failed", deleting=False, exit_code=None,
+            reason="PodDisappeared", message="the pod is gone, disrupted", pod_ip=None,
+            finished_at=None, disruption=why), disrupted=True)
+        return True
     vanished = [(r, PodState(name=pod_of[r.rank], phase="Failed", deleting=False,
                              exit_code=None, reason="PodDisappeared",
                              message="the pod is gone while its gang was running",
                              pod_ip=None, finished_at=None))
-                for r in plan.ranks if launched and pod_of[r.rank] not in names]
+                for r in missing]
     lost = deleted or ([blame(failed)] if failed else []) or vanished
     if not lost:
         return False

@@ -11,6 +11,7 @@ from cephalo.api import CephaloJob
 from cephalo.api.job import Phase
 from cephalo.operator import context
 from cephalo.operator.config import OperatorConfig
+from cephalo.operator.disruptions import DisruptionMemory
 from cephalo.operator.kube import ApiError, owned_by
 from cephalo.operator.status import JobPhase, PodPhase, disruption
 
@@ -125,3 +126,24 @@ def test_children_count_only_with_the_jobs_own_uid() -> None:
     assert not owned_by(child({"uid": "u0", "controller": True}), "u1")  # the old job's
     assert not owned_by(child({"uid": "u1"}), "u1")  # not its controller
     assert not owned_by({"metadata": {}}, "u1")  # orphaned
+
+
+def test_disruption_memory_forgets_on_a_new_pod_of_the_same_name_and_stays_bounded() -> None:
+    def pod(uid: str, name: str = "j-rank-1", disrupted: bool = True) -> dict:
+        conditions = [{"type": "DisruptionTarget", "status": "True",
+                       "reason": "PreemptionByScheduler"}] if disrupted else []
+        return {"metadata": {"namespace": "ns", "name": name, "uid": uid},
+                "status": {"phase": "Running", "conditions": conditions}}
+
+    seen = DisruptionMemory(limit=2)
+    seen.note(pod("a", disrupted=False))
+    assert seen.reason("ns", "j-rank-1") is None
+    seen.note(pod("a"))
+    assert seen.reason("ns", "j-rank-1") == "PreemptionByScheduler"
+    seen.note(pod("a", disrupted=False))  # the same pod's older event: still disrupted
+    assert seen.reason("ns", "j-rank-1") == "PreemptionByScheduler"
+    seen.note(pod("b", disrupted=False))  # the next attempt's pod of that name
+    assert seen.reason("ns", "j-rank-1") is None
+    for i in range(3):
+        seen.note(pod(f"u{i}", name=f"p{i}"))
+    assert seen.reason("ns", "p0") is None and seen.reason("ns", "p2") is not None
