@@ -136,8 +136,16 @@ def test_killed_rank_suspend_resume_node_loss_and_delete_while_running(
             cluster.heartbeat.register(well)
 
     # The follower went on into each next attempt's pods: the last one's rank 0 training.
-    wait_until("cephalo logs -f showing the last attempt's steps", lambda: "[rank 0] step " in
-               follow_log.read_text().rpartition("[rank 0] --- attempt ")[2], STEP_SECONDS)
+    # Waited on the kubelet's newest rank 0 container, not on the follower's last announced
+    # attempt: a fresh-clone CI run at load 8 read the previous attempt's steps there, deleted
+    # the job before the newest pod wrote a line, and found that pod's log missing.
+    def newest_step_followed() -> bool:
+        newest = cluster.kubelet.newest(ns, f"{name}-rank-0")
+        steps = [line for line in newest.text().splitlines() if line.startswith("step ")]
+        return bool(steps and newest.followers) and \
+            f"[rank 0] {steps[0]}" in follow_log.read_text()
+    wait_until("cephalo logs -f showing the newest rank 0 pod's steps", newest_step_followed,
+               STEP_SECONDS)
 
     # Delete while running: the job goes, and the garbage collector takes what it owned.
     owned = cluster.rest.must("GET", f"/api/v1/namespaces/{ns}/configmaps", params={
