@@ -136,7 +136,13 @@ async def _lost_a_rank(ctx: JobContext, plan: Plan, present: list[tuple[RankPlan
     pod of the attempt existed — was deleted or vanished."""
     names = {s.name for _, s in present}
     pod_of = rank_pod_names(ctx.job, plan)
-    disrupted = [(r, s) for r, s in present if s.disruption]
+    missing = [r for r in plan.ranks if launched and pod_of[r.rank] not in names]
+    # Gone between two looks: the pod watch may have seen why (a preemption's condition).
+    disrupted = [(r, s) for r, s in present if s.disruption] + [
+        (r, PodState(name=pod_of[r.rank], phase="Failed", deleting=False, exit_code=None,
+                     reason="PodDisappeared", message="the pod is gone, disrupted",
+                     pod_ip=None, finished_at=None, disruption=why))
+        for r in missing if (why := disruptions.SEEN.reason(ctx.namespace, pod_of[r.rank]))]
     if disrupted:
         await _restart(ctx, plan, *disrupted[0], disrupted=True)
         return True
@@ -151,17 +157,6 @@ async def _lost_a_rank(ctx: JobContext, plan: Plan, present: list[tuple[RankPlan
     # timeout release): its exit code (143 on SIGTERM) is not a failure of the rank.
     failed = [(r, s) for r, s in present if s.phase == PodPhase.FAILED
               and (launched or not s.deleting)]
-    missing = [r for r in plan.ranks if launched and pod_of[r.rank] not in names]
-    # Gone between two looks: the pod watch may have seen why (a preemption's condition).
-    seen = [(r, why) for r in missing
-            if (why := disruptions.SEEN.reason(ctx.namespace, pod_of[r.rank]))]
-    if seen:
-        rank, why = seen[0]
-        await _restart(ctx, plan, rank, PodState(
-            name=pod_of[rank.rank], phase="Failed", deleting=False, exit_code=None,
-            reason="PodDisappeared", message="the pod is gone, disrupted", pod_ip=None,
-            finished_at=None, disruption=why), disrupted=True)
-        return True
     vanished = [(r, PodState(name=pod_of[r.rank], phase="Failed", deleting=False,
                              exit_code=None, reason="PodDisappeared",
                              message="the pod is gone while its gang was running",

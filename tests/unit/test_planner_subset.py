@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cephalo.api import ClusterSpec, GpuGroup, parse_job
-from cephalo.local.runner import plan_devices
+from cephalo.local.checks import plan_rank_devices
 from cephalo.operator.render import render
 from cephalo.planner import InfeasibleError, solve
 from cephalo.planner.evaluate import score
@@ -130,9 +130,9 @@ def test_plan_with_idle_gpus_renders_and_launches_only_its_ranks() -> None:
         assert rank.pool in pod["spec"]["nodeSelector"].values()
     # `cephalo run`: rank r runs on the device at its gpu_index (the devices in order).
     devices = [f"device-{i}" for i in range(8)]
-    chosen = plan_devices(plan, devices)  # type: ignore[arg-type]
+    chosen = plan_rank_devices(plan, devices, "plan")  # type: ignore[arg-type]
     assert chosen == [f"device-{r.gpu_index}" for r in plan.ranks]
-    assert plan_devices(plan, chosen) == chosen  # a plan using every device: unchanged
+    assert plan_rank_devices(plan, chosen, "plan") == chosen  # type: ignore[arg-type]  # a plan using every device: unchanged
 
 
 def test_an_unusable_gpu_class_is_left_out_rather_than_failing() -> None:

@@ -21,6 +21,7 @@ from cephalo.api.plan import Plan
 from cephalo.corpus import check_remote_file, check_text
 from cephalo.errors import CephaloError
 from cephalo.local.devices import LocalDevice
+from cephalo.planner.report import plural
 from cephalo.tokenfile import sidecar_mismatch
 
 
@@ -220,22 +221,26 @@ def check_memory_scale(scale: float | None, devices: list[LocalDevice]) -> None:
 
 
 def check_plan(plan: Plan, devices: list[LocalDevice], source: str,
-               spec: CephaloJobSpec | None = None) -> None:
-    """A given plan fits the job and the devices (checked before any rank starts)."""
+               spec: CephaloJobSpec | None = None) -> list[LocalDevice]:
+    """A given plan fits the job and the devices (checked before any rank starts); the
+    device each of its ranks runs on."""
     if spec is not None:
         check_plan_fits_job(plan, spec, source)
-    for rank, device in zip(plan.ranks, plan_rank_devices(plan, devices, source), strict=True):
+    used = plan_rank_devices(plan, devices, source)
+    for rank, device in zip(plan.ranks, used, strict=True):
         if rank.gpu not in ("cpu", device.product):
             raise RunError(f"{source}: rank {rank.rank} is planned for {rank.gpu} but runs on "
                            f"{device.label}; re-plan for these devices")
+    return used
 
 
 def plan_rank_devices(plan: Plan, devices: list[LocalDevice],
                       source: str) -> list[LocalDevice]:
-    """The device each rank of a given plan runs on: the devices in order, or, where the
-    plan left some of them idle (`idle_gpus`: fewer were faster), the one its `gpu_index`
-    names. A run's own plan.json is such a plan whenever the planner idled a device, and
-    `--plan` must take it back on the devices it was planned for."""
+    """The device each rank of a plan runs on: the devices in order, or, where the plan left
+    some of them idle (`idle_gpus`: fewer were faster), the one its `gpu_index` names (the
+    position in `build_cluster`'s order, which is the device order). A run's own plan.json
+    is such a plan whenever the planner idled a device, and `--plan` must take it back on
+    the devices it was planned for."""
     indices = [r.gpu_index for r in plan.ranks]
     if plan.world_size == len(devices):
         return devices
@@ -243,11 +248,10 @@ def plan_rank_devices(plan: Plan, devices: list[LocalDevice],
             i is not None and i < len(devices) for i in indices) and \
             len(set(indices)) == len(indices):
         return [devices[i] for i in indices if i is not None]
-    ranks = f"{plan.world_size} rank" + ("" if plan.world_size == 1 else "s")
-    selected = "1 device was" if len(devices) == 1 else f"{len(devices)} devices were"
-    raise RunError(f"{source} is for {ranks} but {selected} selected "
+    selected = f"{plural(len(devices), 'device')} {'was' if len(devices) == 1 else 'were'}"
+    raise RunError(f"{source} is for {plural(plan.world_size, 'rank')} but {selected} selected "
                    f"({', '.join(d.label for d in devices)}); pass --devices/--emulate with "
-                   f"{plan.world_size} device{'' if plan.world_size == 1 else 's'} or re-plan")
+                   f"{plural(plan.world_size, 'device')} or re-plan")
 
 
 def check_plan_fits_job(plan: Plan, spec: CephaloJobSpec, source: str) -> None:

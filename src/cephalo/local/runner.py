@@ -183,17 +183,6 @@ def build_cluster(devices: list[LocalDevice], host_memory_bytes: int | None = No
                        if on_gpu else LOOPBACK_BANDWIDTH_BYTES_PER_SECOND)
 
 
-def plan_devices(plan: Plan, devices: list[LocalDevice]) -> list[LocalDevice]:
-    """The device of each rank: a plan may leave devices idle (fewer ranks were faster);
-    its ranks then name their device by `gpu_index`, the position in `build_cluster`'s
-    order, which is the device order."""
-    if plan.world_size == len(devices):
-        return devices
-    chosen = [devices[r.gpu_index] for r in plan.ranks if r.gpu_index is not None]
-    assert len(chosen) == plan.world_size, "a plan with idle devices names each rank's device"
-    return chosen
-
-
 def resume_command(options: RunOptions, run_dir: Path) -> str:
     """The command that continues this run: the same job, devices, plan and step override."""
     given = [("--devices", options.devices), ("--emulate", options.emulate),
@@ -273,9 +262,8 @@ def run_job(options: RunOptions, out=print) -> int:
             given_plan = load_plan(options.plan_path)
         except PlanError as err:
             raise RunError(str(err)) from None
-        check_plan(given_plan, devices, options.plan_path, job.spec)
+        used = check_plan(given_plan, devices, options.plan_path, job.spec)
         if any(d.emulated for d in devices):
-            used = plan_rank_devices(given_plan, devices, options.plan_path)
             try:
                 emulation = given_plan_emulation(given_plan, [d.product for d in used],
                                                  job.spec.precision, options.plan_path,
@@ -340,7 +328,7 @@ def _run_in(run_dir: Path, job: CephaloJob, options: RunOptions, devices: list[L
         title += " (EMULATED GPUs on this CPU)"
     out(format_plan(plan, title))
     out(f"\nRun directory: {run_dir}")
-    devices = plan_devices(plan, devices)
+    devices = plan_rank_devices(plan, devices, "the plan")
     cpu_ranks, cores = sum(d.kind == "cpu" for d in devices), os.cpu_count() or 1
     if cpu_ranks > cores:  # the profile measured one rank per core; the ranks will not get it
         out(f"note: {cpu_ranks} CPU ranks on {cores} cores: ranks share cores, and each "
