@@ -169,32 +169,6 @@ async def test_preemption_restarts_from_the_checkpoint_without_using_the_backoff
             ' 3.0') in text
 
 
-async def test_a_disruption_seen_only_in_the_deletion_event_is_still_a_preemption(
-        emulator: ApiEmulator, operator: OperatorProcess) -> None:
-    """A fresh-clone CI run at load 8 failed the preemption test above: the scheduler's
-    DisruptionTarget condition and the pod's removal both came between two looks of the
-    operator, which then saw a rank pod gone without a word (PodDisappeared) and, with
-    backoffLimit 0, failed the job. The watch's DELETED event carries the pod's last state,
-    condition included: here it is the only place the disruption is seen (condition and
-    removal in one step, no look in between can happen)."""
-    await start_job(emulator, "race", backoffLimit=0)
-    await wait_phase(emulator, "race", "Running")
-    key = ("", "pods", NS, "race-rank-1")
-    pod = emulator.list_objects("pods", NS)
-    (pod,) = [p for p in pod if p["metadata"]["name"] == "race-rank-1"]
-    pod["status"]["conditions"] = [*(pod["status"].get("conditions") or []), {
-        "type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler",
-        "message": "default-scheduler: preempting to accommodate a higher priority pod"}]
-    emulator._store[key] = pod  # no event: nobody saw the condition before the pod went
-    emulator._remove(key)  # the DELETED event, with the condition
-    second = await run_ranks(emulator, "race")
-    assert {p["metadata"]["labels"]["cephalo.dev/attempt"] for p in second} == {"1"}
-    status = await wait_phase(emulator, "race", "Running")
-    assert status["preemptions"] == 1 and not status.get("restarts")
-    preempted = reasons(emulator, "race", "Preempted")
-    assert len(preempted) == 1 and "PreemptionByScheduler" in preempted[0]
-
-
 async def test_active_deadline_fails_the_job_and_stops_its_ranks(
         emulator: ApiEmulator, operator: OperatorProcess) -> None:
     await start_job(emulator, "dl", activeDeadlineSeconds=3)
