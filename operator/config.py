@@ -32,6 +32,10 @@ class OperatorConfig:
     node_debounce_seconds: float = 1.0
     # CEPHALO_NODE_RESYNC_SECONDS: the node view (kept by the watch) is re-listed this often.
     node_resync_seconds: float = 300.0
+    # CEPHALO_POD_GONE_GRACE_SECONDS: a running rank pod that a look finds gone is judged
+    # (disrupted, or vanished: a failure) by its deletion event from the pod watch, which
+    # can come after the look; it is awaited this long at most (0: judge at once).
+    pod_gone_grace_seconds: float = 30.0
     # CEPHALO_PLANNING_TIMEOUT_SECONDS: a job whose planning takes longer fails
     # (PlanningFailed); the planner runs in a child process that is then killed.
     planning_timeout_seconds: float = 300.0
@@ -117,6 +121,7 @@ BOUNDS: dict[str, tuple[float, bool, float | None]] = {
     "node_debounce_seconds": (0, True, None),
     "node_resync_seconds": (0, False, None),
     "planning_timeout_seconds": (0, False, None),
+    "pod_gone_grace_seconds": (0, True, None),
     "planning_memory_bytes": (1024**2, True, None),  # the chart asks 64 MiB or more
 }
 

@@ -124,7 +124,7 @@ async def _sleep(wakeup: asyncio.Event, stopped: kopf.DaemonStopped, seconds: fl
 @kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
 async def pod_changed(type: str | None, meta: kopf.Meta, event: kopf.RawEvent,
                       memo: kopf.Memo, **_: Any) -> None:
-    disruptions.SEEN.note(dict(event["object"]))  # before the wake: the look may miss the pod
+    disruptions.SEEN.note(type, dict(event["object"]))  # before the wake: the look may miss it
     _wake(meta.get("namespace"), (meta.get("labels") or {}).get(LABEL_JOB))
     if pod_frees_gpus(type, dict(event["object"]), _ended_pods):
         _schedule_freed_wake(memo.config.node_debounce_seconds)

@@ -19,6 +19,7 @@ need no Kubernetes credentials for this (their service-account token is not even
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from cephalo.api import Plan
@@ -53,6 +54,8 @@ from cephalo.rootcause import RankFailure, root_cause
 
 if TYPE_CHECKING:
     from cephalo.operator.context import JobContext
+
+log = logging.getLogger("cephalo.operator")
 
 
 def attempt_of(status: dict[str, Any]) -> int:
@@ -101,7 +104,7 @@ async def train(ctx: JobContext, plan: Plan) -> None:
     pod_of = rank_pod_names(job, plan)  # a pod of several ranks stands for each of them
     present = [(r, pod_state(by_name[n])) for r in plan.ranks
                if (n := pod_of[r.rank]) in by_name]
-    if await _lost_a_rank(ctx, plan, present, launched):
+    if await _lost_a_rank(ctx, plan, present, launched, (ctx.uid, str(attempt), digest)):
         return
     if not launched and any(s.deleting for _, s in present):
         # Not every rank ever ran together (a suspend just stopped them, or a pod was
@@ -131,18 +134,22 @@ async def train(ctx: JobContext, plan: Plan) -> None:
 
 
 async def _lost_a_rank(ctx: JobContext, plan: Plan, present: list[tuple[RankPlan, PodState]],
-                       launched: bool) -> bool:
+                       launched: bool, launch: disruptions.Launch) -> bool:
     """Restart (or fail) the gang when a rank was disrupted or failed, or — once every rank
-    pod of the attempt existed — was deleted or vanished."""
+    pod of the attempt existed — was deleted or vanished. True also while a missing pod's
+    deletion event is awaited (nothing else is decided meanwhile)."""
     names = {s.name for _, s in present}
     pod_of = rank_pod_names(ctx.job, plan)
-    missing = [r for r in plan.ranks if launched and pod_of[r.rank] not in names]
-    # Gone between two looks: the pod watch may have seen why (a preemption's condition).
+    # Gone between two looks: the pod watch says why, once it delivered the deletion.
+    verdicts = {r.rank: disruptions.SEEN.missing(
+        ctx.namespace, pod_of[r.rank], launch, ctx.now, ctx.config.pod_gone_grace_seconds)
+        for r in plan.ranks if launched and pod_of[r.rank] not in names}
+    missing = [r for r in plan.ranks if r.rank in verdicts]
     disrupted = [(r, s) for r, s in present if s.disruption] + [
         (r, PodState(name=pod_of[r.rank], phase="Failed", deleting=False, exit_code=None,
                      reason="PodDisappeared", message="the pod is gone, disrupted",
                      pod_ip=None, finished_at=None, disruption=why))
-        for r in missing if (why := disruptions.SEEN.reason(ctx.namespace, pod_of[r.rank]))]
+        for r in missing if (why := verdicts[r.rank].disruption)]
     if disrupted:
         await _restart(ctx, plan, *disrupted[0], disrupted=True)
         return True
@@ -162,6 +169,12 @@ async def _lost_a_rank(ctx: JobContext, plan: Plan, present: list[tuple[RankPlan
                              message="the pod is gone while its gang was running",
                              pod_ip=None, finished_at=None))
                 for r in missing]
+    unseen = [pod_of[r.rank] for r in missing if verdicts[r.rank].waiting]
+    if unseen:  # a failed peer may be its echo: decide nothing before the watch says why
+        log.info("%s/%s: rank pod(s) %s gone; waiting for the deletion event that says why",
+                 ctx.namespace, ctx.name, ", ".join(unseen))
+        ctx.wake_in(min(ctx.config.recheck_seconds, ctx.config.pod_gone_grace_seconds))
+        return True
     lost = deleted or ([blame(failed)] if failed else []) or vanished
     if not lost:
         return False

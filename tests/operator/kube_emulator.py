@@ -262,9 +262,13 @@ class ApiEmulator(FaultVerbs, WriteVerbs, LogVerbs, kmock.KubernetesEmulator):
         entry = (int(obj["metadata"]["resourceVersion"]), key[0], key[1], kind, copy.deepcopy(obj))
         self._log.append(entry)
         del self._log[:-_LOG_RETENTION]
+        delay_seconds = self.faults.watch_delay_seconds.get(key[1], 0.0)
         for group, plural, queue in self._watchers:
             if (group, plural) == key[:2]:
-                queue.put_nowait(entry)
+                if delay_seconds > 0:  # in order: every event of the resource waits as long
+                    asyncio.get_running_loop().call_later(delay_seconds, queue.put_nowait, entry)
+                else:
+                    queue.put_nowait(entry)
         for callback in self.on_change:
             callback(key, kind, obj)
 

@@ -9,6 +9,9 @@ A mixin of `kube_emulator.ApiEmulator` (split out to keep modules small):
 * **expired resourceVersions** (`Faults.expire_watches`): a resumed watch gets 410 Gone;
 * **watch drops** (`Faults.watch_drop_seconds`): every watch stream ends after that long, as
   apiservers and load balancers do; clients must resume from their last resourceVersion;
+* **lagging watches** (`Faults.watch_delay_seconds`, per resource): events reach watchers
+  that long after the write, while lists and gets already show it (the watch follows the
+  store: a busy apiserver's watch cache, a slow client's queue);
 * **delayed garbage collection** (`Faults.gc_delay_seconds`): dependents of a deleted owner go
   a while after it (the real GC is a separate controller working from its own informers),
   and one created after all its owners went is collected too (the GC finds dangling owners);
@@ -58,6 +61,7 @@ class Faults:
     # resource version"), as after etcd compaction: the client must list again.
     expire_watches: int = 0
     gc_delay_seconds: float = 0.0
+    watch_delay_seconds: dict[str, float] = field(default_factory=dict)  # plural -> seconds
     user_agent_prefix: str = OPERATOR_USER_AGENT
     injected: list[tuple[str, str, str]] = field(default_factory=list)  # (method, path, kind)
     # Targeted faults: "METHOD path-suffix" → [kind, times left]; for POST the suffix is

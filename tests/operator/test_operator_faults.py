@@ -169,6 +169,36 @@ async def test_preemption_restarts_from_the_checkpoint_without_using_the_backoff
             ' 3.0') in text
 
 
+async def test_a_pod_gone_before_its_watch_events_came_is_judged_by_its_deletion_event(
+        emulator: ApiEmulator, operator: OperatorProcess) -> None:
+    """A fresh-clone CI run at load 8 failed the preemption test above: the scheduler's
+    DisruptionTarget condition and the pod's removal both came before the operator's pod
+    watch delivered them, so its next look saw a rank pod gone without a word
+    (PodDisappeared) and, with backoffLimit 0, failed the job. Here the pod watch lags 3 s
+    behind the store (the operator looks every 0.5 s) and the condition and removal come in
+    one step: the operator must wait for the DELETED event, whose last state says
+    preempted, and restart without counting a failure."""
+    await start_job(emulator, "race", backoffLimit=0)
+    await wait_phase(emulator, "race", "Running")
+    key = ("", "pods", NS, "race-rank-1")
+    (pod,) = [p for p in emulator.list_objects("pods", NS)
+              if p["metadata"]["name"] == "race-rank-1"]
+    pod["status"]["conditions"] = [*(pod["status"].get("conditions") or []), {
+        "type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler",
+        "message": "default-scheduler: preempting to accommodate a higher priority pod"}]
+    emulator.faults.watch_delay_seconds["pods"] = 3.0
+    emulator._store[key] = pod  # no event: nobody saw the condition before the pod went
+    emulator._remove(key)  # the DELETED event, with the condition, 3 s late
+    second = await run_ranks(emulator, "race")
+    assert {p["metadata"]["labels"]["cephalo.dev/attempt"] for p in second} == {"1"}
+    emulator.faults.watch_delay_seconds.clear()
+    status = await wait_phase(emulator, "race", "Running")
+    assert status["preemptions"] == 1 and not status.get("restarts"), status
+    preempted = reasons(emulator, "race", "Preempted")
+    assert len(preempted) == 1 and "PreemptionByScheduler" in preempted[0]
+    assert "waiting for the deletion event" in operator.log()
+
+
 async def test_active_deadline_fails_the_job_and_stops_its_ranks(
         emulator: ApiEmulator, operator: OperatorProcess) -> None:
     await start_job(emulator, "dl", activeDeadlineSeconds=3)

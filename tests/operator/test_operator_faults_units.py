@@ -11,7 +11,7 @@ from cephalo.api import CephaloJob
 from cephalo.api.job import Phase
 from cephalo.operator import context
 from cephalo.operator.config import OperatorConfig
-from cephalo.operator.disruptions import DisruptionMemory
+from cephalo.operator.disruptions import PodFates, Verdict
 from cephalo.operator.kube import ApiError, owned_by
 from cephalo.operator.status import JobPhase, PodPhase, disruption
 
@@ -128,22 +128,64 @@ def test_children_count_only_with_the_jobs_own_uid() -> None:
     assert not owned_by({"metadata": {}}, "u1")  # orphaned
 
 
-def test_disruption_memory_forgets_on_a_new_pod_of_the_same_name_and_stays_bounded() -> None:
-    def pod(uid: str, name: str = "j-rank-1", disrupted: bool = True) -> dict:
-        conditions = [{"type": "DisruptionTarget", "status": "True",
-                       "reason": "PreemptionByScheduler"}] if disrupted else []
-        return {"metadata": {"namespace": "ns", "name": name, "uid": uid},
-                "status": {"phase": "Running", "conditions": conditions}}
+def _rank_pod(uid: str, name: str = "j-rank-1", disrupted: bool = False,
+              attempt: str = "0") -> dict:
+    conditions = [{"type": "DisruptionTarget", "status": "True",
+                   "reason": "PreemptionByScheduler"}] if disrupted else []
+    return {"metadata": {"namespace": "ns", "name": name, "uid": uid,
+                         "ownerReferences": [{"uid": "job", "controller": True}],
+                         "labels": {"cephalo.dev/attempt": attempt},
+                         "annotations": {"cephalo.dev/config-hash": "h"}},
+            "status": {"phase": "Running", "conditions": conditions}}
 
-    seen = DisruptionMemory(limit=2)
-    seen.note(pod("a", disrupted=False))
-    assert seen.reason("ns", "j-rank-1") is None
-    seen.note(pod("a"))
-    assert seen.reason("ns", "j-rank-1") == "PreemptionByScheduler"
-    seen.note(pod("a", disrupted=False))  # the same pod's older event: still disrupted
-    assert seen.reason("ns", "j-rank-1") == "PreemptionByScheduler"
-    seen.note(pod("b", disrupted=False))  # the next attempt's pod of that name
-    assert seen.reason("ns", "j-rank-1") is None
+
+LAUNCH0, LAUNCH1 = ("job", "0", "h"), ("job", "1", "h")
+
+
+def test_a_missing_pod_is_judged_by_its_deletion_event_once_the_watch_delivers_it() -> None:
+    fates = PodFates()
+    fates.note("ADDED", _rank_pod("a"))
+    # The look missed the pod before its DELETED event came: wait (no verdict yet) ...
+    assert fates.missing("ns", "j-rank-1", LAUNCH0, 100.0, 30.0) == Verdict(True, None)
+    assert fates.missing("ns", "j-rank-1", LAUNCH0, 129.0, 30.0) == Verdict(True, None)
+    # ... until the event says why: its last state carries the preemption.
+    fates.note("DELETED", _rank_pod("a", disrupted=True))
+    assert fates.missing("ns", "j-rank-1", LAUNCH0, 129.5, 30.0) == Verdict(
+        False, "PreemptionByScheduler")
+    # A deletion with nothing that says disrupted: vanished, judged at once.
+    fates.note("DELETED", _rank_pod("b", name="j-rank-2"))
+    assert fates.missing("ns", "j-rank-2", LAUNCH0, 130.0, 30.0) == Verdict(False, None)
+
+
+def test_a_deletion_event_that_never_comes_is_waited_for_the_grace_only() -> None:
+    fates = PodFates()
+    assert fates.missing("ns", "j-rank-0", LAUNCH0, 10.0, 30.0).waiting  # first missed
+    assert fates.missing("ns", "j-rank-0", LAUNCH0, 39.9, 30.0).waiting
+    assert fates.missing("ns", "j-rank-0", LAUNCH0, 40.0, 30.0) == Verdict(False, None)
+    assert fates.missing("ns", "j-rank-0", LAUNCH0, 40.1, 30.0) == Verdict(False, None)
+    assert fates.missing("ns", "j-rank-0", LAUNCH1, 41.0, 0.0) == Verdict(False, None)
+
+
+def test_pod_fates_never_take_an_earlier_attempts_pod_for_the_missing_one() -> None:
+    fates = PodFates()
+    fates.note("MODIFIED", _rank_pod("a", disrupted=True))
+    fates.note("MODIFIED", _rank_pod("a"))  # the same pod's later event: still disrupted
+    fates.note("DELETED", _rank_pod("a"))
+    assert fates.missing("ns", "j-rank-1", LAUNCH0, 1.0, 30.0).disruption == \
+        "PreemptionByScheduler"
+    # The next attempt's pod of that name, gone before its own deletion event came: the
+    # earlier pod's deletion and disruption are not its.
+    fates.note("ADDED", _rank_pod("b", attempt="1"))
+    assert fates.missing("ns", "j-rank-1", LAUNCH1, 2.0, 30.0) == Verdict(True, None)
+    fates.note("DELETED", _rank_pod("b", attempt="1"))
+    assert fates.missing("ns", "j-rank-1", LAUNCH1, 3.0, 30.0) == Verdict(False, None)
+
+
+def test_pod_fates_stay_bounded() -> None:
+    fates = PodFates(limit=2)
     for i in range(3):
-        seen.note(pod(f"u{i}", name=f"p{i}"))
-    assert seen.reason("ns", "p0") is None and seen.reason("ns", "p2") is not None
+        fates.note("DELETED", _rank_pod(f"u{i}", name=f"p{i}", disrupted=True))
+        fates.missing("ns", f"q{i}", LAUNCH0, 0.0, 30.0)
+    assert fates.missing("ns", "p0", LAUNCH0, 1.0, 30.0).waiting  # forgotten: not seen
+    assert fates.missing("ns", "p2", LAUNCH0, 1.0, 30.0).disruption == "PreemptionByScheduler"
+    assert len(fates._seen) <= 2 and len(fates._missed) <= 2
