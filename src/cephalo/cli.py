@@ -86,8 +86,11 @@ def main(argv: list[str] | None = None, prog: str = "cephalo") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse(argv, prog)
     module = importlib.import_module(COMMANDS[args.command][0])
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminate)
+    # SIGTERM ends the command like Ctrl-C (its cleanup runs, exit 143); the caller's own
+    # handler is back afterwards: main() called in-process (tests, a notebook) left its
+    # handler behind, and a pytest told to stop with SIGTERM went on running.
+    previous = signal.signal(signal.SIGTERM, _terminate) \
+        if threading.current_thread() is threading.main_thread() else None
     try:
         return int(module.run(args) or 0)
     except CephaloError as err:  # the user's mistake: one line, no traceback
@@ -102,6 +105,9 @@ def main(argv: list[str] | None = None, prog: str = "cephalo") -> int:
     except BrokenPipeError:  # `cephalo status | head`: the reader left, nothing to report
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (Python flushes stdout at exit)
         return 141
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def kubectl_main() -> int:

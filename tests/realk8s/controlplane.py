@@ -73,6 +73,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def dies_with_its_starter(argv: list[str]) -> list[str]:
+    """`argv` run so that the kernel kills it (SIGKILL) when the thread that started it
+    ends: a test run killed before its teardown (SIGTERM, a CI timeout) leaves no etcd,
+    API server, operator or trainer behind. The starting thread must outlive the process
+    (the session's main thread; the kubelet's thread that waits for its container)."""
+    setpriv = shutil.which("setpriv")  # util-linux; without it, teardown alone stops them
+    return [setpriv, "--pdeathsig", "KILL", "--", *argv] if setpriv else argv
+
+
 @dataclass
 class Process:
     name: str
@@ -82,8 +91,9 @@ class Process:
 
     def start(self, env: dict[str, str] | None = None) -> Process:
         log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(dies_with_its_starter(self.argv), stdout=log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env, start_new_session=True)
         log.close()
         return self
 

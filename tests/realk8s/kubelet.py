@@ -43,6 +43,7 @@ from typing import Any
 
 import urllib3
 
+from .controlplane import dies_with_its_starter
 from .kubelet_logs import ContainerLog, LogServer
 from .pki import Pki
 from .pod_setup import POD_IP, Container, PodSetup
@@ -147,7 +148,7 @@ class ProcessKubelet:
             if c.deleting:
                 return
             c.started_at = _now()
-            c.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+            c.proc = subprocess.Popen(dies_with_its_starter(argv), env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                       cwd=c.folder, start_new_session=True)
             c.log = ContainerLog(c.folder / "container.log")

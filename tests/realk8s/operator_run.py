@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .cluster import Cluster
-from .controlplane import free_port
+from .controlplane import dies_with_its_starter, free_port
 from .rest import wait_until
 
 JOBS = "/apis/cephalo.dev/v1alpha1/namespaces/{ns}/cephalojobs"
@@ -32,9 +32,9 @@ class Operator:
                "CEPHALO_RECHECK_SECONDS": "1", "CEPHALO_PROGRESS_INTERVAL_SECONDS": "1",
                "CEPHALO_WATCH_TIMEOUT_SECONDS": "60", "CEPHALO_NODE_DEBOUNCE_SECONDS": "0.2"}
         with log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
+            self.proc = subprocess.Popen(dies_with_its_starter(
                 [sys.executable, "-m", "kopf", "run", "-m", "cephalo.operator", "-A",
-                 "--standalone", "--liveness", f"http://127.0.0.1:{free_port()}/healthz"],
+                 "--standalone", "--liveness", f"http://127.0.0.1:{free_port()}/healthz"]),
                 env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
 
     def stop(self) -> None:

@@ -15,7 +15,7 @@ pod uid each page names).
 Both "GPUs" are this machine's CPU cores, so their profiles differ by the load each was
 measured under and nothing else: a CI run at load 8 measured the A6000 so much slower than
 the P40 that the two-rank plan was predicted 40 % slower than the P40 alone, and the job
-rightly did not grow. So the second product is given the profile the first one measured
+rightly did not grow. So the second product is given the first one's profile
 (`_share_profile`: what the same cores measure without load's noise), and the two-rank plan
 is predicted faster for the planner's own reason, half the batch on each rank."""
 
@@ -24,8 +24,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from cephalo.api import parse_job
 from cephalo.api.profile import GpuProfile
-from cephalo.operator.render import LABEL_PROFILE, PROFILE_KEY
+from cephalo.operator.config import OperatorConfig
+from cephalo.operator.render import PROFILE_KEY, profile_config_map_name
 from cephalo.planner.catalog import lookup_gpu
 
 from .cluster import NODES, Cluster
@@ -87,29 +89,25 @@ def _exits(cluster: Cluster, ns: str, pod: str) -> list[int | None]:
             if c.key == f"{ns}/{pod}" and c.proc is not None]
 
 
-def _entry(product: str) -> str:
-    """A profile cache entry's name up to its hash (cephalo.api.profile.profile_cache_key)."""
-    return "cephalo-profile-" + re.sub(r"[^a-z0-9-]+", "-", product.lower()).strip("-")[:40]
-
-
-def _share_profile(cluster: Cluster, ns: str) -> None:
-    """The one profile measured in `ns` (hold's product) copied into the other product's
-    cache entry, as if measured there: grow then plans with no profiler run and both
-    products alike. The entry's name is the product's, then the model/runtime hash."""
+def _share_profile(cluster: Cluster, ns: str, held: dict[str, Any]) -> None:
+    """The profile of the product `hold` runs on, put in the other product's cache entry
+    (replacing one an earlier test measured: the namespace's cache is shared), as if measured
+    there: grow then plans with no profiler run and with both products alike."""
+    job = parse_job(_job("grow", ns))
+    config = OperatorConfig.from_env()  # the operator's own: it runs with this environment
+    product = {n.name: lookup_gpu(n.product).name for n in NODES}
+    mine = product[held["spec"]["nodeName"]]
+    (other,) = set(product.values()) - {mine}
     path = f"/api/v1/namespaces/{ns}/configmaps"
-    (measured,) = cluster.rest.must("GET", path, params={
-        "labelSelector": f"{LABEL_PROFILE}=true"})["items"]
-    product = measured["data"]["product"]
-    (other,) = {lookup_gpu(n.product).name for n in NODES} - {product}
+    measured = cluster.rest.must("GET", f"{path}/{profile_config_map_name(mine, job, config)}")
     profile = GpuProfile.model_validate_json(measured["data"][PROFILE_KEY])
-    name = measured["metadata"]["name"]
-    assert name.startswith(_entry(product) + "-"), (name, product)
-    copy = {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"name": _entry(other) + name[len(_entry(product)):],
-                         "namespace": ns, "labels": measured["metadata"]["labels"]},
-            "data": {**measured["data"], "product": other, PROFILE_KEY: profile.model_copy(
-                update={"product": other}).to_compact_json()}}
-    cluster.rest.create(path, copy, fieldValidation="Strict")
+    name = profile_config_map_name(other, job, config)
+    cluster.rest.request("DELETE", f"{path}/{name}")  # 404: none yet
+    cluster.rest.create(path, {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": ns, "labels": measured["metadata"]["labels"]},
+        "data": {**measured["data"], "product": other, PROFILE_KEY: profile.model_copy(
+            update={"product": other}).to_compact_json()}}, fieldValidation="Strict")
 
 
 def test_elastic_job_grows_onto_the_gpu_a_deleted_job_let_go(
@@ -128,7 +126,7 @@ def _grow(cluster: Cluster, ns: str) -> None:
     wait_until("hold Running on one GPU", lambda: _running(cluster, ns, "hold", 1),
                STEP_SECONDS * 2, interval_seconds=0.2)
     (held,) = _ranks(cluster, ns, "hold")
-    _share_profile(cluster, ns)
+    _share_profile(cluster, ns, held)
     # No assumed restart cost and no minimum gain: what is tested is the rescale through a
     # real API server and scheduler, not the decision's arithmetic (unit-tested).
     cluster.rest.create(JOBS.format(ns=ns), _job("grow", ns, elastic={

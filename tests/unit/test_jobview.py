@@ -36,8 +36,12 @@ def test_progress_line_eta_from_measured_samples_per_second() -> None:
 def test_a_job_without_progress_or_status_reads_as_pending_with_dashes() -> None:
     job = job_from(_job())
     assert job.phase == "Pending" and eta_seconds(job) is None
-    assert progress_text(job, bar=False) == \
-        "Pending  loss -  samples/s - (predicted -)  ETA -"
+    assert progress_text(job, bar=False) == "Pending  no step yet"
+    planned = job_from(_job(phase="Running", plan={
+        "worldSize": 1, "predictedSamplesPerSecond": 8352.3, "pools": {"NVIDIA-L4": 1}}))
+    # The README walk's first `cephalo watch` line read "loss -  samples/s -  ETA -".
+    assert progress_text(planned, bar=True) == \
+        "Running  no step yet  (predicted 8352.3 samples/s)"
     assert jobs_table([job], NOW, namespaces=True).splitlines()[1].split() == [
         "team-a", "gpt", "Pending", "-", "-/1000", "-", "-/-", "0/0", "12m"]
 

@@ -13,6 +13,7 @@ from cephalo.operator.render import render
 from cephalo.planner import InfeasibleError, solve
 from cephalo.planner.evaluate import score
 from cephalo.planner.problem import build_problem, without_recompute
+from cephalo.planner.report import format_plan
 from cephalo.planner.solver import solve_fixed
 
 from .planner_instances import job_spec, random_instance, with_min_gain
@@ -133,6 +134,19 @@ def test_plan_with_idle_gpus_renders_and_launches_only_its_ranks() -> None:
     chosen = plan_rank_devices(plan, devices, "plan")  # type: ignore[arg-type]
     assert chosen == [f"device-{r.gpu_index}" for r in plan.ranks]
     assert plan_rank_devices(plan, chosen, "plan") == chosen  # type: ignore[arg-type]  # a plan using every device: unchanged
+
+
+def test_idle_pools_with_one_reason_are_one_line_of_the_report() -> None:
+    """`cephalo plan --cluster` printed the same reason once per idle pool."""
+    job = _latency_job(64)
+    cluster = ClusterSpec(groups=[GpuGroup(product="L4", count=40, pool="NVIDIA-L4"),
+                                  GpuGroup(product="T4", count=24, pool="Tesla-T4")])
+    plan = solve(job.spec, cluster, choose_gpus=True)
+    pools = {idle.pool for idle in plan.idle_gpus}
+    assert pools == {"NVIDIA-L4", "Tesla-T4"}, plan.idle_gpus  # both pools lend idle GPUs
+    lines = [line for line in format_plan(plan, "gpt").splitlines() if line.startswith("idle")]
+    assert len(lines) == 1 and lines[0].count("fewer GPUs are faster") == 1, lines
+    assert all(f"{i.count} x {i.gpu} (pool {i.pool})" in lines[0] for i in plan.idle_gpus)
 
 
 def test_an_unusable_gpu_class_is_left_out_rather_than_failing() -> None:

@@ -163,14 +163,19 @@ def progress_text(job: Job, bar: bool) -> str:
     step = progress.step if progress else None
     total = job.total_steps
     parts = [job.phase]
-    if total and step is not None:
+    predicted = job.status.plan.predicted_samples_per_second if job.status.plan else None
+    if step is None:  # nothing measured yet: no row of dashes ("loss - samples/s -")
+        parts.append("no step yet")
+        if predicted is not None:
+            parts.append(f"(predicted {predicted:.1f} samples/s)")
+        return "  ".join(parts)
+    if total:
         fraction = min(1.0, step / total)
         if bar:
             full = int(fraction * BAR_CELLS)
             parts.append("[" + "█" * full + "░" * (BAR_CELLS - full) + "]")
         parts.append(f"step {step}/{total} ({fraction:.0%})")
     parts.append(f"loss {_num(progress.loss if progress else None, '.4f')}")
-    predicted = job.status.plan.predicted_samples_per_second if job.status.plan else None
     measured = progress.samples_per_second if progress else None
     parts.append(f"samples/s {_num(measured, '.1f')} (predicted {_num(predicted, '.1f')})")
     parts.append(f"ETA {duration(eta_seconds(job))}")

@@ -41,8 +41,7 @@ def format_plan(plan: Plan, model_name: str) -> str:
     lines.append(boundary_activations_line(plan))
     if plan.unit_shard_ratios:
         lines.append(unit_sharding_line(plan))
-    for idle in plan.idle_gpus:
-        lines.append(f"idle: {idle.count} x {idle.gpu} (pool {idle.pool}): {idle.reason}")
+    lines += idle_lines(plan)
     if plan.optimality_gap_seconds:
         lines.append(f"optimality gap: at most {plan.optimality_gap_seconds:.4g} s per step "
                      "above the cost model's optimum (proven bound)")
@@ -55,6 +54,16 @@ def format_plan(plan: Plan, model_name: str) -> str:
     if notes:
         lines += ["", *(f"note: {n}" for n in notes)]
     return "\n".join(lines)
+
+
+def idle_lines(plan: Plan) -> list[str]:
+    """The GPUs left idle, one line per reason (the planner gives every idle pool the same
+    one: printed per pool, it repeated itself once per pool)."""
+    by_reason: dict[str, list[str]] = {}
+    for idle in plan.idle_gpus:
+        by_reason.setdefault(idle.reason, []).append(
+            f"{idle.count} x {idle.gpu} (pool {idle.pool})")
+    return [f"idle: {', '.join(gpus)}: {reason}" for reason, gpus in by_reason.items()]
 
 
 def assumptions_lines(plan: Plan) -> list[str]:
