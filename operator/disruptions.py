@@ -27,6 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from cephalo.operator.kube import controller_uid
 from cephalo.operator.render import ANNOTATION_CONFIG_HASH, LABEL_ATTEMPT
 from cephalo.operator.status import disruption
 
@@ -38,8 +39,7 @@ Launch = tuple[str, str, str]
 
 def launch_of(pod: dict[str, Any]) -> Launch:
     meta = pod.get("metadata") or {}
-    owners = [o.get("uid") or "" for o in meta.get("ownerReferences") or []]
-    return (owners[0] if owners else "", (meta.get("labels") or {}).get(LABEL_ATTEMPT) or "",
+    return (controller_uid(pod) or "", (meta.get("labels") or {}).get(LABEL_ATTEMPT) or "",
             (meta.get("annotations") or {}).get(ANNOTATION_CONFIG_HASH) or "")
 
 
