@@ -153,6 +153,12 @@ async def _lost_a_rank(ctx: JobContext, plan: Plan, present: list[tuple[RankPlan
     if disrupted:
         await _restart(ctx, plan, *disrupted[0], disrupted=True)
         return True
+    unseen = [pod_of[r.rank] for r in missing if verdicts[r.rank].waiting]
+    if unseen:  # a failed peer may be its echo: decide nothing before the watch says why
+        log.info("%s/%s: rank pod(s) %s gone; waiting for the deletion event that says why",
+                 ctx.namespace, ctx.name, ", ".join(unseen))
+        ctx.wake_in(min(ctx.config.recheck_seconds, ctx.config.pod_gone_grace_seconds))
+        return True
     # A terminating pod of the current attempt was deleted by someone else: the operator
     # only deletes pods of an attempt it has already ended (they are stale by then).
     deleted = [(r, PodState(name=s.name, phase="Failed", deleting=True, exit_code=s.exit_code,
@@ -169,12 +175,6 @@ async def _lost_a_rank(ctx: JobContext, plan: Plan, present: list[tuple[RankPlan
                              message="the pod is gone while its gang was running",
                              pod_ip=None, finished_at=None))
                 for r in missing]
-    unseen = [pod_of[r.rank] for r in missing if verdicts[r.rank].waiting]
-    if unseen:  # a failed peer may be its echo: decide nothing before the watch says why
-        log.info("%s/%s: rank pod(s) %s gone; waiting for the deletion event that says why",
-                 ctx.namespace, ctx.name, ", ".join(unseen))
-        ctx.wake_in(min(ctx.config.recheck_seconds, ctx.config.pod_gone_grace_seconds))
-        return True
     lost = deleted or ([blame(failed)] if failed else []) or vanished
     if not lost:
         return False
