@@ -29,9 +29,10 @@ collectives.py):
 from __future__ import annotations
 
 FP32_BYTES = 4
-# Master weight + AdamW exp_avg + exp_avg_sq + reduce-scattered gradient shard, all fp32,
-# whatever precision a rank computes in ("auto": each rank its GPU's fastest).
-_STATE_BYTES = {p: 4 * FP32_BYTES for p in ("fp32", "bf16", "fp16", "auto")}
+# Master weight + AdamW exp_avg + exp_avg_sq + reduce-scattered gradient shard, all fp32.
+_STATE_BYTES = {"fp32": 4 * FP32_BYTES, "bf16": 4 * FP32_BYTES, "fp16": 4 * FP32_BYTES}
+# A job's "auto" (each rank in its GPU's fastest precision) keeps the same fp32 state.
+_STATE_BYTES["auto"] = _STATE_BYTES["fp32"]
 STATE_BYTES_PER_PARAMETER = _STATE_BYTES["fp32"]
 # Parameters are gathered and gradients reduce-scattered in fp32 in both precisions.
 COMM_BYTES_PER_PARAMETER = FP32_BYTES

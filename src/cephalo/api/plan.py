@@ -85,8 +85,10 @@ class RankPlan(BaseModel):
     # offloads only where the device cannot hold them (a per-rank choice: collectives do
     # not change).
     offload_activations: bool | None = None
-    # The precision this rank computes in; None (omitted): the job's spec.precision. A job's
-    # `auto` gets every rank's filled in by the planner (its GPU's fastest precision).
+    # The precision this rank computes in (autocast over fp32 master weights; fp16 ranks
+    # scale their loss by the job's one loss scale). None (omitted): the job's
+    # spec.precision. A job's `auto` is always resolved into per-rank values by the planner.
+    # Collectives are fp32 whatever the mix, so ranks may differ.
     precision: Literal["fp32", "bf16", "fp16"] | None = None
 
     @model_serializer(mode="wrap")

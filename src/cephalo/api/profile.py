@@ -85,8 +85,6 @@ class GpuProfile(BaseModel):
     memory_capacity_bytes: int = Field(ge=1)
     source: Literal["measured", "estimated", "emulated"] = "measured"
     model_key: str = Field(description="short hash of the model architecture")
-    # The one precision the points were measured in (a job's "auto" profiles each GPU type
-    # in the precision the planner assigns it: cephalo.planner.catalog.resolve_precision).
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     compute_capability: str | None = None
     driver_version: str | None = None

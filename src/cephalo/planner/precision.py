@@ -72,11 +72,11 @@ def precision_notes(problem: Problem) -> list[str]:
             continue
         best = fastest_precision(cls.gpu)
         gain = cls.gpu.achieved_flops(best) / cls.gpu.achieved_flops(precision)
-        instead = (f"precision auto would compute them in {best}, {gain:.1f}x faster by the "
-                   "catalog" if best != precision and gain > 1.0 else
-                   "precision auto would compute them in fp32")
-        ranks = _ranks_phrase(cls.slots)
-        notes.append(f"warning: {reason}; {ranks} {instead}")
+        them = "it" if len(cls.slots) == 1 else "them"
+        instead = (f"precision auto would compute {them} in {best}, {gain:.1f}x faster by "
+                   "the catalog" if best != precision and gain > 1.0 else
+                   f"precision auto would compute {them} in fp32")
+        notes.append(f"warning: {reason}; {_ranks_phrase(cls.slots)} {instead}")
     return notes
 
 
