@@ -7,27 +7,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from cephalo.api import ClusterSpec, GpuGroup, GpuProfile, parse_job
 from cephalo.api.profile import model_key
 from cephalo.planner import solve
 from cephalo.trainer import profile as profiler
 
-JOB = """\
-apiVersion: cephalo.dev/v1alpha1
-kind: CephaloJob
-metadata: {name: prof}
-spec:
-  model: {preset: bert-tiny}
-  globalBatchSize: 8
-  precision: auto
-"""
+
+def _job(preset: str = "gpt-tiny") -> dict:
+    return {"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
+            "metadata": {"name": "prof"},
+            "spec": {"model": {"preset": preset}, "globalBatchSize": 8, "precision": "auto"}}
 
 
 def _auto():
-    return parse_job({"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
-                      "spec": {"model": {"preset": "gpt-tiny"}, "globalBatchSize": 8,
-                               "precision": "auto"}}).spec
+    return parse_job(_job()).spec
 
 
 @pytest.mark.parametrize("product,precision", [
@@ -45,10 +40,8 @@ def test_auto_is_measured_in_the_precision_the_planner_assigns(product: str,
 
 def test_the_command_line_profiles_auto_as_the_planner_expects(tmp_path: Path) -> None:
     job = tmp_path / "job.yaml"
-    job.write_text(JOB)
-    spec = parse_job({"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
-                      "spec": {"model": {"preset": "bert-tiny"}, "globalBatchSize": 8,
-                               "precision": "auto"}}).spec
+    job.write_text(yaml.safe_dump(_job("bert-tiny")))
+    spec = parse_job(_job("bert-tiny")).spec
     arch = spec.model.resolve().architecture_key()
     written = {}
     for given in (None, "bf16"):
