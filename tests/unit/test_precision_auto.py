@@ -28,7 +28,12 @@ from cephalo.planner.authors_profiles import (
     layer_times_ms,
     measured_entry,
 )
-from cephalo.planner.catalog import GPU_CATALOG, fastest_precision, lookup_gpu
+from cephalo.planner.catalog import (
+    GPU_CATALOG,
+    fastest_precision,
+    lookup_gpu,
+    rank_compute_precision,
+)
 from cephalo.planner.problem import ProfileMismatchError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -149,6 +154,15 @@ def test_auto_gives_each_rank_its_gpus_fastest_precision() -> None:
     written = json.loads(forced.to_json())
     assert written["precision"] == "bf16"
     assert not any("precision" in rank for rank in written["ranks"])
+
+
+def test_what_a_rank_computes_in() -> None:
+    # The plan's own figure first; a hand-written plan under auto resolves as the planner.
+    assert rank_compute_precision("auto", "V100-16GB", "bf16") == "bf16"
+    assert rank_compute_precision("auto", "Tesla-V100-SXM2-16GB") == "fp16"
+    assert rank_compute_precision("auto", "cpu") == "fp32"
+    assert rank_compute_precision("auto", "NVIDIA-GeForce-RTX-4090") == "fp32"
+    assert rank_compute_precision("bf16", "V100-16GB") == "bf16"
 
 
 def test_a_profile_must_be_in_the_precision_auto_assigns(tmp_path: Path) -> None:

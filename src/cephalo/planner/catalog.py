@@ -122,6 +122,14 @@ def resolve_precision(precision: str, gpu: GpuType) -> str:
     return fastest_precision(gpu) if precision == "auto" else precision
 
 
+def rank_compute_precision(job_precision: str, gpu: str,
+                           rank_precision: str | None = None) -> str:
+    """What a plan's rank computes in: its own `RankPlan.precision` when the plan gives one
+    (the planner always does under "auto"), else the job's, "auto" resolved for the rank's
+    `gpu` as the planner would (a plan written by hand)."""
+    return rank_precision or resolve_precision(job_precision, resolve_gpu(gpu))
+
+
 def _gpu(name: str, mib: int, fp32: float, bf16: float | None, fp16: float, bw: float,
          eff: tuple[float, ...], *labels: str, link: float | None = None,
          cc: tuple[int, int] | None = None) -> GpuType:
