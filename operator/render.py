@@ -28,6 +28,7 @@ from cephalo.operator.podspec import (
     host_memory_bytes,
     pod_groups,
 )
+from cephalo.planner.catalog import resolve_gpu, resolve_precision
 
 LABEL_JOB = f"{API_GROUP}/job"
 LABEL_ROLE = f"{API_GROUP}/role"
@@ -101,7 +102,9 @@ def profile_config_map_name(catalog_name: str, job: CephaloJob,
     profile format, the profiler's image, sizes): cephalo.api.profile.profile_cache_key."""
     spec = job.spec
     image = spec.image or (config or OperatorConfig()).trainer_image
-    key = profile_cache_key(catalog_name, spec.model.resolve(), spec.precision,
+    # Under "auto" the precision the planner assigns this GPU, which its profiler measures.
+    precision = resolve_precision(spec.precision, resolve_gpu(catalog_name))
+    key = profile_cache_key(catalog_name, spec.model.resolve(), precision,
                             runtime=f"image={image}",
                             micro_batch_sizes=spec.planner.profile_micro_batch_sizes)
     return f"cephalo-profile-{key}"

@@ -221,6 +221,18 @@ def usable_cached(path: Path | None, sizes: Sequence[int]) -> GpuProfile | None:
     return None
 
 
+def in_measured_precision(spec: CephaloJobSpec, product: str,
+                          precision: str | None = None) -> CephaloJobSpec:
+    """The job as the profiler measures it on a `product` GPU: in `precision` (--precision)
+    when given, else in the job's, where "auto" is the precision the planner will assign
+    this GPU (cephalo.planner.catalog.resolve_precision: bf16 from 8.0, fp16 on 7.x, else
+    fp32), so the profile's model_key is the one the planner expects of it."""
+    from cephalo.planner.catalog import resolve_gpu, resolve_precision
+
+    wanted = precision or resolve_precision(spec.precision, resolve_gpu(product))
+    return spec if wanted == spec.precision else spec.model_copy(update={"precision": wanted})
+
+
 def profile_job(spec: CephaloJobSpec, *, device: torch.device | None = None,
                 micro_batch_sizes: Sequence[int] | None = None, repeats: int = 5,
                 warmup: int = 2, cache_dir: Path | None = None,
@@ -230,6 +242,7 @@ def profile_job(spec: CephaloJobSpec, *, device: torch.device | None = None,
     to whichever profile is returned."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     facts = device_facts(device)
+    spec = in_measured_precision(spec, facts.product)
     config = spec.model.resolve()
     sizes = list(micro_batch_sizes or spec.planner.profile_micro_batch_sizes)
     path = cache_path(cache_dir, facts.product, config, spec.precision) if cache_dir else None
@@ -326,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
                              "'none' disables)")
     parser.add_argument("--collectives", action="store_true",
                         help="under torchrun: also measure AllGather/ReduceScatter")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
+                        help="measure in this precision (default: the job's; under auto the "
+                             "one the planner assigns this GPU)")
     args = parser.parse_args(argv)
     if not args.job:
         parser.error(f"--job is required (or set {trainer_env.JOB})")
@@ -340,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"profile: error: {err}", file=sys.stderr)
         return 2
     torch.set_num_threads(env.num_threads or torch.get_num_threads())
+    spec = in_measured_precision(spec, device_facts(device or torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")).product, args.precision)
     collectives = None
     if args.collectives:
         from cephalo.trainer.profile_collectives import measure_collectives

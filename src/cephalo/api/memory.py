@@ -30,7 +30,9 @@ from __future__ import annotations
 
 FP32_BYTES = 4
 # Master weight + AdamW exp_avg + exp_avg_sq + reduce-scattered gradient shard, all fp32.
-_STATE_BYTES = {"fp32": 4 * FP32_BYTES, "bf16": 4 * FP32_BYTES}
+_STATE_BYTES = {"fp32": 4 * FP32_BYTES, "bf16": 4 * FP32_BYTES, "fp16": 4 * FP32_BYTES}
+# A job's "auto" (each rank in its GPU's fastest precision) keeps the same fp32 state.
+_STATE_BYTES["auto"] = _STATE_BYTES["fp32"]
 STATE_BYTES_PER_PARAMETER = _STATE_BYTES["fp32"]
 # Parameters are gathered and gradients reduce-scattered in fp32 in both precisions.
 COMM_BYTES_PER_PARAMETER = FP32_BYTES
@@ -43,6 +45,13 @@ BOUNDARY_BYTES_PER_ELEMENT = FP32_BYTES
 def state_bytes_per_parameter(precision: str) -> int:
     """Bytes of training state per parameter a rank owns."""
     return _STATE_BYTES[precision]
+
+
+def activation_bytes_per_element(precision: str) -> int:
+    """Bytes of one element of a block's own activations (its compute working set): 2 under
+    16-bit autocast (bf16, fp16), else 4. Boundary activations stay fp32 in every precision
+    (the residual stream is not autocast): BOUNDARY_BYTES_PER_ELEMENT."""
+    return 2 if precision in ("bf16", "fp16") else FP32_BYTES
 
 
 def state_bytes(owned_parameters: float, precision: str = "fp32") -> float:

@@ -6,6 +6,7 @@ import argparse
 import re
 import sys
 from pathlib import Path
+from typing import get_args
 
 from pydantic import ValidationError
 
@@ -29,7 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                    "CephaloJob YAML")
     parser.add_argument("--batch-size", type=int, metavar="B",
                         help="global batch size (required with --model)")
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default=None)
+    parser.add_argument("--precision", choices=get_args(
+        CephaloJobSpec.model_fields["precision"].annotation), default=None,
+        help="the job's precision (default: the job's, else fp32); auto: each GPU in its "
+             "fastest")
     parser.add_argument("--memory-fraction", type=float, default=None,
                         help="fraction of each GPU's memory the plan may use (default 0.8)")
     parser.add_argument("--bandwidth-gbps", type=float, default=None,

@@ -2,8 +2,9 @@
 and measured on any machine. Clearly labelled as emulation wherever it shows.
 
 * speed: GPU g's compute is slowed by time dilation d_g = peak_fastest / peak_g, the ratio
-  of the catalog's peak FLOP/s in the job's precision (so the fastest emulated GPU runs at
-  the CPU's real speed and a GPU with a third of its peak takes 3x as long). Peak ratios,
+  of the catalog's peak FLOP/s in the precision g computes in (the job's; under auto each
+  GPU's own, GpuType.peak_flops), so the fastest emulated GPU runs at the CPU's real speed
+  and a GPU with a third of its peak takes 3x as long. Peak ratios,
   not the estimated profile, because a tiny model's estimate is all kernel-launch overhead
   and would hide the very differences emulation is meant to show;
 * memory: capacity_g = catalog memory_g x scale, with the scale chosen so that the emulated

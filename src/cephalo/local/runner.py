@@ -48,6 +48,7 @@ from cephalo.local.report import (
     write_plots,
 )
 from cephalo.planner import solve
+from cephalo.planner.catalog import lookup_gpu, resolve_precision
 from cephalo.planner.report import format_plan, model_title
 
 # Collectives between local processes: gloo over loopback, or NCCL over PCIe.
@@ -149,18 +150,46 @@ def profile_devices(devices: list[LocalDevice], job_file: Path, run_dir: Path,
                 str(d.index) for d in [device, *[d for d in same_kind if d != device]])
         else:
             env["CUDA_VISIBLE_DEVICES"] = "" if device.kind == "cpu" else str(device.index)
-        done = run_group(command, env, run_dir)
-        if done.returncode != 0:
-            raise RunError(f"profiling {device.label} failed: "
-                           f"{(done.stderr or done.stdout).strip().splitlines()[-1:]}")
-        profiles[kind] = GpuProfile.model_validate_json(output.read_text())
-        said = [line for line in done.stderr.splitlines() if line.startswith("profile: wrote")]
-        if said:  # what was measured, what came from the cache, and how long it took
-            out("  " + said[-1].replace(f"profile: wrote {output}", f"profiled {kind}", 1))
+        profiles[kind] = _measure(command, env, run_dir, output, device.label, kind, out)
     measured = [p.collectives for p in profiles.values() if p.collectives is not None]
     if measured:  # the run's collectives hold for every device type in it
         profiles = {k: p.model_copy(update={"collectives": measured[0]})
                     for k, p in profiles.items()}
+    return profiles
+
+
+def _measure(command: list[str], env: dict[str, str], run_dir: Path, output: Path, label: str,
+             kind: str, out) -> GpuProfile:
+    """Run one profiler command and read the profile it wrote to `output`."""
+    done = run_group(command, env, run_dir)
+    if done.returncode != 0:
+        raise RunError(f"profiling {label} failed: "
+                       f"{(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+    said = [line for line in done.stderr.splitlines() if line.startswith("profile: wrote")]
+    if said:  # what was measured, what came from the cache, and how long it took
+        out("  " + said[-1].replace(f"profile: wrote {output}", f"profiled {kind}", 1))
+    return GpuProfile.model_validate_json(output.read_text())
+
+
+def emulation_cpu_profiles(cpu: GpuProfile, products: list[str], precision: str,
+                           job_file: Path, run_dir: Path, threads: int,
+                           out=print) -> dict[str, GpuProfile]:
+    """The CPU's profile in each precision the emulated GPUs compute in ({precision:
+    profile}): the job's, or under "auto" each GPU's fastest (an emulated V100 computes
+    fp16 on the CPU, so its profile is the CPU's fp16 one, dilated). `cpu` is the measured
+    one; the others are measured here (--precision)."""
+    wanted = sorted({resolve_precision(precision, lookup_gpu(p)) for p in products})
+    profiles: dict[str, GpuProfile] = {cpu.precision: cpu}
+    env = dict(os.environ, **to_environ(TrainerVars(num_threads=threads)),
+               OMP_NUM_THREADS=str(threads), CUDA_VISIBLE_DEVICES="")
+    for other in (p for p in wanted if p not in profiles):
+        output = run_dir / "profiles" / f"measured-cpu-{other}.json"
+        command = [sys.executable, "-m", "cephalo.trainer.profile", "--job", str(job_file),
+                   "--output", str(output), "--precision", other]
+        measured = _measure(command, env, run_dir, output, f"the CPU in {other}",
+                            f"cpu ({other})", out)
+        # The run's collectives (measured with the first profile) hold in every precision.
+        profiles[other] = measured.model_copy(update={"collectives": cpu.collectives})
     return profiles
 
 
@@ -307,9 +336,11 @@ def _run_in(run_dir: Path, job: CephaloJob, options: RunOptions, devices: list[L
                                        spec.precision, spec.planner.memory_fraction,
                                        options.memory_scale)
             contention = contention_factor(devices, emulation.dilation)
+            cpu_in = emulation_cpu_profiles(measured["cpu"], list(emulation.dilation),
+                                            spec.precision, job_file, run_dir, threads, out)
             for product in sorted(emulation.dilation):
-                profiles[product] = emulated_profile(measured["cpu"], product, emulation,
-                                                     contention)
+                cpu = cpu_in[resolve_precision(spec.precision, lookup_gpu(product))]
+                profiles[product] = emulated_profile(cpu, product, emulation, contention)
                 (run_dir / "profiles" / f"emulated-{product}.json").write_text(
                     profiles[product].to_compact_json())
                 out(f"  EMULATION: {emulation.describe(product)}")

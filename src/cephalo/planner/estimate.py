@@ -9,15 +9,15 @@ from collections.abc import Iterable
 from cephalo.api import memory
 from cephalo.api.models import ModelConfig
 from cephalo.api.profile import GpuProfile, ProfilePoint, model_key
-from cephalo.planner.catalog import GpuType, UnknownGpuError
+from cephalo.planner.catalog import GpuType, UnknownGpuError, resolve_precision
 
 # ---- analytic estimate when no profile was measured ------------------------------------
 
 # Rows (tokens) per microbatch at which a block reaches half its large-batch efficiency. On
 # CUDA cores (fp32) a 512-token sample already fills the GPU: the authors measured per-sample
 # time at m = 1 within ~5 % of m = 8 (V100, GPT-6.7B: 17.3 vs 17.4 ms). Tensor cores (bf16)
-# need bigger tiles: their per-sample time at m = 1 is 1.3-1.9x that at m = 8.
-_HALF_EFFICIENCY_TOKENS = {"fp32": 16.0, "bf16": 512.0}
+# need bigger tiles: their per-sample time at m = 1 is 1.3-1.9x that at m = 8 (fp16 alike).
+_HALF_EFFICIENCY_TOKENS = {"fp32": 16.0, "bf16": 512.0, "fp16": 512.0}
 _KERNEL_LAUNCH_SECONDS = 12 * 10e-6  # ~12 kernels per block pass at ~10 µs each
 _WORKSPACE_BYTES = 256 * 1024**2
 # Activations one block keeps per token for its recompute + backward, in units of
@@ -33,16 +33,20 @@ _HEAD_LOGIT_COPIES = 3
 def estimate_profile(gpu: GpuType, model: ModelConfig, precision: str,
                      micro_batch_sizes: Iterable[int] = range(1, 9)) -> GpuProfile:
     """A GpuProfile from the catalog's measured efficiency and the model's FLOPs (marked
-    `estimated`). A GPU outside the catalog has no figures to estimate from: it must be
-    profiled (UnknownGpuError says how)."""
+    `estimated`) in `precision` ("auto": the GPU's fastest). A GPU outside the catalog has
+    no figures to estimate from: it must be profiled (UnknownGpuError says how)."""
     if not gpu.in_catalog:
         raise UnknownGpuError(
             f"GPU {gpu.name!r} is not in the catalog, so its speed cannot be estimated: "
             "measure a profile of it (the operator profiles every GPU product; locally run "
             "`python -m cephalo.trainer.profile` on it) and pass the folder with --profiles")
+    precision = resolve_precision(precision, gpu)
     achieved = gpu.achieved_flops(precision)
-    half = _HALF_EFFICIENCY_TOKENS.get(precision, _HALF_EFFICIENCY_TOKENS["fp32"])
-    elem_bytes = 2 if precision == "bf16" else 4
+    # fp16 without tensor cores (Pascal) runs its matmuls as fp32 does: fp32's tiles.
+    tiles = "fp32" if precision == "fp16" and not gpu.has_tensor_cores("fp16") else precision
+    half = _HALF_EFFICIENCY_TOKENS.get(tiles, _HALF_EFFICIENCY_TOKENS["fp32"])
+    # A block's activations are 16-bit under autocast (bf16 and fp16 alike).
+    elem_bytes = memory.activation_bytes_per_element(precision)
     tokens = model.tokens_per_sample
     h, f = model.hidden_size, model.ffn_hidden_size
     block_act = _BLOCK_ACTIVATION_FACTOR * tokens * (2 * f + 4 * h) * elem_bytes

@@ -16,7 +16,7 @@ from cephalo.api.memory import state_bytes_per_parameter
 from cephalo.api.models import ModelConfig
 from cephalo.api.profile import CollectiveProfile, GpuProfile, model_key
 from cephalo.errors import CephaloError
-from cephalo.planner.catalog import GpuType, resolve_gpu
+from cephalo.planner.catalog import ComputePrecision, GpuType, resolve_gpu, resolve_precision
 from cephalo.planner.costmodel import (
     UNEVEN_COLLECTIVE_OVERHEAD,
     CommModel,
@@ -49,7 +49,7 @@ class GpuClass:
 @dataclass
 class Problem:
     model: ModelConfig
-    precision: str
+    precision: str  # the job's ("auto" too); each class computes in its profile's precision
     global_batch_size: int
     memory_fraction: float
     allow_state_only: bool
@@ -79,6 +79,11 @@ class Problem:
     def rank_cost(self, rank: int) -> GpuCostModel:
         return self.classes[self.rank_class[rank]].cost
 
+    def rank_precision(self, rank: int) -> ComputePrecision:
+        """The precision a rank computes in: its GPU's profile's (measured or estimated in
+        the job's precision, or under "auto" in the GPU's fastest)."""
+        return self.rank_cost(rank).profile.precision
+
 
 def build_problem(spec: CephaloJobSpec, cluster: ClusterSpec,
                   profiles: Mapping[str, GpuProfile] | None = None) -> Problem:
@@ -88,20 +93,25 @@ def build_problem(spec: CephaloJobSpec, cluster: ClusterSpec,
     classes: dict[tuple[str, int], GpuClass] = {}
     ranks: list[tuple[str, str]] = []
     rank_class: list[int] = []
-    expected_key = model_key(model.architecture_key(), spec.precision)
     for group in cluster.groups:
         gpu = resolve_gpu(group.product, group.memory_bytes)  # outside the catalog: profiled
+        # The precision this GPU's ranks compute in: the job's, or under "auto" the GPU's
+        # fastest; its profile must have been measured in it.
+        precision = resolve_precision(spec.precision, gpu)
+        expected_key = model_key(model.architecture_key(), precision)
         given = profiles.get(gpu.name)
         if given is not None and given.model_key != expected_key:
             # Its times and memory are another model's: planning with them would be wrong
             # without a word (another model's capacity, a microbatch that does not fit).
+            job = "" if precision == spec.precision else f"{spec.precision}: "
             raise ProfileMismatchError(
                 f"the {gpu.name} profile was measured for another model or precision (its "
-                f"model_key is {given.model_key}; this job's {model.family} model in "
-                f"{spec.precision} has {expected_key}); profile this job: python -m "
-                f"cephalo.trainer.profile --job JOB.yaml --output {gpu.name}.json")
+                f"model_key is {given.model_key}, {given.precision}; this job's "
+                f"{model.family} model in {job}{precision} has {expected_key}); profile "
+                f"this job: python -m cephalo.trainer.profile --job JOB.yaml --output "
+                f"{gpu.name}.json")
         profile = given or estimate_profile(
-            gpu, model, spec.precision, spec.planner.profile_micro_batch_sizes)
+            gpu, model, precision, spec.planner.profile_micro_batch_sizes)
         capacity = group.memory_bytes or profile.memory_capacity_bytes or gpu.memory_bytes
         key = (gpu.name, capacity)
         if key not in classes:

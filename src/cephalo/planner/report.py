@@ -7,8 +7,9 @@ import re
 
 from cephalo.api import Plan
 from cephalo.api.job import ModelSpec
-from cephalo.api.plan import SHARD_RATIO_TOLERANCE
+from cephalo.api.plan import SHARD_RATIO_TOLERANCE, RankPlan
 from cephalo.planner.offload import boundary_activations_line, plan_fused_tail_blocks
+from cephalo.planner.precision import precision_summary
 
 GIB = 1024**3
 
@@ -18,9 +19,9 @@ def format_plan(plan: Plan, model_name: str) -> str:
     fraction = plan.memory_fraction if plan.memory_fraction is not None else 0.8
     lines = [f"Plan for {model_name}: global batch {plan.global_batch_size} on "
              f"{plural(plan.world_size, device_noun(plan))} (memory fraction {fraction:.0%})",
-             *assumptions_lines(plan), ""]
-    header = f"{'rank':>4}  {'GPU':<10} {'batch':>5}  {'micro x n':>9}  {'shard':>6}  " \
-             f"{'memory used / cap':>21}  {'step s':>8}"
+             *assumptions_lines(plan), *precision_lines(plan), ""]
+    header = f"{'rank':>4}  {'GPU':<10} {'prec':<4} {'batch':>5}  {'micro x n':>9}  " \
+             f"{'shard':>6}  {'memory used / cap':>21}  {'step s':>8}"
     lines += [header, "-" * len(header)]
     for r in plan.ranks:
         est = "*" if r.estimated else " "
@@ -29,7 +30,8 @@ def format_plan(plan: Plan, model_name: str) -> str:
             f"{_figure_or_dash(r.memory_capacity_bytes)}"
         micro = f"{r.micro_batch_size}x{r.num_micro_batches}" if r.batch_size else "state"
         seconds = "-" if r.predicted_step_seconds is None else f"{r.predicted_step_seconds:.3f}"
-        lines.append(f"{r.rank:>4}  {r.gpu:<10} {r.batch_size:>5}  {micro:>9}  "
+        lines.append(f"{r.rank:>4}  {r.gpu:<10} {rank_precision(plan, r):<4} "
+                     f"{r.batch_size:>5}  {micro:>9}  "
                      f"{r.shard_ratio:>6.1%}  {mem:>21}  {seconds:>8}{est}")
     lines.append("-" * len(header))
     if plan.predicted_step_seconds and plan.predicted_samples_per_second:
@@ -82,6 +84,26 @@ def assumptions_lines(plan: Plan) -> list[str]:
     if isinstance(state, int | float):
         parts.append(f"{state:g} bytes of training state per parameter")
     return ["assumes: " + ", ".join(parts)]
+
+
+def rank_precision(plan: Plan, rank: RankPlan) -> str:
+    """The precision a rank computes in: its own, else the job's ('-': a plan without)."""
+    return rank.precision or plan.precision or "-"
+
+
+def precision_lines(plan: Plan) -> list[str]:
+    """The job's precision and, where ranks differ (`auto`), which GPUs compute in which
+    ('precision: auto: bf16 on 16 A10G, fp16 on 16 V100-16GB and 32 T4'). None for a plan
+    that records no precision (written by hand)."""
+    if plan.precision is None:
+        return []
+    line = f"precision: {plan.precision}"
+    if any(r.precision for r in plan.ranks):
+        line += ": " + precision_summary([rank_precision(plan, r) for r in plan.ranks],
+                                         [r.gpu for r in plan.ranks])
+    if plan.precision != "fp32":
+        line += " (fp32 master weights and optimizer state)"
+    return [line]
 
 
 def device_noun(plan: Plan) -> str:

@@ -19,6 +19,7 @@ from cephalo.planner.costmodel import UNEVEN_COLLECTIVE_OVERHEAD
 from cephalo.planner.evaluate import Evaluation, score
 from cephalo.planner.margins import cost_idle_reason, every_gpu, faster_miss, note_min_gain
 from cephalo.planner.offload import offload_plan, plan_fused_tail_blocks
+from cephalo.planner.precision import precision_notes, rank_precisions
 from cephalo.planner.pricing import (
     THROUGHPUT,
     FloorNotMetError,
@@ -334,7 +335,8 @@ def _plan(full: Problem, choice: Choice, sol: Solution, ev: Evaluation, solved: 
     rank_ratios, per_unit = unit_shard_ratios(ev.even_units or EvenUnits.none(), layers,
                                               problem.world_size, ev.shard_ratios)
     ranks = []
-    notes = []
+    notes = precision_notes(problem)
+    precisions = rank_precisions(problem)
     for r, (gpu, pool) in enumerate(problem.ranks):
         cost = problem.rank_cost(r)
         batch = micro[r] * ell[r]
@@ -349,7 +351,7 @@ def _plan(full: Problem, choice: Choice, sol: Solution, ev: Evaluation, solved: 
             memory_capacity_bytes=int(cost.memory_capacity_bytes),
             compute_memory_bytes=int(ev.rank_compute_bytes[r]),
             estimated=cost.estimated, gpu_index=choice.keep[r],
-            kept_blocks=kept,
+            kept_blocks=kept, precision=precisions[r],
             block_graph_bytes_per_sample=cost.profile.block_graph_bytes_per_sample
             if kept or not cost.recompute else None))
         if batch == 0:
