@@ -139,7 +139,8 @@ def test_every_page_is_in_the_sites_navigation() -> None:
     listed = set(pages(config["nav"]))
     on_disk = {p.relative_to(SITE).as_posix() for p in SITE.rglob("*.md")}
     assert sorted(listed - on_disk) == [], "mkdocs.yml lists pages that do not exist"
-    assert sorted(on_disk - listed) == [], "pages not in mkdocs.yml's nav: add them there"
+    assert sorted(on_disk - listed) == [], \
+        "pages not in mkdocs.yml's nav: add them there (new user-guide pages: the marked spot)"
 
 
 def test_the_cost_table_has_a_row_pair_per_case_the_bench_plans() -> None:
