@@ -148,8 +148,9 @@ def cephalojob_page() -> str:
                          "(`cephalo.api.crd`, generated from the pydantic models of "
                          "`cephalo.api.job`)"),
            "# CephaloJob reference\n\n",
-           f"`apiVersion: cephalo.dev/{version['name']}`, `kind: CephaloJob` "
-           "(short name `cjob`). Every field of the spec and of the status, with its type, "
+           f"`apiVersion: cephalo.dev/{version['name']}`, `kind: CephaloJob` (short name "
+           + ", ".join(f"`{n}`" for n in crd_manifest()["spec"]["names"]["shortNames"])
+           + "). Every field of the spec and of the status, with its type, "
            "default and the bounds the API server enforces; `kubectl explain "
            "cephalojob.spec` prints the same descriptions. The task-by-task guide is "
            "[The job spec by task](../guide/job-spec.md).\n\n",

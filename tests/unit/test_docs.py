@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), REPO / "operator" / "README.md",
@@ -93,7 +94,7 @@ def test_sample_outputs_are_labelled_as_examples() -> None:
     example, whose figures vary by machine."""
     starts = 0
     for doc in DOCS:
-        if doc.name == "readme-walk.md":  # a transcript of what was run, kept as it was
+        if doc.name in {"readme-walk.md", "getting-started-walk.md"}:  # transcripts, as run
             continue
         text = doc.read_text()
         for match in re.finditer(r"```console\n\$ cephalo (run|plan) ", text):
@@ -120,7 +121,6 @@ def test_readme_is_short_and_keeps_the_two_set_up_commands() -> None:
 def test_every_page_is_in_the_sites_navigation() -> None:
     """A page missing from mkdocs.yml's nav is built but reachable from nowhere (MkDocs only
     says so at INFO level, which the strict build lets through)."""
-    import yaml
 
     class Loader(yaml.SafeLoader):
         pass
@@ -158,3 +158,14 @@ def test_the_cost_table_has_a_row_pair_per_case_the_bench_plans() -> None:
         for objective in ("throughput", "cost (>= 50% of it)"):
             row = f"| {cluster} | {model} | {batch} | {objective} |"
             assert row in page, f"the cost table (docs/guide/elastic-and-cost.md) has no row {row}"
+
+
+def test_the_short_name_the_docs_give_is_the_crds() -> None:
+    """The architecture said short name `cj` and the chart README "its short name `cj` is
+    CronJob's" after the CRD's became `cjob` (`cj` is CronJob's: kubectl picks the built-in)."""
+    crd = yaml.safe_load((REPO / "crds" / "cephalojob.yaml").read_text())
+    short_names = crd["spec"]["names"]["shortNames"]
+    for doc in DOCS:
+        text = " ".join(doc.read_text().split())
+        for name in re.findall(r"short name `(\w+)`", text):
+            assert name in short_names, f"{doc.relative_to(REPO)}: short name `{name}`"
