@@ -200,6 +200,38 @@ def _flag_rows(parser: argparse.ArgumentParser) -> list[list[str]]:
     return rows
 
 
+def _usage(parser: argparse.ArgumentParser) -> str:
+    """The synopsis, built from the actions (argparse's own usage line changes its layout
+    between Python releases: the page must not). Options of a mutually exclusive group are
+    shown together, `(a | b)` when one is required, else `[a | b]`."""
+    formatter = parser.formatter_class(prog=parser.prog)
+    group_of = {id(a): g for g in parser._mutually_exclusive_groups for a in g._group_actions}
+    words, shown = [parser.prog], set()
+
+    def word(action: argparse.Action) -> str:
+        if not action.option_strings:
+            return formatter._format_args(action, action.dest)
+        text = action.option_strings[0]
+        if action.nargs != 0:
+            text += " " + formatter._format_args(action, action.dest.upper())
+        return text
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS \
+                or id(action) in shown:
+            continue
+        group = group_of.get(id(action))
+        if group is not None:
+            members = [a for a in group._group_actions if a.help != argparse.SUPPRESS]
+            shown.update(id(a) for a in members)
+            inner = " | ".join(word(a) for a in members)
+            words.append(f"({inner})" if group.required else f"[{inner}]")
+        elif not action.option_strings or action.required:
+            words.append(word(action))
+        else:
+            words.append(f"[{word(action)}]")
+    return " ".join(words)
+
+
 def cli_page() -> str:
     from cephalo.cli import COMMANDS, build_parser
 
@@ -217,7 +249,7 @@ def cli_page() -> str:
                    for name, (_, help_text) in COMMANDS.items()]), "\n",
            _table(["flag", "default", "description"], _flag_rows(top)), "\n"]
     for name, parser in commands.items():
-        usage = " ".join(parser.format_usage().split()).removeprefix("usage: ")
+        usage = _usage(parser)
         out += [f"## `cephalo {name}` {{#cephalo-{name}}}\n\n", f"{parser.description}\n\n",
                 f"```text\n{usage}\n```\n\n",
                 _table(["argument", "default", "description"], _flag_rows(parser)), "\n"]
