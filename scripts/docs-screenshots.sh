@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 command -v chromium >/dev/null || { echo "no chromium: apt-get install -y chromium" >&2; exit 2; }
 site=$(mktemp -d)
 trap 'rm -rf "$site"' EXIT
-NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site"
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir "$site"
 shoot() {  # page (under the site), image name
     # --no-sandbox: Chromium's sandbox needs user namespaces, absent in most CI containers.
     chromium --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1280,900 \

@@ -58,3 +58,24 @@ def test_links_to_repository_files_become_repository_links(tmp_path: Path, caplo
     assert "[f](../../README.md)" in out  # inside a code block: as written
     assert [r.getMessage() for r in caplog.records] == [
         "guide/x.md links ../../no/such/file.py, which is not in the repository"]
+
+
+def test_the_strict_checks_are_on_and_ci_sees_them() -> None:
+    """What makes the build fail is configuration: strict, and each link check at `warn`
+    (`info` would let it pass). And `mkdocs build --quiet` hides the warnings from the
+    strict count too: a broken link built with --strict --quiet exited 0."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+    Loader.add_multi_constructor("tag:yaml.org,2002:python/", lambda *_: None)
+    config = yaml.load((REPO / "mkdocs.yml").read_text(), Loader=Loader)
+    assert config["strict"] is True
+    validation = config["validation"]
+    assert validation["nav"]["not_found"] == "warn"
+    assert {validation["links"][k] for k in ("not_found", "anchors", "unrecognized_links")} \
+        == {"warn"}
+    builds = [line for path in (".ci/run", "scripts/docs-screenshots.sh")
+              for line in (REPO / path).read_text().splitlines() if "bin/mkdocs build" in line]
+    assert len(builds) == 2 and all("--strict" in b and "--quiet" not in b and " -q" not in b
+                                    for b in builds), builds
