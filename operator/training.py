@@ -1,6 +1,6 @@
 """Train and watch: rank pods up, phase from their states, gang restarts, progress.
 
-What counts as what (operator/README.md, "Restarts and disruptions"):
+What counts as what (docs/concepts/operator.md, "Restarts, disruptions and faults"):
 * a rank pod of the current attempt not created yet (its POST failed, the operator stopped
   half-way) is created — until `status.launchedAttempt` records that every rank pod of this
   attempt and plan existed at once; only after that is a missing pod a *vanished* rank;

@@ -2,7 +2,7 @@
 """Write a tiny, briefly pre-trained Hugging Face Llama (byte-level, vocabulary 256) that
 `examples/finetune-local.yaml` fine-tunes offline: no download, seconds on a CPU.
 
-    python scripts/text_to_tokens.py README.md --output data/pretrain.bin
+    python scripts/text_to_tokens.py docs/readme-walk.md --output data/pretrain.bin
     python scripts/make_tiny_hf_model.py --tokens data/pretrain.bin --output data/tiny-llama
 
 The folder holds what `transformers`' `save_pretrained` writes (config.json +

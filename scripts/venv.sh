@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Creates (or updates) .venv with PyTorch and every extra, idempotently.
+# Creates (or updates) .venv with PyTorch and every extra (docs too: MkDocs), idempotently.
 # torch is pinned and installed first (a torch .venv already has is kept) so that the
 # `torch>=2.4` range in pyproject picks no other release. From PyPI on Linux x86-64 it is the
 # CUDA build (about 3 GB; it runs on CPUs too): for the CPU-only build, or your own CUDA
-# build, install torch into .venv before this (README, "Set up and run").
+# build, install torch into .venv before this (docs/getting-started/local-run.md, "Set up").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -13,4 +13,4 @@ PY=${PYTHON:-python3}
 PIP=(.venv/bin/python -I -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" --upgrade pip >/dev/null
 .venv/bin/python -I -c 'import torch' 2>/dev/null || "${PIP[@]}" "torch==2.13.0"
-"${PIP[@]}" -e '.[trainer,operator,dev]'
+"${PIP[@]}" -e '.[trainer,operator,dev,docs]'

@@ -36,8 +36,9 @@ def _script(name: str):
 def test_finetune_example_starts_from_the_pretrained_loss(tmp_path: Path) -> None:
     data = tmp_path / "data"
     tokens = _script("text_to_tokens")
-    assert tokens.main([str(REPO / "README.md"), "--output", str(data / "pretrain.bin")]) == 0
-    assert tokens.main([str(REPO / "operator" / "README.md"), "--output",
+    assert tokens.main([str(REPO / "docs" / "readme-walk.md"), "--output",
+                        str(data / "pretrain.bin")]) == 0
+    assert tokens.main([str(REPO / "docs" / "concepts" / "operator.md"), "--output",
                         str(data / "finetune.bin")]) == 0
     # 40 steps reach a loss of ~3.0 nats (100: ~2.8), far below the 0.8 ln(256) = 4.4 the
     # test needs to tell a pre-trained start from a random one; each step is ~90 ms.

@@ -1,7 +1,8 @@
-"""scripts/demo-cluster.sh, the README's recorded terminal session (issue 27): in tmux against
+"""scripts/demo-cluster.sh, the docs' recorded terminal session (issue 27; on the first-job
+page, docs/getting-started/first-job.md, since issue 37): in tmux against
 the emulated cluster, `cephalo plan --cluster`, `cephalo submit --watch` to Succeeded with a
 live progress bar, `cephalo status` and `cephalo logs`. Run as written, so that the recording
-the README shows (docs/demo-cluster/) can always be made again."""
+the docs show (docs/demo-cluster/) can always be made again."""
 
 from __future__ import annotations
 
