@@ -122,17 +122,17 @@ class TrainerMetrics:
             self.memory_capacity.labels(**lb).set(memory[1])
 
 
-    def final_progress(self) -> FinalProgress | None:
-        """The last logged step as rank 0 leaves it when it completes (its termination
-        message): the figures its /metrics page shows now, non-finite ones left out."""
+    def final_progress(self, last_step: int) -> FinalProgress:
+        """What rank 0 leaves when it completes at `last_step` (its termination message):
+        the figures its /metrics page shows for that step, non-finite ones left out; only
+        the step when it logged none there (it resumed from a checkpoint of its last step)."""
         def value(name: str) -> float | None:
             found = self.registry.get_sample_value(name, self.labels)
             return found if found is not None and math.isfinite(found) else None
 
-        step = value("cephalo_step")
-        if step is None:  # nothing logged (a resume at the last step): nothing to say
-            return None
-        return FinalProgress(step=int(step), loss=value("cephalo_loss"),
+        if value("cephalo_step") != last_step:
+            return FinalProgress(step=last_step)
+        return FinalProgress(step=last_step, loss=value("cephalo_loss"),
                              samples_per_second=value("cephalo_samples_per_second"),
                              validation_loss=value("cephalo_validation_loss"))
 

@@ -239,9 +239,7 @@ def main() -> int:
             return EXIT_CHECKPOINT_ERROR
         if env.rank == 0 and env.termination_log and not outcome.stopped_by_signal:
             # The operator reads it when the pod completes: its last scrape may be steps old.
-            final = metrics.final_progress()
-            if final is not None:
-                write_final_progress(env.termination_log, final)
+            write_final_progress(env.termination_log, metrics.final_progress(outcome.last_step))
         if env.rank == 0:
             print(f"cephalo trainer: {'stopped' if outcome.stopped_by_signal else 'done'} at "
                   f"step {outcome.last_step}; checkpoint "
