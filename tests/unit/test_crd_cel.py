@@ -195,7 +195,7 @@ def test_every_cel_rule_compiles_and_has_a_message() -> None:
             walk(node["items"])
 
     walk(root_schema())
-    assert found >= 9  # name, token file, seven model rules
+    assert found >= 11  # name, token file, checkpoint, eight model rules
 
 
 def test_cel_rules_can_fail() -> None:

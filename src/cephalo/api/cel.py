@@ -1,6 +1,7 @@
 """Cross-field rules of the CephaloJob spec as CEL (`x-kubernetes-validations`), so that the
-API server refuses at `kubectl apply` what pydantic refuses (`ModelConfig._check`,
-`TokenFileData`, the job name).
+API server refuses at `kubectl apply` what pydantic refuses (`ModelConfig._check`, preset or
+pretrained, `TokenFileData`, one checkpoint target, the job name; the planner's rule is in
+planner_spec, text data's in data, the pod template's in podtemplate_rules).
 
 The model rules must hold for a preset whose fields are overridden too (`preset: llama-tiny`
 with `numHeads: 5`), so every rule reads a field's *effective* value: the field if given,
