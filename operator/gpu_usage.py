@@ -18,9 +18,11 @@ Discovery (cephalo.operator.discovery) subtracts two things from each pool:
   pool by their nodeSelector (a job whose claim this process has not seen yet).
 
 Unbound pods of other workloads are not subtracted (the scheduler does not reserve for them
-either). One pod LIST serves every pass for `PodLister.max_age_seconds` (the operator's
-recheck period): jobs waiting for GPUs re-check that often anyway, and a foreign pod placed
-since is what the pending timeout is for.
+either). One pod LIST serves the passes of the next `PodLister.max_age_seconds` (the
+operator's recheck period) that only look (a job waiting for GPUs, one re-claiming what it
+holds while it profiles); a pass that is about to claim GPUs it does not hold yet, or to
+solve its plan, lists again (`fresh`): a foreign pod placed within the window was planned
+on, and its ranks there stayed Pending until the pending timeout (issue 39 item 2).
 """
 
 from __future__ import annotations
@@ -130,6 +132,12 @@ class GpuClaims:
             self.claim(key, uid, {str(p): int(n) for p, n in pools.items()})
         return False
 
+    def holds(self, key: JobKey, uid: str, pools: Mapping[str, int]) -> bool:
+        """The job's claim is already exactly `pools` (claiming them again is no new claim)."""
+        held = self.claims.get(key)
+        return held is not None and held.uid == uid and held.pools == {
+            p: n for p, n in sorted(pools.items()) if n > 0}
+
     def others(self, uid: str) -> list[Claim]:
         return [c for c in self.claims.values() if c.uid != uid]
 
@@ -210,10 +218,12 @@ class PodLister:
                 and self.clock() - self._listed_at <= self.max_age_seconds
                 and (self.clusterwide or namespaces <= self._listed_namespaces))
 
-    async def pods(self, kube: AsyncKube, namespaces: Iterable[str]) -> list[dict[str, Any]]:
+    async def pods(self, kube: AsyncKube, namespaces: Iterable[str], *,
+                   fresh: bool = False) -> list[dict[str, Any]]:
+        """The pods; `fresh`: from a LIST made now, whatever the age of the last one."""
         wanted = frozenset(namespaces)
         async with self._lock:
-            if not self._fresh(wanted):
+            if fresh or not self._fresh(wanted):
                 started = self.clock()
                 self._pods = await self._list(kube, wanted)
                 self._listed_at, self._listed_namespaces = started, wanted
@@ -249,10 +259,11 @@ PODS = PodLister()
 
 
 async def free_pools(kube: AsyncKube, key: JobKey, uid: str, nodes: list[dict[str, Any]],
-                     tolerations: list[dict[str, Any]]) -> Discovery:
-    """Discovery on the GPUs free for job `key` now. Everything after the LIST is one
+                     tolerations: list[dict[str, Any]], *, fresh: bool = False) -> Discovery:
+    """Discovery on the GPUs free for job `key` now (`fresh`: from a pod LIST made now, not
+    the shared one of the last recheck period). Everything after the LIST is one
     synchronous step: a caller that claims its choice before its next `await` cannot choose
     GPUs another pass chose meanwhile."""
-    pods = await PODS.pods(kube, CLAIMS.namespaces | {key[0]})
+    pods = await PODS.pods(kube, CLAIMS.namespaces | {key[0]}, fresh=fresh)
     usage = gpu_usage(pods, uid, CLAIMS.others(uid), nodes)
     return discover_pools(nodes, usage, tolerations)

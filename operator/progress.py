@@ -16,7 +16,9 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
+from pydantic import ValidationError
 
+from cephalo.api.status import FinalProgress
 from cephalo.operator import metrics
 from cephalo.operator.status import SERVED_BY, now_iso, parse_progress, parse_time
 
@@ -131,6 +133,27 @@ async def scrape_progress(url: str, key: str, *, pod_uid: str | None = None,
                 "IP is shared or was reused", key, url, served_by, pod_uid)
         return {}
     _warned.discard(key)
+    return progress
+
+
+def final_progress(ctx: JobContext, message: str | None) -> dict[str, Any] | None:
+    """status.progress from rank 0's termination message once it completed
+    (cephalo.api.status.FinalProgress): its last step, loss and throughput, which the last
+    scrape may have seen steps earlier, or never. None when it left none (a trainer image
+    older than this contract) or something else (the image is the user's)."""
+    if not message:
+        return None
+    try:
+        final = FinalProgress.model_validate_json(message)
+    except ValidationError as err:
+        log.warning("%s/%s: rank 0's termination message is not its final progress (%d "
+                    "errors); keeping the last scraped progress", ctx.namespace, ctx.name,
+                    err.error_count())
+        return None
+    progress = {**final.to_wire(), "totalSteps": ctx.job.spec.training.steps,
+                "lastUpdateTime": now_iso(ctx.now)}
+    if final.samples_per_second is not None:
+        metrics.MEASURED_SAMPLES.labels(ctx.namespace, ctx.name).set(final.samples_per_second)
     return progress
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import kopf
 
-from cephalo.api import CephaloJob, JobFileError, Plan, parse_job
+from cephalo.api import CephaloJob, ClusterSpec, JobFileError, Plan, parse_job
 from cephalo.api.plan import PlanError, parse_plan
 from cephalo.operator import metrics, rescale
 from cephalo.operator.config import OperatorConfig
@@ -232,17 +232,35 @@ def _read_plan(cm: dict[str, Any] | None) -> Plan | None:
         return None  # unreadable plan: plan again and overwrite it
 
 
-async def _plan(ctx: JobContext, nodes: list[dict[str, Any]]) -> Plan | None:
+async def _select(ctx: JobContext, nodes: list[dict[str, Any]],
+                  fresh: bool) -> tuple[ClusterSpec, list[Pool]] | None:
+    """The GPUs to plan on, of those free now (None: none, the job waits). Nothing awaits
+    after the pod LIST on the way to a returned choice, so the caller claims it before any
+    other pass can choose (see gpu_usage)."""
     key = (ctx.namespace, ctx.name)
-    # Only free GPUs; from here to CLAIMS.claim nothing awaits, so two jobs planning at the
-    # same moment never choose the same GPUs (see gpu_usage).
-    discovery = await free_pools(ctx.kube, key, ctx.uid, nodes, job_tolerations(ctx.job.spec))
+    discovery = await free_pools(ctx.kube, key, ctx.uid, nodes, job_tolerations(ctx.job.spec),
+                                 fresh=fresh)
     try:
-        cluster, pools = select_cluster(capped_spec(ctx.job.spec), discovery, nodes)
+        return select_cluster(capped_spec(ctx.job.spec), discovery, nodes)
     except NoGpusError as err:
         CLAIMS.release(key)
         await _no_gpus(ctx, str(err))
         return None
+
+
+async def _plan(ctx: JobContext, nodes: list[dict[str, Any]]) -> Plan | None:
+    key = (ctx.namespace, ctx.name)
+    chosen = await _select(ctx, nodes, fresh=False)
+    if chosen is None:
+        return None
+    choice = {g.pool or g.product: g.count for g in chosen[0].groups}
+    if ctx.status.get("phase") == JobPhase.PLANNING or not CLAIMS.holds(key, ctx.uid, choice):
+        # A new claim, or the pass that solves: from a pod LIST made now, not the shared one
+        # of up to a recheck period ago (a foreign pod placed since would be planned on).
+        chosen = await _select(ctx, nodes, fresh=True)
+        if chosen is None:
+            return None
+    cluster, pools = chosen
     CLAIMS.claim(key, ctx.uid, {g.pool or g.product: g.count for g in cluster.groups})
     # Issue 13: refuse before profiling or any rank pod (a plan uses every selected GPU).
     storage = checkpoint_target(ctx.job, sum(g.count for g in cluster.groups))

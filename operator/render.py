@@ -41,6 +41,9 @@ ANNOTATION_CONFIG_HASH = f"{API_GROUP}/config-hash"
 ANNOTATION_PROFILE_ATTEMPTS = f"{API_GROUP}/profile-attempts"
 CONFIG_DIR = "/etc/cephalo"
 CHECKPOINT_ROOT = "/checkpoints"
+# Where every pod's container leaves its termination message: a profiler its GpuProfile,
+# rank 0 its final progress (cephalo.api.status.FinalProgress).
+TERMINATION_MESSAGE_PATH = "/dev/termination-log"
 DATA_VOLUME = "dataset"
 CHECKPOINTS_DURABLE = "CheckpointsDurable"  # status condition type
 PROFILE_KEY = "profile.json"
@@ -183,7 +186,7 @@ def _gpu_pod(job: CephaloJob, config: OperatorConfig, *, name: str, labels: dict
         "ports": ports,
         "resources": {"limits": {GPU_RESOURCE: gpus}, "requests": {GPU_RESOURCE: gpus}},
         "securityContext": container_security, "volumeMounts": mounts,
-        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePath": TERMINATION_MESSAGE_PATH,
         # A crash without a message still leaves the log tail for status and Events.
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
@@ -313,7 +316,7 @@ def render_profiler_pod(job: CephaloJob, product: str, attempt: int,
                 LABEL_ATTEMPT: str(attempt)},
         annotations=None, product=product,
         command=["python", "-m", "cephalo.trainer.profile", "--job", f"{CONFIG_DIR}/job.yaml",
-                 "--output", "/dev/termination-log"],
+                 "--output", TERMINATION_MESSAGE_PATH],
         env=_pod_env(TrainerVars(job=f"{CONFIG_DIR}/job.yaml")),
         config_map=spec_config_map_name(job), ports=[], extra_volumes=[], extra_mounts=[],
         node_selector=_pool_selector(job, product))
@@ -378,7 +381,7 @@ def render(job: CephaloJob, plan: Plan, config: OperatorConfig | None = None,
             num_micro_batches=r.num_micro_batches if single else None,
             shard_ratio=r.shard_ratio if single else None, checkpoint_dir=target.directory,
             metrics_port=config.trainer_metrics_port, restart_attempt=attempt,
-            ranks_per_pod=None if single else count))
+            ranks_per_pod=None if single else count, termination_log=TERMINATION_MESSAGE_PATH))
         # Known only once the API server has created the pod: the downward API gives it.
         env.append({"name": POD_UID, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}})
         labels = {LABEL_ROLE: "trainer", LABEL_RANK: str(r.rank), LABEL_ATTEMPT: str(attempt),

@@ -89,17 +89,28 @@ async def consider(ctx: JobContext, nodes: list[dict[str, Any]], plan: Plan) -> 
         return None  # a rescale still on its way, or no step to count the rest from
     key = (ctx.namespace, ctx.name)
     current = plan_pools(plan)
-    discovery = await free_pools(ctx.kube, key, ctx.uid, nodes, job_tolerations(spec))
-    try:
-        cluster, pools = select_cluster(capped_spec(spec), discovery, nodes)
-    except NoGpusError:
-        return None
-    offer = {g.pool or g.product: g.count for g in cluster.groups}
     last = elastic.get("lastDecision") or {}
-    if not offers_more(current, offer) or not should_evaluate(
-            offer, last.get("freeGpus"), last.get("verdict"), parse_time(last.get("retryTime")),
-            ctx.now):
+
+    async def offered(fresh: bool) -> tuple[dict[str, int], Any, list[Pool]] | None:
+        """What the job could use now, if worth a decision (nothing awaits after the LIST)."""
+        discovery = await free_pools(ctx.kube, key, ctx.uid, nodes, job_tolerations(spec),
+                                     fresh=fresh)
+        try:
+            cluster, pools = select_cluster(capped_spec(spec), discovery, nodes)
+        except NoGpusError:
+            return None
+        offer = {g.pool or g.product: g.count for g in cluster.groups}
+        if not offers_more(current, offer) or not should_evaluate(
+                offer, last.get("freeGpus"), last.get("verdict"),
+                parse_time(last.get("retryTime")), ctx.now):
+            return None
+        return offer, cluster, pools
+
+    # The shared pod LIST says whether anything is on offer; a claim is made only on a LIST
+    # made now (a foreign pod placed since the shared one would be planned on).
+    if await offered(fresh=False) is None or (found := await offered(fresh=True)) is None:
         return None
+    offer, cluster, pools = found
     CLAIMS.claim(key, ctx.uid, offer)  # before any await: see the module docstring
     growth: Growth | None = None
     try:
@@ -276,7 +287,7 @@ async def _plan_on(ctx: JobContext, nodes: list[dict[str, Any]],
     profiles (the plan it had, when those GPUs are still there); None when that fails."""
     spec = ctx.job.spec
     discovery = await free_pools(ctx.kube, (ctx.namespace, ctx.name), ctx.uid, nodes,
-                                 job_tolerations(spec))
+                                 job_tolerations(spec), fresh=True)  # a new plan: see consider
     try:
         cluster, pools = select_cluster(capped_spec(spec), discovery, nodes)
     except NoGpusError as err:

@@ -26,6 +26,7 @@ from cephalo.api import Plan
 from cephalo.api.plan import RankPlan
 from cephalo.operator import disruptions, gang_timeout, metrics, rescale
 from cephalo.operator.kube import core_path, not_owned, owned_by
+from cephalo.operator.progress import final_progress
 from cephalo.operator.progress import job_progress as _progress
 from cephalo.operator.render import (
     ANNOTATION_CONFIG_HASH,
@@ -201,10 +202,13 @@ async def _report(ctx: JobContext, plan: Plan, states: list[PodState]) -> None:
         # 'all 1 ranks completed' read oddly in `cephalo submit --watch` (the README walk)
         message = "1 rank completed" if plan.world_size == 1 else \
             f"all {plan.world_size} ranks completed"
-        ctx.event("Normal", "Succeeded", message)
+        final = final_progress(ctx, states[0].message)  # rank 0's, as it completed
+        last = {"progress": final} if final is not None else {}
+        ctx.event("Normal", "Succeeded", message + _trained(final))
         await ctx.write_status(JobPhase.SUCCEEDED, message, {
             SUCCEEDED: ("True", "Completed", message),
-            RUNNING: ("False", "Completed", message)}, completionTime=now_iso(ctx.now))
+            RUNNING: ("False", "Completed", message)}, completionTime=now_iso(ctx.now),
+            **last)
         return
     if all(s.phase in (PodPhase.RUNNING, PodPhase.SUCCEEDED) for s in states):
         fields: dict[str, Any] = {}
@@ -225,6 +229,19 @@ async def _report(ctx: JobContext, plan: Plan, states: list[PodState]) -> None:
     await ctx.write_status(phase, f"waiting for ranks: {running}/{plan.world_size} running",
                            _resumed(status))
     ctx.wake_in(ctx.config.recheck_seconds)
+
+
+def _trained(final: dict[str, Any] | None) -> str:
+    """`; step 30/30, loss 4.3186, 812.5 samples/s` for the Succeeded Event (the status
+    message stays as it was: `cephalo submit --watch` adds the step and loss to it)."""
+    if final is None:
+        return ""
+    parts = [f"step {final['step']}/{final['totalSteps']}"]
+    if final.get("loss") is not None:
+        parts.append(f"loss {final['loss']:.4f}")
+    if final.get("samplesPerSecond") is not None:
+        parts.append(f"{final['samplesPerSecond']:.1f} samples/s")
+    return "; " + ", ".join(parts)
 
 
 def _resumed(status: dict[str, Any]) -> dict[str, tuple[str, str, str]]:

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from cephalo.api.status import FinalProgress
 
 STEP_BUCKETS_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 
@@ -117,6 +120,32 @@ class TrainerMetrics:
         if memory is not None:
             self.memory_used.labels(**lb).set(memory[0])
             self.memory_capacity.labels(**lb).set(memory[1])
+
+
+    def final_progress(self, last_step: int) -> FinalProgress:
+        """What rank 0 leaves when it completes at `last_step` (its termination message):
+        the figures its /metrics page shows for that step, non-finite ones left out; only
+        the step when it logged none there (it resumed from a checkpoint of its last step)."""
+        def value(name: str) -> float | None:
+            found = self.registry.get_sample_value(name, self.labels)
+            return found if found is not None and math.isfinite(found) else None
+
+        if value("cephalo_step") != last_step:
+            return FinalProgress(step=last_step)
+        return FinalProgress(step=last_step, loss=value("cephalo_loss"),
+                             samples_per_second=value("cephalo_samples_per_second"),
+                             validation_loss=value("cephalo_validation_loss"))
+
+
+def write_final_progress(path: str, progress: FinalProgress) -> None:
+    """Rank 0's termination message (CEPHALO_TERMINATION_LOG). Best effort: a message that
+    cannot be written costs the operator only the final figures, not the job."""
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(progress.model_dump_json(by_alias=True, exclude_none=True))
+    except OSError as err:
+        print(f"cephalo trainer: warning: cannot write the final progress to {path}: "
+              f"{err.strerror or err}", file=sys.stderr, flush=True)
 
 
 class ProgressFile:

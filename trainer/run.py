@@ -24,7 +24,7 @@ from cephalo.trainer.engine import Engine, Layout
 from cephalo.trainer.env import EnvError, read_env
 from cephalo.trainer.eval import evaluator
 from cephalo.trainer.hf_weights import init_from_pretrained
-from cephalo.trainer.metrics import ProgressFile, TrainerMetrics
+from cephalo.trainer.metrics import ProgressFile, TrainerMetrics, write_final_progress
 from cephalo.trainer.step_log import StepLogger
 from cephalo.trainer.storage import CheckpointError, Store, check_shared
 
@@ -237,6 +237,9 @@ def main() -> int:
             print(f"cephalo trainer (rank {env.rank}): error: {err}", file=sys.stderr,
                   flush=True)
             return EXIT_CHECKPOINT_ERROR
+        if env.rank == 0 and env.termination_log and not outcome.stopped_by_signal:
+            # The operator reads it when the pod completes: its last scrape may be steps old.
+            write_final_progress(env.termination_log, metrics.final_progress(outcome.last_step))
         if env.rank == 0:
             print(f"cephalo trainer: {'stopped' if outcome.stopped_by_signal else 'done'} at "
                   f"step {outcome.last_step}; checkpoint "

@@ -12,6 +12,9 @@ What it emulates, as tests/realk8s/kubelet.py does under a real API server:
 * the network: every pod is 127.0.0.1; MASTER_ADDR (the rank-0 pod's DNS name) resolves
   there, MASTER_PORT is a free port per gang (job, attempt, plan), and only rank 0 serves
   /metrics, on `metrics_port` (what the operator scrapes: CEPHALO_TRAINER_METRICS_PORT);
+* the termination message: the container's terminationMessagePath is a file of its own
+  (env values naming it rewritten), read back at exit, the log's tail on a failure that
+  wrote none (FallbackToLogsOnError);
 * emulated GPUs: CEPHALO_TIME_DILATION and one thread a rank (CEPHALO_NUM_THREADS), each
   gang's progress file apart (metrics-<attempt>-<config hash>.jsonl);
 * deletion: a running pod being deleted gets SIGTERM (the trainer checkpoints at the next
@@ -39,6 +42,7 @@ from kubelet import free_port, pod_status
 
 ROLE, JOB, ATTEMPT = "cephalo.dev/role", "cephalo.dev/job", "cephalo.dev/attempt"
 HASH = "cephalo.dev/config-hash"
+MAX_MESSAGE_BYTES = 4096  # the kubelet's termination-message limit
 CLUSTER_DNS = re.compile(r"^[a-z0-9.-]+\.svc(\.cluster\.local)?$")
 
 
@@ -136,6 +140,11 @@ class ProcessKubelet:
                 for name, text in (cm.get("data") or {}).items():
                     (folder / name).write_text(text)
             mounts.append((mount["mountPath"], folder))
+        # The container's terminationMessagePath: a file of its own, read back at exit.
+        c.folder.mkdir(parents=True, exist_ok=True)
+        (c.folder / "termination-log").touch()
+        mounts.append((container.get("terminationMessagePath", "/dev/termination-log"),
+                       c.folder / "termination-log"))
 
         def local(value: str) -> str:
             for path, folder in sorted(mounts, key=lambda m: -len(m[0])):
@@ -177,7 +186,7 @@ class ProcessKubelet:
         self.exits.append((pod["metadata"]["name"], code))
         phase = "Succeeded" if code == 0 else "Failed"
         self._report(c.key, c.uid, pod_status(phase, exit_code=code,
-                                               message=self.log_tail(c) if code else None))
+                                               message=self._message(c, container, code)))
         if c.stopping:  # deleted: gone once its process is (grace 0, as the kubelet asks)
             with contextlib.suppress(KeyError):
                 if self.api._store[c.key]["metadata"]["uid"] == c.uid:
@@ -198,6 +207,16 @@ class ProcessKubelet:
             with contextlib.suppress(KeyError):
                 if self.api._store[c.key]["metadata"]["uid"] == c.uid:
                     self.api._remove(c.key)
+
+    def _message(self, c: Container, container: dict[str, Any], code: int) -> str | None:
+        """The kubelet's termination message: the terminationMessagePath file (at most 4096
+        bytes), else on failure under FallbackToLogsOnError the log's tail."""
+        text = (c.folder / "termination-log").read_bytes()[:MAX_MESSAGE_BYTES].decode(
+            errors="replace")
+        if not text and code and container.get(
+                "terminationMessagePolicy") == "FallbackToLogsOnError":
+            return self.log_tail(c)
+        return text or None
 
     @staticmethod
     def log_tail(c: Container, chars: int = 2000) -> str:

@@ -228,3 +228,28 @@ async def test_a_page_naming_another_pod_is_not_this_jobs_progress(server, caplo
     address, _ = await server(_text(_trainer_page(None, 3)))
     older = await _progress(address, pod_uid="uid-of-grow-rank-0")
     assert older is not None and older["step"] == 3
+
+
+@pytest.mark.parametrize(("message", "expected"), [
+    ('{"step": 30, "loss": 4.3186, "samplesPerSecond": 812.5, "newerField": 1}',
+     {"step": 30, "loss": 4.3186, "samplesPerSecond": 812.5}),
+    ('{"step": 30}', {"step": 30}),
+    ("Traceback (most recent call last): ...", None),  # not JSON: a user's image wrote it
+    ('{"step": -1, "loss": 1.0}', None),
+    ('{"step": 30, "loss": NaN}', None),
+    ('{"step": "30"}', None),
+    ('{"step": 30, "samplesPerSecond": -2}', None),
+    ("", None),
+    (None, None),
+])
+async def test_rank_0s_final_progress_is_checked_like_a_scrape(message, expected, caplog) -> None:
+    """Issue 39 item 10: the termination message of a completed rank 0 (FinalProgress)."""
+    found = progress_module.final_progress(_ctx("127.0.0.1:9400"), message)
+    if expected is None:
+        assert found is None
+        assert bool(message) == any("not its final progress" in r.message
+                                    for r in caplog.records)
+        return
+    assert found is not None
+    assert found.pop("totalSteps") == 100 and found.pop("lastUpdateTime")
+    assert found == expected

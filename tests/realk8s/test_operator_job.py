@@ -54,6 +54,11 @@ def test_job_trains_under_the_real_api_server_and_exports(
     assert order in (expected, [p for p in expected if p != "Running"]), (cached, phases)
     assert phases == sorted(phases, key=lambda p: PHASE_ORDER.get(p, -1)), phases
     print(f"realk8s: job tiny {' -> '.join(phases)} in {time.monotonic() - started:.0f} s")
+    # Its last step, not the last one a scrape saw (issue 39 item 10: rank 0's termination
+    # message, through the real API server's pod status).
+    steps = first["spec"]["training"]["steps"]
+    assert (status["progress"]["step"], status["progress"]["totalSteps"]) == (steps, steps), \
+        status
     # The chart's RBAC sufficed: the real authorizer refused the operator nothing.
     assert "forbidden" not in operator.log_text(log_from).lower(), operator.log()
     # The checkpoint the ranks wrote on the shared claim is a model that exports.
@@ -93,6 +98,8 @@ def test_job_trains_under_the_real_api_server_and_exports(
     second = cluster.rest.must("GET", f"{JOBS.format(ns=ns)}/tiny")
     assert second["metadata"]["uid"] != first["metadata"]["uid"]
     assert second["status"]["phase"] == "Succeeded"
+    # resumed at its last step: it trained none, and still says where it ended
+    assert second["status"]["progress"]["step"] == steps, second["status"]
     plan_map = cluster.rest.must("GET", f"/api/v1/namespaces/{ns}/configmaps/tiny-plan")
     assert json.loads(preview.out) == json.loads(plan_map["data"]["plan.json"])
     assert cli_main(["status", *where]) == 0

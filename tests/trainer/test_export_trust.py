@@ -120,6 +120,33 @@ def test_every_output_is_checked_before_any_is_written(tmp_path, two_rank_checkp
     assert sorted(tmp_path.rglob("*")) == before
 
 
+@pytest.mark.parametrize(("fmt", "output", "config_output", "phrase"), [
+    ("pt", "model.pt", "nodir/config.json", "--config-output nodir/config.json: nodir is a "
+     "file, where a folder must be"),
+    ("pt", "model.pt", "nodir/deeper/config.json", "--config-output nodir/deeper/config.json: "
+     "nodir is a file, where a folder must be"),
+    ("pt", "nodir/model.pt", None, "--output nodir/model.pt: nodir is a file, where a folder "
+     "must be"),
+    ("hf", "nodir/hf", None, "--output nodir/hf: nodir is a file, where a folder must be"),
+    ("pt", "model.pt", "model.pt", "--config-output model.pt is --output too"),
+    ("hf", "hf", "hf/config.json", "--config-output hf/config.json is the config.json "
+     "--format hf writes"),
+])
+def test_a_file_where_a_folder_must_be_is_named_and_nothing_is_written(
+        tmp_path, two_rank_checkpoint, capsys, monkeypatch, fmt, output, config_output,
+        phrase) -> None:
+    """Issue 39 item 7: a file `nodir` under --config-output nodir/config.json wrote model.pt,
+    then failed with "File exists" (an OSError of mkdir) and left model.pt behind."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "nodir").write_text("a file, not a folder\n")
+    before = sorted(tmp_path.rglob("*"))
+    args = ["export", str(two_rank_checkpoint), "--format", fmt, "--output", output]
+    code = cli_main(args + (["--config-output", config_output] if config_output else []))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and phrase in err[0], err
+    assert sorted(tmp_path.rglob("*")) == before
+
+
 def test_both_outputs_go_into_new_folders(tmp_path, two_rank_checkpoint, capsys) -> None:
     model, config = tmp_path / "a" / "model.pt", tmp_path / "b" / "config.json"
     assert cli_main(["export", str(two_rank_checkpoint), "--output", str(model),

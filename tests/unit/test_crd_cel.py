@@ -130,6 +130,21 @@ BATTERY: list[tuple[str, dict[str, Any], bool]] = [
     ("token-file-is-the-mount", _job(data={"tokenFile": {**TOKENS, "path": "/data/"}}), False),
     ("token-file-without-claim", _job(data={"tokenFile": {"path": "../x.bin"}}), True),
     ("token-file-empty-path", _job(data={"tokenFile": {"path": ""}}), False),
+    # one checkpoint target, one source of the architecture (issue 39 item 3: the server
+    # stored these, then the operator failed parsing them)
+    ("checkpoint-claim-and-ephemeral", _job(checkpoint={"claimName": "c", "ephemeral": True}),
+     False),
+    ("checkpoint-claim-and-uri", _job(checkpoint={"claimName": "c", "uri": "s3://b/ck"}),
+     False),
+    ("checkpoint-uri-and-ephemeral", _job(checkpoint={"uri": "s3://b/ck", "ephemeral": True}),
+     False),
+    ("checkpoint-all-three", _job(checkpoint={"claimName": "c", "uri": "s3://b/ck",
+                                              "ephemeral": True}), False),
+    ("checkpoint-claim-not-ephemeral", _job(checkpoint={"claimName": "c", "ephemeral": False}),
+     True),
+    ("checkpoint-ephemeral", _job(checkpoint={"ephemeral": True}), True),
+    ("checkpoint-uri", _job(checkpoint={"uri": "s3://b/ck", "keep": 3}), True),
+    ("preset-and-pretrained", _model(preset="gpt-tiny", pretrained="gpt-1.3b"), False),
     ("name-47", _job(name="a" * 47), True),
     ("name-48", _job(name="a" * 48), False),
     ("name-digit-first", _job(name="2-gpt"), False),
@@ -154,6 +169,17 @@ def test_crd_and_pydantic_agree(obj: dict[str, Any], valid: bool) -> None:
     assert _pydantic_accepts(obj) == valid
 
 
+@pytest.mark.parametrize("case_id", ["checkpoint-claim-and-ephemeral", "preset-and-pretrained"])
+def test_one_of_rules_say_what_pydantic_says(case_id: str) -> None:
+    """`kubectl apply` refuses in pydantic's words (which go on to name what was given)."""
+    obj = next(o for i, o, _ in BATTERY if i == case_id)
+    [crd] = crd_verdict(obj)
+    message = crd.split(": ", 1)[1]
+    with pytest.raises(JobFileError) as err:
+        parse_job(copy.deepcopy(obj))
+    assert message in str(err.value)
+
+
 def test_every_cel_rule_compiles_and_has_a_message() -> None:
     found = 0
 
@@ -169,7 +195,7 @@ def test_every_cel_rule_compiles_and_has_a_message() -> None:
             walk(node["items"])
 
     walk(root_schema())
-    assert found >= 9  # name, token file, seven model rules
+    assert found >= 11  # name, token file, checkpoint, eight model rules
 
 
 def test_cel_rules_can_fail() -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from cephalo.api import ClusterSpec, GpuGroup
 from cephalo.planner import InfeasibleError, solve
-from cephalo.planner.report import format_plan
+from cephalo.planner.report import format_plan, plural
 
 from .planner_instances import job_spec, random_instance
 from .test_planner_oracle import brute_force, sub_clusters
@@ -111,7 +111,8 @@ def test_cost_objective_says_what_it_costs_and_the_throughput_plan_does_too() ->
                  for g in (r.gpu for r in cheap.ranks))
     assert cheap.cost.price_per_hour == pytest.approx(hourly) and used
     text = format_plan(cheap, "gpt-small")
-    assert f"${cheap.cost.price_per_hour:.4g}/hour for the {cheap.world_size} GPUs used" in text
+    used_gpus = plural(cheap.world_size, "GPU")
+    assert f"${cheap.cost.price_per_hour:.4g}/hour for the {used_gpus} used" in text
     assert "$/M samples" in text
     # Without prices a plan keeps its bytes: no cost field at all.
     plain = solve(job_spec(64, "gpt-small"), CLOUD, choose_gpus=True)
@@ -140,3 +141,13 @@ def test_a_gpu_type_without_a_price_is_named() -> None:
     with pytest.raises(InfeasibleError,
                        match=r"none for T4; add them to planner\.gpuPricesPerHour"):
         solve(_cost_job(64, "gpt-small", gpuPricesPerHour={"A10G": 1.0}), CLOUD)
+
+
+def test_one_gpu_used_is_said_in_the_singular() -> None:
+    """Issue 39 item 6: `cephalo plan` said "for the 1 GPUs used"."""
+    one = ClusterSpec(groups=[GpuGroup(product="T4", count=1)])
+    plan = solve(_cost_job(8, "gpt-tiny", gpuPricesPerHour=PRICES), one, choose_gpus=True)
+    assert plan.cost is not None and plan.world_size == 1
+    text = format_plan(plan, "gpt-tiny")
+    assert f"${plan.cost.price_per_hour:.4g}/hour for the 1 GPU used," in text
+    assert "1 GPUs" not in text

@@ -1,6 +1,7 @@
 """Cross-field rules of the CephaloJob spec as CEL (`x-kubernetes-validations`), so that the
-API server refuses at `kubectl apply` what pydantic refuses (`ModelConfig._check`,
-`TokenFileData`, the job name).
+API server refuses at `kubectl apply` what pydantic refuses (`ModelConfig._check`, preset or
+pretrained, `TokenFileData`, one checkpoint target, the job name; the planner's rule is in
+planner_spec, text data's in data, the pod template's in podtemplate_rules).
 
 The model rules must hold for a preset whose fields are overridden too (`preset: llama-tiny`
 with `numHeads: 5`), so every rule reads a field's *effective* value: the field if given,
@@ -58,11 +59,20 @@ def _custom_default(field: str) -> str:
     return f"({_has(field)} || !has(self.preset))"
 
 
+# The "one of" rules of ModelSpec and CheckpointSpec: pydantic raises these very words (the
+# checkpoint one followed by what was given), the API server says them at `kubectl apply`.
+PRESET_OR_PRETRAINED = ("model: give either `preset` or `pretrained` (whose config.json is the "
+                        "architecture), not both")
+ONE_CHECKPOINT_TARGET = "checkpoint: give only one of claimName, uri and ephemeral: true"
+
+
 def model_rules() -> list[JsonValue]:
-    """`ModelConfig._check` on the effective values, one rule per check (same messages)."""
+    """`ModelSpec._preset_or_family`'s "not both" and `ModelConfig._check` on the effective
+    values, one rule per check (same messages)."""
     hidden, heads = _value("hidden_size"), _value("num_heads")
     both = f"{_has('hidden_size')} && {_has('num_heads')}"
     return [
+        {"rule": "!(has(self.preset) && has(self.pretrained))", "message": PRESET_OR_PRETRAINED},
         {"rule": f"!({both}) || {hidden} % {heads} == 0",
          "message": "hiddenSize must be divisible by numHeads"},
         {"rule": f"!({_family_in(('llama',))} && {_has('num_kv_heads')} && "
@@ -83,6 +93,14 @@ def model_rules() -> list[JsonValue]:
                  f"({hidden} / {heads}) % 2 == 0",
          "message": "llama head size (hiddenSize / numHeads) must be even for RoPE"},
     ]
+
+
+def checkpoint_rules() -> list[JsonValue]:
+    """`CheckpointSpec._one_target`: at most one of claimName, uri and ephemeral: true (the
+    API server fills in ephemeral's default false, so it counts only when true)."""
+    given = " + ".join(f"({test} ? 1 : 0)" for test in (
+        "has(self.claimName)", "has(self.uri)", "(has(self.ephemeral) && self.ephemeral)"))
+    return [{"rule": f"{given} <= 1", "message": ONE_CHECKPOINT_TARGET}]
 
 
 # A path segment ".." (start, middle or end); RE2 syntax, which CEL's matches() uses.

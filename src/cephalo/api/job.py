@@ -20,7 +20,12 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonValue
 
-from cephalo.api.cel import model_rules
+from cephalo.api.cel import (
+    ONE_CHECKPOINT_TARGET,
+    PRESET_OR_PRETRAINED,
+    checkpoint_rules,
+    model_rules,
+)
 from cephalo.api.data import (  # noqa: F401 - re-exported: spec.data lives in api/data.py
     DATA_URI_PATTERN,
     DataSpec,
@@ -107,8 +112,7 @@ class ModelSpec(CamelModel):
     @model_validator(mode="after")
     def _preset_or_family(self) -> ModelSpec:
         if self.pretrained is not None and self.preset is not None:
-            raise ValueError("model: give either `preset` or `pretrained` (whose config.json "
-                             "is the architecture), not both")
+            raise ValueError(PRESET_OR_PRETRAINED)  # also a CEL rule (model_rules)
         if self.preset is None and self.family is None and self.pretrained is None:
             raise ValueError("model needs a `preset` or a `family` with dimensions (or "
                              "`pretrained`)")
@@ -227,6 +231,8 @@ class CheckpointSpec(CamelModel):
     """Sharded, atomic checkpoints: where they go (a shared PVC, object storage, or
     explicitly nowhere), how often, how many are kept."""
 
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": checkpoint_rules()})
+
     claim_name: str | None = Field(default=None, max_length=253, description=(
         "ReadWriteMany PersistentVolumeClaim for checkpoints, shared by all ranks (operator)."))
     uri: str | None = Field(default=None, max_length=1024, json_schema_extra={
@@ -250,8 +256,8 @@ class CheckpointSpec(CamelModel):
                                          ("uri", self.uri is not None),
                                          ("ephemeral: true", self.ephemeral)) if set_]
         if len(given) > 1:
-            raise ValueError(f"checkpoint: give only one of claimName, uri and ephemeral: true "
-                             f"(got {' and '.join(given)})")
+            # The CRD's CEL rule (checkpoint_rules) says the same, less what was given.
+            raise ValueError(f"{ONE_CHECKPOINT_TARGET} (got {' and '.join(given)})")
         return self
 
 

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field
 
 from cephalo.api.elastic import ElasticStatus
-from cephalo.api.wire import StatusModel
+from cephalo.api.wire import CamelModel, StatusModel
 
 Phase = Literal["Pending", "Profiling", "Planning", "Running", "Restarting", "Suspended",
                 "Succeeded", "Failed"]
@@ -49,6 +49,22 @@ class Progress(StatusModel):
     samples_per_second: float | None = Field(default=None,
                                              description="Measured training throughput.")
     last_update_time: str | None = None
+
+
+class FinalProgress(CamelModel):
+    """What rank 0 leaves as its termination message when it completes (written to
+    CEPHALO_TERMINATION_LOG, the container's terminationMessagePath): its last step, that
+    step's loss, the last measured throughput and validation loss. The operator copies it
+    into status.progress when the job succeeds: a scrape of /metrics may have seen an earlier
+    step or none. It comes from the user's image, so it is checked (finite, in range) and
+    unknown keys are ignored (a newer trainer may say more)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    step: int = Field(ge=0, le=2**63 - 1)
+    loss: float | None = None
+    samples_per_second: float | None = Field(default=None, ge=0)
+    validation_loss: float | None = None
 
 
 class CephaloJobStatus(StatusModel):

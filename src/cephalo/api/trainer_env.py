@@ -54,6 +54,10 @@ RANKS_PER_POD = "CEPHALO_RANKS_PER_POD"
 # the operator never takes another pod's progress for its job's (a reused pod IP, pods that
 # share a network namespace).
 POD_UID = "CEPHALO_POD_UID"
+# The container's terminationMessagePath: rank 0 writes its final progress there when it
+# completes (cephalo.api.status.FinalProgress), so the operator records the last step even
+# when its last /metrics scrape was steps earlier or never got through.
+TERMINATION_LOG = "CEPHALO_TERMINATION_LOG"
 
 DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = 600.0
 # What a trainer rank cannot start without (the profiler needs only JOB).
@@ -63,7 +67,7 @@ REQUIRED = (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, PLAN, JOB)
 # other variables, e.g. the collective timeout, are the team's to set).
 OPERATOR_SET = (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, JOB, PLAN, BATCH_SIZE,
                 MICRO_BATCH_SIZE, NUM_MICRO_BATCHES, SHARD_RATIO, CHECKPOINT_DIR, METRICS_PORT,
-                RESTART_ATTEMPT, RANKS_PER_POD, POD_UID)
+                RESTART_ATTEMPT, RANKS_PER_POD, POD_UID, TERMINATION_LOG)
 
 
 class EnvError(CephaloError, ValueError):
@@ -100,6 +104,7 @@ class TrainerVars:
     ranks_per_pod: int | None = None
     pod_uid: str | None = None
     metrics_address: str | None = None
+    termination_log: str | None = None
 
 
 # field name -> variable name, in writing order.
@@ -116,6 +121,7 @@ NAMES: dict[str, str] = {
     "stop_after_step": STOP_AFTER_STEP, "data_cache": DATA_CACHE,
     "tokenize_workers": TOKENIZE_WORKERS, "ranks_per_pod": RANKS_PER_POD,
     "pod_uid": POD_UID, "metrics_address": METRICS_ADDRESS,
+    "termination_log": TERMINATION_LOG,
 }
 assert list(NAMES) == [f.name for f in fields(TrainerVars)], "NAMES must follow TrainerVars"
 ALL_NAMES = frozenset(NAMES.values())

@@ -1,7 +1,8 @@
 """One connection to one cluster: the user's kubeconfig and context, and every request's
 failure turned into one line (`cephalo.client.errors`).
 
-No global state: the `kubernetes` client's default configuration is never read or written
+No global state but one warnings filter per insecure host (`_quiet_insecure_host`): the
+`kubernetes` client's default configuration is never read or written
 (`load_kube_config(client_configuration=...)`), and $KUBECONFIG is read when a client is
 made, not when the module is imported, so a notebook can talk to two clusters at once.
 JSON requests go through the operator's own thin client (`cephalo.operator.kube.Kube`: raw
@@ -12,10 +13,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import kubernetes
 import urllib3
@@ -110,7 +114,22 @@ def connect(kubeconfig: str | None = None, context: str | None = None,
             AttributeError, TypeError, KeyError) as err:
         raise KubeconfigError(f"kubeconfig {path}, context {chosen['name']!r}: {err}") from None
     ns = namespace or (chosen.get("context") or {}).get("namespace") or "default"
+    _quiet_insecure_host(cfg)
     return _client(cfg), Target(chosen["name"], cfg.host, ns, path)
+
+
+def _quiet_insecure_host(cfg: kubernetes.client.Configuration) -> None:
+    """`insecure-skip-tls-verify: true` is the kubeconfig owner's choice, made once (local and
+    lab clusters); kubectl says nothing of it, urllib3 warned twice a command. Silence exactly
+    that warning for exactly this host: the warnings module has only process-wide filters,
+    so the filter names the host, and unverified requests to any other host still warn."""
+    host = urlsplit(cfg.host).hostname
+    if cfg.verify_ssl or not host:
+        return
+    # urllib3's words (1.26 and 2.x); a filter's message is matched at the start.
+    warnings.filterwarnings(
+        "ignore", message=f"Unverified HTTPS request is being made to host '{re.escape(host)}'",
+        category=urllib3.exceptions.InsecureRequestWarning)
 
 
 def _client(cfg: kubernetes.client.Configuration) -> kubernetes.client.ApiClient:

@@ -34,6 +34,12 @@ class Job:
         return self.status.phase or "Pending"
 
     @property
+    def unseen(self) -> bool:
+        """No operator has written this job's status yet (no phase at all): none runs, it
+        does not watch this namespace (chart value watchNamespaces), or it is starting."""
+        return not (self.raw.get("status") or {}).get("phase")
+
+    @property
     def finished(self) -> bool:
         return self.phase in TERMINAL
 

@@ -105,8 +105,17 @@ def run(args: argparse.Namespace) -> int:
                           f"{output / 'model.pt'}")
     if not args.force and (output.is_file() or (output.is_dir() and any(output.iterdir()))):
         raise ExportError(f"--output {output} exists; pass --force to overwrite it")
+    check_writable("--output", output)
     config_output = Path(args.config_output) if args.config_output else None
     if config_output is not None:  # checked with --output, before either is written
+        check_writable("--config-output", config_output)
+        if not hf and config_output.resolve() == output.resolve():
+            raise ExportError(f"--config-output {config_output} is --output too; give the "
+                              "architecture JSON another name")
+        if hf and config_output.resolve() == (output / "config.json").resolve():
+            raise ExportError(f"--config-output {config_output} is the config.json --format hf "
+                              "writes (the Hugging Face config); give the architecture JSON "
+                              "another path")
         if config_output.is_dir():
             raise ExportError(f"--config-output {config_output} is a directory; give a file "
                               f"name such as {config_output / 'config.json'}")
@@ -139,6 +148,22 @@ def run(args: argparse.Namespace) -> int:
     print(f"exported step {info.step} of {info.path} ({len(state)} tensors, {numel:,} "
           f"parameters, {info.config.family}) to {output}")
     return 0
+
+
+def check_writable(option: str, path: Path) -> None:
+    """Refuse an output path that cannot be made, before anything is written: a file stands
+    where one of its folders must be (mkdir said only "File exists" or "Not a directory"),
+    or the nearest existing folder is not writable."""
+    for parent in path.parents:
+        if not parent.exists():  # also false below a file (ENOTDIR): the next one says so
+            continue
+        if not parent.is_dir():
+            raise ExportError(f"{option} {path}: {parent} is a file, where a folder must be; "
+                              "move that file or choose another path")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ExportError(f"{option} {path}: cannot write in {parent} (permission "
+                              "denied); choose a folder you can write in")
+        return
 
 
 def check_tokenizer(folder: Path, given: str, model_vocab_size: int | None) -> None:

@@ -8,9 +8,18 @@ from typing import Any
 
 from cephalo.api import Plan
 from cephalo.client import Job
+from cephalo.client.errors import HELM_INSTALL
 from cephalo.planner.report import format_plan
 
 BAR_CELLS = 24
+# The chart's operator pods carry these labels (charts/cephalo-operator/_helpers.tpl); the
+# namespace is the release's, which the client cannot know: -A.
+OPERATOR_PODS = ("kubectl get pods -A -l app.kubernetes.io/name=cephalo-operator,"
+                 "app.kubernetes.io/component=operator")
+UNSEEN = ("Operator:    no operator has written this job's status yet: is one running, and "
+          "does it watch this namespace (chart value watchNamespaces)?\n"
+          f"             {OPERATOR_PODS}, then kubectl logs -n ITS-NAMESPACE POD; none "
+          f"installed: {HELM_INSTALL}")
 
 
 def age(since: datetime.datetime | None, now: datetime.datetime) -> str:
@@ -91,6 +100,8 @@ def job_details(job: Job, plan: Plan | None, events: Sequence[dict[str, Any]],
              f"   samples/s measured/predicted {throughput(job)}",
              f"Restarts:    {s.restarts or 0} (backoffLimit "
              f"{job.spec.backoff_limit if job.spec else '?'}), preemptions {s.preemptions or 0}"]
+    if job.unseen:
+        lines.append(UNSEEN)
     lines += elastic_lines(job)
     if job.spec_error:
         lines.append(f"Invalid spec: {job.spec_error}")

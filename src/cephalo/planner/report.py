@@ -256,7 +256,8 @@ def cost_lines(plan: Plan) -> list[str]:
         return []
     tokens = ("" if cost.price_per_million_tokens is None
               else f", ${cost.price_per_million_tokens:.4g} per million tokens")
-    line = (f"cost: ${cost.price_per_hour:.4g}/hour for the {plan.world_size} GPUs used, "
+    used = plural(plan.world_size, "GPU")
+    line = (f"cost: ${cost.price_per_hour:.4g}/hour for the {used} used, "
             f"${cost.price_per_million_samples:.4g} per million samples{tokens}")
     if plan.idle_gpus:
         line += f"; every GPU given: ${cost.cluster_price_per_hour:.4g}/hour"
