@@ -62,7 +62,8 @@ EVERYTHING_ON: dict[str, Any] = {
     "health": {"port": 9081},
     "metrics": {"port": 9080, "service": {"type": "NodePort", "annotations": {"a": "b"}},
                 "serviceMonitor": {"enabled": True, "interval": "1m", "labels": {"release": "kps"}},
-                "podMonitor": {"enabled": True, "interval": "5s", "scrapeTimeout": "4s"}},
+                "podMonitor": {"enabled": True, "interval": "5s", "scrapeTimeout": "4s"},
+                "prometheusRule": {"enabled": True, "labels": {"release": "kps"}}},
     "dashboards": {"enabled": True},
 }
 
@@ -138,6 +139,8 @@ def test_strict_lint_passes(values: dict[str, Any]) -> None:
     ({"rbac": {"scope": "global"}}, "at '/rbac/scope'"),
     ({"metrics": {"serviceMonitor": {"interval": "often"}}},
      "at '/metrics/serviceMonitor/interval'"),
+    ({"metrics": {"prometheusRule": {"ruleLabels": {"bad-name": "x"}}}},
+     "additional properties 'bad-name' not allowed"),
     ({"rbac": {"scope": "namespaced"}}, "rbac.scope=namespaced needs watchNamespaces"),
     ({"metrics": {"port": 8081}}, "metrics.port and health.port are both 8081"),
     ({"serviceAccount": {"create": False}}, "serviceAccount.name is required"),
