@@ -130,15 +130,15 @@ class PrometheusServer:
         return list((await self.get("/api/v1/query", query=expr))["result"])
 
     async def query_range(self, expr: str, start: float, end: float) -> list[dict[str, Any]]:
-        """Series of a range query (what a Grafana panel sends), each with the values that are
-        numbers (NaN is a point Grafana draws nothing for)."""
+        """Series of a range query (what a Grafana panel sends), each with its (time, value)
+        points that are numbers (NaN is a point Grafana draws nothing for)."""
         data = await self.get("/api/v1/query_range", query=expr, start=f"{start:.3f}",
                               end=f"{end:.3f}", step=f"{SCRAPE_SECONDS}s")
         series = []
         for s in data["result"]:
-            values = [float(v) for _, v in s["values"] if not math.isnan(float(v))]
-            if values:
-                series.append({"metric": s["metric"], "values": values})
+            points = [(float(t), float(v)) for t, v in s["values"] if not math.isnan(float(v))]
+            if points:
+                series.append({"metric": s["metric"], "values": points})
         return series
 
     def log_tail(self, chars: int = 3000) -> str:

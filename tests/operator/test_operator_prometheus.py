@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import sys
 import time
@@ -52,6 +53,7 @@ from prometheus_server import (
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "chart"))
 from chart_helpers import CHART_DIR, one, render  # noqa: E402 (after the path insert)
+from dashboard_picture import PanelData, draw  # noqa: E402
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.skipif(
     PROMETHEUS is None, reason="prometheus not on PATH (Debian: apt-get install prometheus)")]
@@ -72,14 +74,19 @@ HEALTHY = {"CephaloJobNotProgressing", "CephaloOperatorDown", "CephaloOperatorNo
            "CephaloJobPreemptedRepeatedly", "CephaloGangUnschedulable"}
 
 
+def as_sent(expr: str) -> str:
+    """A panel's query as Grafana sends it with this job picked."""
+    return (expr.replace("$namespace", NS).replace("$job", JOB)
+            .replace("$__rate_interval", RATE_INTERVAL))
+
+
 def panel_queries() -> list[tuple[str, str, str]]:
     """(panel title, PromQL as Grafana sends it for this job, legend) of every panel target."""
     board = json.loads(DASHBOARD.read_text())
     found = []
     for panel in board["panels"]:
         for target in panel.get("targets", []):
-            expr = (target["expr"].replace("$namespace", NS).replace("$job", JOB)
-                    .replace("$__rate_interval", RATE_INTERVAL))
+            expr = as_sent(target["expr"])
             assert "$" not in expr, f"panel {panel['title']!r}: unset variable in {expr}"
             found.append((panel["title"], expr, target.get("legendFormat", "")))
     return found
@@ -197,6 +204,10 @@ async def test_every_dashboard_panel_has_data_and_every_rule_loads(stack: Stack)
                                       **{"match[]": selector.replace("$namespace", NS)})
         assert {"cephalo_namespace": NS, "cephalo_job": JOB}[label] in values, (var, values)
 
+    if os.environ.get("CEPHALO_DASHBOARD_PICTURE"):  # docs: what a user sees (not a check)
+        await asyncio.sleep(float(os.environ.get("CEPHALO_DASHBOARD_PICTURE_SECONDS", "0")))
+        await _picture(prometheus, started, Path(os.environ["CEPHALO_DASHBOARD_PICTURE"]))
+
     # The rules load, every one evaluates without error; a healthy run trips none of these.
     def evaluated(groups: list[dict[str, Any]]) -> bool:
         rules = [r for g in groups for r in g["rules"]]
@@ -228,3 +239,18 @@ async def _until(prometheus: PrometheusServer, path: str, ready: Any,
             return data
         await asyncio.sleep(0.2)
     raise AssertionError(f"{path} not ready in {timeout} s: {data}")
+
+
+async def _picture(prometheus: PrometheusServer, start: float, path: Path) -> None:
+    board = json.loads(DASHBOARD.read_text())
+    end = time.time()
+    panels: PanelData = []
+    for panel in board["panels"]:
+        targets = []
+        for target in panel.get("targets", []):
+            series = await prometheus.query_range(as_sent(target["expr"]), start, end)
+            targets.append((target.get("legendFormat", ""),
+                            [(s["metric"], s["values"]) for s in series]))
+        panels.append((panel, targets))
+    draw(panels, f"{board['title']}: CephaloJob {NS}/{JOB} (an L4 and an A10G rank, run on "
+         "the CPU), from a real Prometheus (tests/operator/test_operator_prometheus.py)", path)
