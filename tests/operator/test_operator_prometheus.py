@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT / "tests" / "chart"))
 from chart_helpers import CHART_DIR, one, render  # noqa: E402 (after the path insert)
 from dashboard_picture import PanelData, draw  # noqa: E402
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.skipif(
+pytestmark = [pytest.mark.asyncio, pytest.mark.slow, pytest.mark.skipif(
     PROMETHEUS is None, reason="prometheus not on PATH (Debian: apt-get install prometheus)")]
 DASHBOARD = CHART_DIR / "dashboards" / "cephalo.json"
 RULES = CHART_DIR / "alerts" / "cephalo.rules.yaml"

@@ -5,6 +5,7 @@ and the devices. A refused run leaves nothing behind (`make_run_dir` / `remove_c
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 import shutil
@@ -147,6 +148,10 @@ def check_inputs(spec: CephaloJobSpec, options: RunOptions) -> None:
                                          "steps": options.steps})
         except ValidationError as err:
             raise RunError(f"--steps {options.steps}: {format_validation_error(err)}") from None
+    if spec.tracking is not None and spec.tracking.tensorboard and \
+            importlib.util.find_spec("tensorboard") is None:
+        raise RunError("spec.tracking.tensorboard: the tensorboard package is not installed "
+                       "here; pip install 'cephalo[tracking]', or drop tracking.tensorboard")
     token = spec.data.token_file
     if token is not None and "://" in token.path:  # object storage: the ranks download it
         check_remote_file(token.path, "data.tokenFile.path")

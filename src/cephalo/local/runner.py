@@ -1,7 +1,8 @@
 """The `cephalo run` flow: job → devices → profiles → plan → ranks → summary.
 
 Everything lands in a run directory (default `runs/<job>/<timestamp>`): job.yaml, plan.json,
-profiles/, logs/rank-N.log, metrics.jsonl, checkpoints/, loss.png, time_breakdown.png.
+profiles/, logs/rank-N.log, metrics.jsonl, checkpoints/, loss.png, time_breakdown.png,
+tensorboard/ (spec.tracking.tensorboard).
 """
 
 from __future__ import annotations
@@ -359,6 +360,8 @@ def _run_in(run_dir: Path, job: CephaloJob, options: RunOptions, devices: list[L
                         labels, run_dir, plan.predicted_step_seconds)
     if plots:
         out("  plots       " + ", ".join(str(p) for p in plots))
+    if (run_dir / "tensorboard").is_dir():  # spec.tracking.tensorboard (rank 0 wrote it)
+        out(f"  tensorboard tensorboard --logdir {run_dir / 'tensorboard'}")
     if result.checkpoint_dir:
         out(f"  checkpoints {result.checkpoint_dir}  (export: cephalo export "
             f"{result.checkpoint_dir} --output model.pt)")
