@@ -11,8 +11,8 @@ What it emulates, as tests/realk8s/kubelet.py does under a real API server:
   values rewritten to them;
 * the network: every pod is 127.0.0.1; MASTER_ADDR (the rank-0 pod's DNS name) resolves
   there, MASTER_PORT is a free port per gang (job, attempt, plan), and rank 0 serves
-  /metrics on `metrics_port` (what the operator scrapes: CEPHALO_TRAINER_METRICS_PORT), the
-  other ranks on free ports of their own with `every_rank_metrics` (`served` says where);
+  /metrics on `metrics_port` (what the operator scrapes: CEPHALO_TRAINER_METRICS_PORT), rank
+  r on `metrics_port` + r with `every_rank_metrics` (`served` says where);
 * emulated GPUs: CEPHALO_TIME_DILATION and one thread a rank (CEPHALO_NUM_THREADS), each
   gang's progress file apart (metrics-<attempt>-<config hash>.jsonl);
 * deletion: a running pod being deleted gets SIGTERM (the trainer checkpoints at the next
@@ -59,9 +59,9 @@ class ProcessKubelet:
     jobs: set[str]  # jobs whose rank pods run as real trainers
     metrics_port: int
     time_dilation: float = 1.0
-    # Every rank serves /metrics (rank 0 on metrics_port, the others on free ports), as
+    # Every rank serves /metrics (rank r on metrics_port + r: give that many free ports), as
     # each rank pod does on a cluster, for a Prometheus to scrape: `served` maps pod name to
-    # port. Otherwise rank 0 alone, for the operator.
+    # port. Otherwise rank 0 alone (on metrics_port), for the operator.
     every_rank_metrics: bool = False
     served: dict[str, int] = field(default_factory=dict)
     containers: dict[str, Container] = field(default_factory=dict)  # by pod uid
@@ -159,8 +159,8 @@ class ProcessKubelet:
             env[var["name"]] = "127.0.0.1" if CLUSTER_DNS.match(value) else local(value)
         gang = (labels[JOB], labels.get(ATTEMPT, "0"), pod["metadata"]["annotations"][HASH])
         env["MASTER_PORT"] = str(self._ports.setdefault(gang, free_port()))
-        port = self.metrics_port if env.get("RANK") == "0" else (
-            free_port() if self.every_rank_metrics else 0)
+        rank = int(env.get("RANK", "0"))
+        port = self.metrics_port + rank if rank == 0 or self.every_rank_metrics else 0
         env["CEPHALO_METRICS_PORT"] = str(port)
         env["CEPHALO_METRICS_ADDRESS"] = "127.0.0.1"
         if port:

@@ -35,7 +35,6 @@ from kubelet import (
     apply_job,
     apply_nodes,
     finish_profilers,
-    free_port,
     job_status,
     pods,
     wait_for,
@@ -54,6 +53,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "chart"))
 from chart_helpers import CHART_DIR, one, render  # noqa: E402 (after the path insert)
 from dashboard_picture import PanelData, draw  # noqa: E402
+
+from tests.ports import free_listen_ports  # noqa: E402
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow, pytest.mark.skipif(
     PROMETHEUS is None, reason="prometheus not on PATH (Debian: apt-get install prometheus)")]
@@ -119,12 +120,17 @@ async def _discover(api: ApiEmulator, kubelet: ProcessKubelet,
 @pytest_asyncio.fixture(name="stack")
 async def stack_fixture(emulator: ApiEmulator, tmp_path: Path) -> AsyncIterator[Stack]:
     podmonitor = one(render({"metrics": {"podMonitor": {"enabled": True}}}), "PodMonitor")
+    # Prometheus, the operator, rank 0, rank 1: ports polled before anything listens there,
+    # so below the ephemeral range (tests/ports.py), and consecutive (never the same twice).
+    base = free_listen_ports(4)
     kubelet = ProcessKubelet(emulator, tmp_path / "kubelet", jobs={JOB},
-                             metrics_port=free_port(), every_rank_metrics=True).start()
+                             metrics_port=base + 2, every_rank_metrics=True).start()
     operator = OperatorProcess(emulator.kubeconfig, tmp_path / "operator.log",
                                CEPHALO_TRAINER_METRICS_PORT=str(kubelet.metrics_port),
-                               CEPHALO_PROGRESS_INTERVAL_SECONDS="0.3")
-    prometheus = PrometheusServer(tmp_path / "prometheus", free_port(), operator.metrics_port,
+                               CEPHALO_PROGRESS_INTERVAL_SECONDS="0.3",
+                               CEPHALO_OPERATOR_METRICS_PORT=str(base + 1))
+    operator.metrics_port = base + 1
+    prometheus = PrometheusServer(tmp_path / "prometheus", base, operator.metrics_port,
                                   podmonitor, [RULES]).start()
     discovery = asyncio.get_running_loop().create_task(_discover(emulator, kubelet, prometheus))
     try:

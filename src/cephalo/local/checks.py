@@ -42,6 +42,7 @@ class RunOptions:
     memory_scale: float | None = None
     stop_after_step: int | None = None
     runs_root: str = "runs"
+    metrics_port: int = 0  # rank r serves Prometheus /metrics on 127.0.0.1:port+r; 0: none
 
 
 def run_name(job: CephaloJob, job_path: str) -> str:
@@ -179,6 +180,22 @@ def check_inputs(spec: CephaloJobSpec, options: RunOptions) -> None:
 
 
 HOSTNAME_LOOKUP_SECONDS = 10.0  # a resolver that answers takes milliseconds
+
+
+def check_metrics_ports(first: int, world_size: int) -> None:
+    """`--metrics-port`: every rank's port (first + rank) exists and is free on loopback,
+    before any rank starts (a rank that cannot bind only warns and serves nothing)."""
+    last = first + world_size - 1
+    if last > 65535:
+        raise RunError(f"--metrics-port {first}: {world_size} ranks need ports {first} to "
+                       f"{last}, past 65535; give a lower port")
+    for rank, port in enumerate(range(first, last + 1)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError as err:
+                raise RunError(f"--metrics-port {first}: port {port} (rank {rank}) is taken "
+                               f"({err.strerror}); give another port") from None
 
 
 def check_hostname_resolves(timeout_s: float = HOSTNAME_LOOKUP_SECONDS) -> None:
