@@ -377,12 +377,12 @@ def test_chart_version_matches_the_package() -> None:
         "operator's built-in default (cephalo.operator.config.DEFAULT_TRAINER_IMAGE)"
 
 
-def test_chart_packages_with_its_crd_dashboard_and_readme(tmp_path: Path) -> None:
+def test_chart_packages_with_its_crd_dashboard_rules_and_readme(tmp_path: Path) -> None:
     archive = helm.package(CHART_DIR, destination=tmp_path)
     assert Path(archive).name == f"cephalo-operator-{chart().version}.tgz"
     with helm.Chart.load(archive) as packaged:
         names = {f["name"] for f in packaged.files}
-        assert {"README.md", "dashboards/cephalo.json"} <= names
+        assert {"README.md", "dashboards/cephalo.json", "alerts/cephalo.rules.yaml"} <= names
         assert len(packaged.crds) == 1 and packaged.schema == chart().schema
         assert packaged.render({}, name="cephalo", namespace="x").keys() == \
             chart().render({}, name="cephalo", namespace="x").keys()
