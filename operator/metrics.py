@@ -59,8 +59,15 @@ RESCALE_ROLLBACKS = Counter("cephalo_operator_rescale_rollbacks_total",
                             "Rescales rolled back to the GPUs the job had: the grown gang was "
                             "not scheduled within spec.elastic.rescaleTimeoutSeconds (a gang "
                             "scheduler's quota refused it)", JOB_LABELS)
-PER_JOB = (PREDICTED_SAMPLES, MEASURED_SAMPLES, RESTARTS, PREEMPTIONS, REPLANS, GANG_RELEASES,
-           RESCALES, RESCALE_SKIPS, RESCALE_ROLLBACKS)
+# Per-job counters start at 0 when the operator first sees a job (set_phase): a counter
+# with no series until its first increment reads "No data" on a panel and makes
+# increase()/rate() in alerting rules blind to the first event.
+JOB_COUNTERS = (RESTARTS, PREEMPTIONS, REPLANS, GANG_RELEASES, RESCALES, RESCALE_SKIPS,
+                RESCALE_ROLLBACKS)
+PER_JOB = (PREDICTED_SAMPLES, MEASURED_SAMPLES, *JOB_COUNTERS)
+RECONCILE_OUTCOMES = ("ok", "error")
+for _outcome in RECONCILE_OUTCOMES:  # both from the start: an error rate reads 0, not nothing
+    RECONCILES.labels(_outcome)
 
 _phases: dict[tuple[str, str], str] = {}
 
@@ -73,6 +80,9 @@ def set_phase(namespace: str, job: str, phase: str | None) -> None:
             with contextlib.suppress(KeyError):
                 metric.remove(namespace, job)
     else:
+        if (namespace, job) not in _phases:
+            for counter in JOB_COUNTERS:
+                counter.labels(namespace, job)  # creates the series at 0
         _phases[(namespace, job)] = phase
     for p in PHASES:
         JOBS.labels(p).set(sum(1 for v in _phases.values() if v == p))

@@ -110,6 +110,10 @@ async def _profile_one(ctx: JobContext, pool: Pool, attempts: dict[str, int]) ->
         manifest = render_profiler_pod(job, product, attempt, ctx.config)
         manifest["metadata"].setdefault("annotations", {})[ANNOTATION_STARTED] = f"{ctx.now:.3f}"
         await ctx.kube.create(pods_path, manifest)
+        # The product's series exist (at 0) before its first observation: a histogram that
+        # appears with its first sample shows no increase to rate(), so a panel or rule
+        # reading it would never see a product profiled once.
+        metrics.PROFILING_SECONDS.labels(pool.catalog_name or product)
         return None
     state = pod_state(pod)
     created = _started(pod, ctx.now)

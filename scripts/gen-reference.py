@@ -96,8 +96,11 @@ def _type(node: dict[str, Any]) -> str:
         return " or ".join(kind)
     if kind == "array":
         return f"[]{_type(node.get('items', {}))}"
-    if kind == "object" and "properties" not in node and "additionalProperties" in node:
-        return f"map[string]{_type(node['additionalProperties'])}"
+    extra = node.get("additionalProperties")
+    if kind == "object" and "properties" not in node and isinstance(extra, dict):
+        return f"map[string]{_type(extra)}"
+    if kind == "object" and "properties" not in node and extra is True:  # any values
+        return "map[string]any"
     return str(kind)
 
 

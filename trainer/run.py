@@ -27,6 +27,7 @@ from cephalo.trainer.hf_weights import init_from_pretrained
 from cephalo.trainer.metrics import ProgressFile, TrainerMetrics, write_final_progress
 from cephalo.trainer.step_log import StepLogger
 from cephalo.trainer.storage import CheckpointError, Store, check_shared
+from cephalo.trainer.tensorboard_log import TensorBoardLog, open_log
 
 
 @dataclass
@@ -69,7 +70,8 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
           memory_limit_bytes: int | None = None, collective_timeout_seconds: float = 600.0,
           stop_requested: Callable[[], bool] | None = None,
           async_checkpoints: bool = True, recompute: bool | None = None,
-          offload: bool | None = None) -> TrainOutcome:
+          offload: bool | None = None,
+          tensorboard: TensorBoardLog | None = None) -> TrainOutcome:
     """Train `job` under `layout`, resuming from the newest intact checkpoint in
     `checkpoint_dir` (a shared folder or an fsspec URL; None or "" = no checkpoints at all);
     checkpoints every `intervalSteps` and always at the end (or at `stop_after_step`, which
@@ -82,7 +84,8 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
     `recompute`: the plan's job-wide choice (None: the engine's default, recompute).
     `offload`: this rank's plan choice for its boundary activations (None: the engine's
     default, offloaded to host on CUDA devices only). The block graph sizes the plan priced kept
-    blocks with travel in `layout` (the memory check uses this rank's)."""
+    blocks with travel in `layout` (the memory check uses this rank's). `tensorboard`: rank
+    0's event files (spec.tracking.tensorboard), written as steps are logged."""
     config = job.model.resolve()
     spec = job.training
     engine = Engine(config, spec, layout, group=group, device=device,
@@ -131,7 +134,8 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
                             total_steps=spec.steps, interval_steps=spec.log_interval_steps,
                             progress=progress, metrics=metrics,
                             wait_seconds=engine.comm.stats.wait_seconds,
-                            local_rank=local_rank, verbose=verbose)
+                            local_rank=local_rank, verbose=verbose,
+                            tensorboard=tensorboard)
         votes = _votes(stop_requested, writer)
         while engine.step_count < last:
             step = engine.step_count
@@ -219,6 +223,7 @@ def main() -> int:
         port = env.metrics_port + env.local_rank if env.metrics_port else 0
         metrics = TrainerMetrics(env.rank, port, env.plan.predicted_step_seconds,
                                  pod_uid=env.pod_uid, address=env.metrics_address)
+        tensorboard = open_log(env.job.tracking, env.metrics_file, env.plan, env.rank)
         try:
             outcome = train(env.job, env.layout, env.checkpoint_dir, device=device,
                             stop_after_step=env.stop_after_step,
@@ -228,7 +233,8 @@ def main() -> int:
                             collective_timeout_seconds=env.timeout_seconds,
                             stop_requested=terminated.is_set,
                             recompute=env.plan.recompute,
-                            offload=env.plan.ranks[env.rank].offload_activations)
+                            offload=env.plan.ranks[env.rank].offload_activations,
+                            tensorboard=tensorboard)
         except MemoryLimitError as err:
             print(f"cephalo trainer (rank {env.rank}): error: {err}", file=sys.stderr,
                   flush=True)
@@ -237,6 +243,9 @@ def main() -> int:
             print(f"cephalo trainer (rank {env.rank}): error: {err}", file=sys.stderr,
                   flush=True)
             return EXIT_CHECKPOINT_ERROR
+        finally:
+            if tensorboard is not None:
+                tensorboard.close()
         if env.rank == 0 and env.termination_log and not outcome.stopped_by_signal:
             # The operator reads it when the pod completes: its last scrape may be steps old.
             write_final_progress(env.termination_log, metrics.final_progress(outcome.last_step))

@@ -1,6 +1,7 @@
 """What the trainer reports about its steps: a `StepLogger` that, every `interval_steps`
 steps (and at the last), turns a `StepResult` into throughput figures, Prometheus series,
-one JSON line of the progress file and a console line.
+one JSON line of the progress file (and the same record as TensorBoard scalars, with
+spec.tracking.tensorboard) and a console line.
 
 It runs no collective: every rank's timings arrive in the `StepResult`, carried by the
 engine's end-of-step all-reduce (engine.py). So logging costs a rank only its own
@@ -16,6 +17,7 @@ from typing import Any
 
 from cephalo.trainer.engine import StepResult
 from cephalo.trainer.metrics import ProgressFile, TrainerMetrics
+from cephalo.trainer.tensorboard_log import TensorBoardLog
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ class StepLogger:
                  interval_steps: int = 1, progress: ProgressFile | None = None,
                  metrics: TrainerMetrics | None = None,
                  wait_seconds: Mapping[str, float] | None = None, local_rank: int = 0,
-                 verbose: bool = False) -> None:
+                 verbose: bool = False, tensorboard: TensorBoardLog | None = None) -> None:
         if interval_steps < 1:
             raise ValueError(f"interval_steps must be >= 1, got {interval_steps}")
         self.rank = rank
@@ -91,6 +93,7 @@ class StepLogger:
         self.total_steps = total_steps
         self.interval_steps = interval_steps
         self.progress = progress if rank == 0 else None
+        self.tensorboard = tensorboard if rank == 0 else None
         self.metrics = metrics
         self.local_rank = local_rank
         self.verbose = verbose and rank == 0
@@ -108,8 +111,12 @@ class StepLogger:
                           flops_per_sample=self.flops_per_sample)
         if self.metrics is not None:
             self.observe(result, rate, validation_loss)
-        if self.progress is not None:
-            self.progress.write(progress_record(result, rate, validation_loss))
+        if self.progress is not None or self.tensorboard is not None:
+            record = progress_record(result, rate, validation_loss)
+            if self.progress is not None:
+                self.progress.write(record)
+            if self.tensorboard is not None:
+                self.tensorboard.write(record)
         if self.verbose:
             print(self.line(result, rate, validation_loss), flush=True)
 

@@ -62,7 +62,8 @@ EVERYTHING_ON: dict[str, Any] = {
     "health": {"port": 9081},
     "metrics": {"port": 9080, "service": {"type": "NodePort", "annotations": {"a": "b"}},
                 "serviceMonitor": {"enabled": True, "interval": "1m", "labels": {"release": "kps"}},
-                "podMonitor": {"enabled": True, "interval": "5s", "scrapeTimeout": "4s"}},
+                "podMonitor": {"enabled": True, "interval": "5s", "scrapeTimeout": "4s"},
+                "prometheusRule": {"enabled": True, "labels": {"release": "kps"}}},
     "dashboards": {"enabled": True},
 }
 
@@ -138,6 +139,8 @@ def test_strict_lint_passes(values: dict[str, Any]) -> None:
     ({"rbac": {"scope": "global"}}, "at '/rbac/scope'"),
     ({"metrics": {"serviceMonitor": {"interval": "often"}}},
      "at '/metrics/serviceMonitor/interval'"),
+    ({"metrics": {"prometheusRule": {"ruleLabels": {"bad-name": "x"}}}},
+     "additional properties 'bad-name' not allowed"),
     ({"rbac": {"scope": "namespaced"}}, "rbac.scope=namespaced needs watchNamespaces"),
     ({"metrics": {"port": 8081}}, "metrics.port and health.port are both 8081"),
     ({"serviceAccount": {"create": False}}, "serviceAccount.name is required"),
@@ -374,12 +377,12 @@ def test_chart_version_matches_the_package() -> None:
         "operator's built-in default (cephalo.operator.config.DEFAULT_TRAINER_IMAGE)"
 
 
-def test_chart_packages_with_its_crd_dashboard_and_readme(tmp_path: Path) -> None:
+def test_chart_packages_with_its_crd_dashboard_rules_and_readme(tmp_path: Path) -> None:
     archive = helm.package(CHART_DIR, destination=tmp_path)
     assert Path(archive).name == f"cephalo-operator-{chart().version}.tgz"
     with helm.Chart.load(archive) as packaged:
         names = {f["name"] for f in packaged.files}
-        assert {"README.md", "dashboards/cephalo.json"} <= names
+        assert {"README.md", "dashboards/cephalo.json", "alerts/cephalo.rules.yaml"} <= names
         assert len(packaged.crds) == 1 and packaged.schema == chart().schema
         assert packaged.render({}, name="cephalo", namespace="x").keys() == \
             chart().render({}, name="cephalo", namespace="x").keys()

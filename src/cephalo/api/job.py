@@ -261,6 +261,17 @@ class CheckpointSpec(CamelModel):
         return self
 
 
+class TrackingSpec(CamelModel):
+    """Experiment tracking, opt-in per job."""
+
+    tensorboard: bool = Field(default=False, description=(
+        "Rank 0 writes TensorBoard event files (loss, validation loss, learning rate, grad "
+        "norm, measured and predicted samples/s, step time, per-rank compute and wait; the "
+        "plan as text) into tensorboard/ next to the progress file: the run directory of "
+        "`cephalo run`, the checkpoint volume's job folder on a cluster (none with checkpoints "
+        "on object storage). Needs the tensorboard package in the trainer's environment."))
+
+
 class CephaloJobSpec(CamelModel):
     image: str | None = Field(default=None, max_length=4096, description=(
         "Trainer image; default: the operator's configured trainer image."))
@@ -292,6 +303,8 @@ class CephaloJobSpec(CamelModel):
         "Grow the running job onto GPUs that become free, when that pays for the restart "
         "(off by default)."))
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    tracking: TrackingSpec | None = Field(default=None, description=(
+        "Experiment tracking: TensorBoard event files (off by default)."))
     backoff_limit: int = Field(default=3, ge=0, le=10_000, description=(
         "Gang restarts before Failed (at most 10000)."))
     suspend: bool = Field(default=False, description="Stop all ranks; resume from checkpoint.")

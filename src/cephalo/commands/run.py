@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "last complete checkpoint")
     parser.add_argument("--steps", type=int, default=None,
                         help="override spec.training.steps")
+    parser.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                        help="rank r serves Prometheus /metrics on 127.0.0.1:PORT+r while it "
+                             "trains (the series a rank pod serves; default: none)")
     parser.add_argument("--stop-after-step", type=int, default=None,
                         help=argparse.SUPPRESS)  # simulates a preemption (tests)
 
@@ -36,10 +39,14 @@ def run(args: argparse.Namespace) -> int:
 
     if args.steps is not None and args.steps < 1:
         raise UserError("--steps must be at least 1")
+    if not 0 <= args.metrics_port <= 65535:
+        raise UserError(f"--metrics-port {args.metrics_port}: give a TCP port, 1 to 65535 "
+                        "(rank r uses PORT+r), or 0 for none")
     options = RunOptions(job_path=args.job, devices=args.devices, emulate=args.emulate,
                          plan_path=args.plan, run_dir=args.run_dir, resume=args.resume,
                          steps=args.steps, memory_scale=args.emulate_memory_scale,
-                         stop_after_step=args.stop_after_step)
+                         stop_after_step=args.stop_after_step,
+                         metrics_port=args.metrics_port)
     try:
         return run_job(options)
     except RunError as err:

@@ -5,6 +5,7 @@ and the devices. A refused run leaves nothing behind (`make_run_dir` / `remove_c
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 import shutil
@@ -41,6 +42,7 @@ class RunOptions:
     memory_scale: float | None = None
     stop_after_step: int | None = None
     runs_root: str = "runs"
+    metrics_port: int = 0  # rank r serves Prometheus /metrics on 127.0.0.1:port+r; 0: none
 
 
 def run_name(job: CephaloJob, job_path: str) -> str:
@@ -147,6 +149,10 @@ def check_inputs(spec: CephaloJobSpec, options: RunOptions) -> None:
                                          "steps": options.steps})
         except ValidationError as err:
             raise RunError(f"--steps {options.steps}: {format_validation_error(err)}") from None
+    if spec.tracking is not None and spec.tracking.tensorboard and \
+            importlib.util.find_spec("tensorboard") is None:
+        raise RunError("spec.tracking.tensorboard: the tensorboard package is not installed "
+                       "here; pip install 'cephalo[tracking]', or drop tracking.tensorboard")
     token = spec.data.token_file
     if token is not None and "://" in token.path:  # object storage: the ranks download it
         check_remote_file(token.path, "data.tokenFile.path")
@@ -174,6 +180,22 @@ def check_inputs(spec: CephaloJobSpec, options: RunOptions) -> None:
 
 
 HOSTNAME_LOOKUP_SECONDS = 10.0  # a resolver that answers takes milliseconds
+
+
+def check_metrics_ports(first: int, world_size: int) -> None:
+    """`--metrics-port`: every rank's port (first + rank) exists and is free on loopback,
+    before any rank starts (a rank that cannot bind only warns and serves nothing)."""
+    last = first + world_size - 1
+    if last > 65535:
+        raise RunError(f"--metrics-port {first}: {world_size} ranks need ports {first} to "
+                       f"{last}, past 65535; give a lower port")
+    for rank, port in enumerate(range(first, last + 1)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError as err:
+                raise RunError(f"--metrics-port {first}: port {port} (rank {rank}) is taken "
+                               f"({err.strerror}); give another port") from None
 
 
 def check_hostname_resolves(timeout_s: float = HOSTNAME_LOOKUP_SECONDS) -> None:

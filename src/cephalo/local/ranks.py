@@ -77,10 +77,14 @@ def checkpoint_location(spec: CephaloJobSpec, job_name: str, run_dir: Path) -> s
 def rank_environment(rank: int, plan: Plan, ranks: list[RankEnv], run_dir: Path,
                      job_file: Path, plan_file: Path, port: int,
                      threads_per_rank: int, checkpoint_dir: str | None = None,
-                     stop_after_step: int | None = None) -> dict[str, str]:
+                     stop_after_step: int | None = None,
+                     metrics_port: int = 0) -> dict[str, str]:
     r = plan.ranks[rank]
     info = ranks[rank]
     gpu = info.device.kind != "cpu"
+    # The trainer serves on its port + LOCAL_RANK: a CPU rank's LOCAL_RANK is its rank, a GPU
+    # rank's is 0 (its one visible GPU); either way rank r ends up on metrics_port + r.
+    port_base = (metrics_port + rank if gpu else metrics_port) if metrics_port else 0
     env = dict(os.environ)
     env.update(to_environ(TrainerVars(
         rank=rank, world_size=plan.world_size, local_rank=0 if gpu else rank,  # 0: its one GPU
@@ -88,7 +92,8 @@ def rank_environment(rank: int, plan: Plan, ranks: list[RankEnv], run_dir: Path,
         batch_size=r.batch_size, micro_batch_size=r.micro_batch_size,
         num_micro_batches=r.num_micro_batches, shard_ratio=r.shard_ratio,
         checkpoint_dir=str(run_dir / "checkpoints") if checkpoint_dir is None
-        else checkpoint_dir, metrics_port=0, metrics_file=str(run_dir / "metrics.jsonl"),
+        else checkpoint_dir, metrics_port=port_base, metrics_file=str(run_dir / "metrics.jsonl"),
+        metrics_address="127.0.0.1" if metrics_port else None,
         num_threads=threads_per_rank,
         time_dilation=info.dilation if info.dilation != 1.0 else None,
         memory_limit_bytes=info.memory_limit_bytes, stop_after_step=stop_after_step)))
@@ -175,7 +180,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 def launch(plan: Plan, ranks: list[RankEnv], run_dir: Path, job_file: Path, plan_file: Path,
            on_records: Callable[[list[dict]], None], threads_per_rank: int = 1,
-           stop_after_step: int | None = None) -> LaunchResult:
+           stop_after_step: int | None = None, metrics_port: int = 0) -> LaunchResult:
     """Run all ranks to completion; returns how it ended (never leaves a process behind)."""
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -191,7 +196,8 @@ def launch(plan: Plan, ranks: list[RankEnv], run_dir: Path, job_file: Path, plan
     try:
         for rank in range(plan.world_size):
             env = rank_environment(rank, plan, ranks, run_dir, job_file, plan_file, port,
-                                   threads_per_rank, result.checkpoint_dir, stop_after_step)
+                                   threads_per_rank, result.checkpoint_dir, stop_after_step,
+                                   metrics_port)
             with open(logs / f"rank-{rank}.log", "ab") as log:
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "cephalo.trainer"], env=env, stdout=log,

@@ -1,7 +1,8 @@
 """The `cephalo run` flow: job → devices → profiles → plan → ranks → summary.
 
 Everything lands in a run directory (default `runs/<job>/<timestamp>`): job.yaml, plan.json,
-profiles/, logs/rank-N.log, metrics.jsonl, checkpoints/, loss.png, time_breakdown.png.
+profiles/, logs/rank-N.log, metrics.jsonl, checkpoints/, loss.png, time_breakdown.png,
+tensorboard/ (spec.tracking.tensorboard).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from cephalo.local.checks import (
     check_hostname_resolves,
     check_inputs,
     check_memory_scale,
+    check_metrics_ports,
     check_plan,
     choose_run_dir,
     latest_complete_step,
@@ -369,9 +371,14 @@ def _run_in(run_dir: Path, job: CephaloJob, options: RunOptions, devices: list[L
                      emulation.dilation[d.product] if emulation and d.emulated else 1.0,
                      emulation.capacity_bytes[d.product] if emulation and d.emulated else None)
              for d in devices]
+    if options.metrics_port:
+        check_metrics_ports(options.metrics_port, plan.world_size)
+        last = options.metrics_port + plan.world_size - 1
+        out(f"Prometheus /metrics: http://127.0.0.1:{options.metrics_port}/metrics (rank 0)"
+            + (f" to :{last} (rank {plan.world_size - 1})" if plan.world_size > 1 else ""))
     progress = Progress(spec.training.steps)
     result = launch(plan, ranks, run_dir, job_file, plan_file, progress.update, threads,
-                    options.stop_after_step)
+                    options.stop_after_step, options.metrics_port)
     labels = [d.label for d in devices]
     if result.returncode in (130, 143):  # Ctrl-C or SIGTERM: stopped, resumable
         out("\n" + interrupted_hint(options, spec, run_dir))
@@ -390,6 +397,8 @@ def _run_in(run_dir: Path, job: CephaloJob, options: RunOptions, devices: list[L
                         labels, run_dir, plan.predicted_step_seconds)
     if plots:
         out("  plots       " + ", ".join(str(p) for p in plots))
+    if (run_dir / "tensorboard").is_dir():  # spec.tracking.tensorboard (rank 0 wrote it)
+        out(f"  tensorboard tensorboard --logdir {run_dir / 'tensorboard'}")
     if result.checkpoint_dir:
         out(f"  checkpoints {result.checkpoint_dir}  (export: cephalo export "
             f"{result.checkpoint_dir} --output model.pt)")

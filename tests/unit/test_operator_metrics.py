@@ -1,0 +1,59 @@
+"""The operator's per-job counters have series from the moment a job is seen (issue 38).
+
+A counter without a series until its first increment makes a dashboard panel read
+"No data" instead of 0, and `increase()` in an alerting rule cannot see the first event (it
+needs two samples). Read back through prometheus-client's own exposition and parser, as a
+Prometheus scrape would see the page.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cephalo.operator import metrics
+
+COUNTERS = ("cephalo_operator_gang_restarts_total", "cephalo_operator_preemptions_total",
+            "cephalo_operator_replans_total", "cephalo_operator_gang_releases_total",
+            "cephalo_operator_rescales_total", "cephalo_operator_rescale_skips_total",
+            "cephalo_operator_rescale_rollbacks_total")
+
+
+def _samples(namespace: str, job: str) -> dict[str, float]:
+    page = generate_latest(REGISTRY).decode()
+    return {s.name: s.value for family in text_string_to_metric_families(page)
+            for s in family.samples
+            if s.labels.get("cephalo_namespace") == namespace
+            and s.labels.get("cephalo_job") == job}
+
+
+def test_a_new_job_gets_every_counter_at_zero_and_a_gone_job_none() -> None:
+    assert not _samples("ns-a", "fresh")
+    metrics.set_phase("ns-a", "fresh", "Pending")
+    try:
+        seen = _samples("ns-a", "fresh")
+        assert {name: seen.get(name) for name in COUNTERS} == dict.fromkeys(COUNTERS, 0.0)
+        # An increment counts from there; a later pass does not reset it.
+        metrics.RESTARTS.labels("ns-a", "fresh").inc()
+        metrics.set_phase("ns-a", "fresh", "Running")
+        assert _samples("ns-a", "fresh")["cephalo_operator_gang_restarts_total"] == 1.0
+    finally:
+        metrics.set_phase("ns-a", "fresh", None)
+    assert not _samples("ns-a", "fresh"), "a deleted job's series must go"
+
+
+def test_reconcile_outcomes_have_series_before_any_pass() -> None:
+    page = generate_latest(REGISTRY).decode()
+    outcomes = {s.labels["outcome"] for family in text_string_to_metric_families(page)
+                for s in family.samples if s.name == "cephalo_operator_reconciles_total"}
+    assert outcomes >= {"ok", "error"}
+
+
+def test_every_per_job_counter_is_initialised() -> None:
+    """A counter added to the module later must join JOB_COUNTERS too."""
+    from prometheus_client import Counter
+
+    per_job = {c._name for c in vars(metrics).values()  # prometheus-client's own attribute
+               if isinstance(c, Counter) and "cephalo_job" in c._labelnames}
+    assert per_job == {c._name for c in metrics.JOB_COUNTERS}
+    assert {f"{name}_total" for name in per_job} == set(COUNTERS)
