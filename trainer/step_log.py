@@ -128,6 +128,8 @@ class StepLogger:
     def line(self, result: StepResult, rate: Throughput,
              validation_loss: float | None = None) -> str:
         validation = "" if validation_loss is None else f" val-loss {validation_loss:.4f}"
+        if result.skipped:  # loss scaling: some rank's gradient overflowed
+            validation += f" (skipped: gradient overflow at loss scale {result.loss_scale:g})"
         return (f"step {result.step}/{self.total_steps} loss {result.loss:.4f}{validation} "
                 f"lr {result.learning_rate:.2e} grad-norm {result.grad_norm:.3f} | "
                 f"{rate.samples_per_second:.1f} samples/s | step {result.step_seconds:.3f} s "

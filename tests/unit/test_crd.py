@@ -142,7 +142,8 @@ def test_pydantic_bounds_translate_to_openapi_v3() -> None:
     assert clip["nullable"] is True and clip["default"] == 1.0 and clip["type"] == "number"
     pools = spec["gpuPools"]["items"]["properties"]["nodeSelector"]
     assert pools["additionalProperties"] == {"type": "string"} and "properties" not in pools
-    assert spec["precision"]["enum"] == ["fp32", "bf16"] and spec["precision"]["default"] == "fp32"
+    assert spec["precision"]["enum"] == ["fp32", "bf16", "fp16", "auto"]
+    assert spec["precision"]["default"] == "fp32"
 
 
 def test_unsupported_pydantic_constructs_fail_loudly() -> None:

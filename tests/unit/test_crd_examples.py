@@ -126,7 +126,7 @@ BAD_CRS = [
     ("unknown-family", _set("spec.model", {**_CUSTOM, "family": "mamba"}), "spec.model.family",
      "spec.model.family: Input should be 'gpt', 'llama', 'vit' or 'bert'"),
     ("unknown-precision", _set("spec.precision", "fp8"), "spec.precision",
-     "spec.precision: Input should be 'fp32' or 'bf16'"),
+     "spec.precision: Input should be 'fp32', 'bf16', 'fp16' or 'auto'"),
     ("memory-fraction-above-1", _set("spec.planner.memoryFraction", 1.5),
      "spec.planner.memoryFraction", "spec.planner.memoryFraction: Input should be less than"),
     ("memory-fraction-zero", _set("spec.planner.memoryFraction", 0),

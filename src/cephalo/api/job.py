@@ -262,8 +262,10 @@ class CephaloJobSpec(CamelModel):
     global_batch_size: int = Field(ge=1, le=MAX_GLOBAL_BATCH_SIZE, description=(
         f"Samples per optimizer step (B); at most {MAX_GLOBAL_BATCH_SIZE}, twice the largest "
         "published batch (ViT-G: 32768 images): the planner's time and memory grow with B."))
-    precision: Literal["fp32", "bf16"] = Field(default="fp32", description=(
-        "fp32 (the paper's setting) or bf16 autocast with fp32 master weights."))
+    precision: Literal["fp32", "bf16", "fp16", "auto"] = Field(default="fp32", description=(
+        "fp32 (the paper's setting), bf16 autocast, or fp16 autocast with dynamic loss "
+        "scaling (one scale for the job), each with fp32 master weights; auto: each GPU its "
+        "fastest (the plan gives each rank's precision)."))
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     data: DataSpec = Field(default_factory=lambda: DataSpec(synthetic=SyntheticData()))
     gpu_pools: list[GpuPoolSpec] | None = Field(default=None, max_length=64, description=(

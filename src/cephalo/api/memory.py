@@ -30,9 +30,9 @@ from __future__ import annotations
 
 FP32_BYTES = 4
 # Master weight + AdamW exp_avg + exp_avg_sq + reduce-scattered gradient shard, all fp32.
-_STATE_BYTES = {"fp32": 4 * FP32_BYTES, "bf16": 4 * FP32_BYTES}
+_STATE_BYTES = {"fp32": 4 * FP32_BYTES, "bf16": 4 * FP32_BYTES, "fp16": 4 * FP32_BYTES}
 STATE_BYTES_PER_PARAMETER = _STATE_BYTES["fp32"]
-# Parameters are gathered and gradients reduce-scattered in fp32 in both precisions.
+# Parameters are gathered and gradients reduce-scattered in fp32 in every precision.
 COMM_BYTES_PER_PARAMETER = FP32_BYTES
 # Current unit, its gradient, a microbatch's gradient being added to it, the prefetched next
 # unit, the previous unit's gradient under its reduce-scatter.

@@ -7,7 +7,7 @@ The trainer needs only `global_batch_size`, `world_size` and each rank's batch f
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -85,12 +85,17 @@ class RankPlan(BaseModel):
     # offloads only where the device cannot hold them (a per-rank choice: collectives do
     # not change).
     offload_activations: bool | None = None
+    # The precision this rank computes in (autocast over fp32 master weights; fp16 ranks
+    # scale their loss by the job's one loss scale). None (omitted): the job's
+    # spec.precision. A job's `auto` is always resolved into per-rank values by the planner.
+    # Collectives are fp32 whatever the mix, so ranks may differ.
+    precision: Literal["fp32", "bf16", "fp16"] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unset_index(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = _omit_empty(handler(self), ("gpu_index", "compute_memory_bytes", "estimated",
                                            "offload_activations",
-                                           "block_graph_bytes_per_sample"))
+                                           "block_graph_bytes_per_sample", "precision"))
         if not data.get("kept_blocks"):
             data.pop("kept_blocks", None)
         return data

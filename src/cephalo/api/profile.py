@@ -85,7 +85,7 @@ class GpuProfile(BaseModel):
     memory_capacity_bytes: int = Field(ge=1)
     source: Literal["measured", "estimated", "emulated"] = "measured"
     model_key: str = Field(description="short hash of the model architecture")
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     compute_capability: str | None = None
     driver_version: str | None = None
     torch_version: str | None = None
