@@ -59,6 +59,9 @@ from cephalo.trainer.unit_ops import ActivationStore, BlockTiming, run_unit_for_
 
 __all__ = ["BlockTiming", "Engine", "Layout", "StepResult", "run_unit_for_profile"]
 
+# A job's gatherPrecision -> what parameter all-gathers move (None: the masters' fp32).
+GATHER_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
+
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets)
 
 
@@ -135,7 +138,7 @@ class Engine:
                  group: dist.ProcessGroup | None = None, device: torch.device | None = None,
                  precision: str = "fp32", recompute: bool = True,
                  offload: bool | None = None, time_dilation: float = 1.0,
-                 standalone: bool = False) -> None:
+                 standalone: bool = False, gather_precision: str = "fp32") -> None:
         # standalone: a single rank that needs no process group (see UnevenCollectives).
         self.comm = UnevenCollectives(group, standalone=standalone)
         self.rank = self.comm.rank
@@ -179,6 +182,13 @@ class Engine:
         self.loss_scaling = "fp16" in precisions
         self.scaler = LossScaler()
         self.recompute = recompute
+        # Parameters travel in bf16 (half the bytes) and are widened on arrival: every rank
+        # computes from the same bf16-rounded weights; masters, gradients and their fp32
+        # reduce-scatter are untouched (a job's gatherPrecision, the same on every rank).
+        if gather_precision not in GATHER_DTYPES:
+            raise ValueError(f"gather_precision must be one of {', '.join(GATHER_DTYPES)}, "
+                             f"got {gather_precision!r}")
+        self.gather_dtype = GATHER_DTYPES[gather_precision]
         # Blocks L-k+1..L (engine units) keep their graphs from forward to backward.
         self.kept_blocks = layout.kept_blocks[self.rank] if layout.kept_blocks else 0
         # What one sample's block graph holds, as the plan priced it (the profile's
@@ -255,13 +265,16 @@ class Engine:
         return self.optimizer.params
 
     def _gather(self, index: int) -> Pending:
+        """Unit `index`'s parameters for compute (in the job's gather precision)."""
         unit = self.units[index]
-        return self.comm.all_gather(self.master_shards[index], unit.bounds, index)
+        return self.comm.all_gather(self.master_shards[index], unit.bounds, index,
+                                    wire_dtype=self.gather_dtype)
 
     def full_parameters(self) -> list[torch.Tensor]:
-        """Every unit's full flat buffer (a collective: all ranks must call it)."""
-        return [self._gather(i).wait().detach().to("cpu", copy=True)
-                for i in range(len(self.units))]
+        """Every unit's full flat fp32 master weights (a collective: all ranks must call
+        it), never rounded by the gather precision."""
+        return [self.comm.all_gather(self.master_shards[i], u.bounds, i).wait().detach()
+                .to("cpu", copy=True) for i, u in enumerate(self.units)]
 
     # ---- evaluation -----------------------------------------------------------------
     def evaluate(self, micro_batches: list[MicroBatch]) -> tuple[float, int]:

@@ -87,7 +87,8 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
     config = job.model.resolve()
     spec = job.training
     engine = Engine(config, spec, layout, group=group, device=device,
-                    precision=job.precision, time_dilation=time_dilation,
+                    precision=job.precision, gather_precision=job.gather_precision,
+                    time_dilation=time_dilation,
                     recompute=True if recompute is None else recompute, offload=offload)
     if memory_limit_bytes is not None:
         _check_memory(engine, memory_limit_bytes)
