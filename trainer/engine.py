@@ -15,7 +15,9 @@ head):
 4. **Optimizer**: one all-reduce of [Σ grad², Σ loss, every rank's compute and wait
    seconds so far, the caller's votes]; global-norm clipping; AdamW on the fp32 master
    shards. The trainer's logs and its stop vote ride on this all-reduce, so the loop around
-   `step` needs no collective of its own.
+   `step` needs no collective of its own. With fp16 ranks, a non-finite norm is the job's
+   overflow verdict: every rank skips the update and the loss scale backs off
+   (`cephalo.trainer.precision`, docs/precision.md).
 
 So each unit is gathered once per pass (the head once per step) and reduce-scattered once
 per step, whatever ℓ_i. A rank with no batch runs the same collectives on empty work.
