@@ -195,3 +195,29 @@ def test_a_skipped_step_says_so_in_its_log_line() -> None:
     line = logger.line(result, rate)
     assert "step 3/9 loss 2.5000 (skipped: gradient overflow at loss scale 32768)" in line
     assert "skipped" not in logger.line(StepResult(3, 2.5, 1.0, 1e-3, 0.5, 0.0), rate)
+
+
+def test_a_real_fp16_overflow_backs_the_scale_off_until_steps_succeed() -> None:
+    """No injection: an fp16 rank started at scale 2**24 overflows fp16 for real (its
+    scaled activation gradients pass 65504), skips those steps with its weights untouched,
+    and halves the scale on each, as GradScaler would, until steps succeed."""
+    torch.set_num_threads(1)
+    config = preset("gpt-tiny")
+    data = DataSource(config, DataSpec(synthetic=SyntheticData()), seed=0)
+    steps, start = 16, 24
+    engine = Engine(config, _spec(steps), SINGLE, precision="fp16", standalone=True)
+    engine.scaler.scale = 2.0 ** start
+    skipped = []
+    for step in range(steps):
+        before = engine.full_parameters()
+        result = engine.step(data.micro_batches(step, 0, 8, 8))
+        skipped.append(result.skipped)
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, engine.full_parameters(),
+                                                         strict=True))
+        assert unchanged == result.skipped, step
+    first_good = skipped.index(False)
+    # Measured: 6 overflows in a row (2**24 down to 2**19), then one more at 2**18 in 16 steps.
+    assert first_good >= 3 and all(skipped[:first_good])
+    assert sum(skipped) <= steps // 2
+    assert engine.scaler.scale == 2.0 ** (start - sum(skipped))  # no growth within 2000 steps
+    assert engine.optimizer.num_steps == steps - sum(skipped)
