@@ -176,26 +176,44 @@ class UnevenCollectives:
         return pending
 
     def reduce_scatter(self, full_grad: torch.Tensor, bounds: list[tuple[int, int]],
-                       unit: int, *, consume: bool = True) -> Pending:
+                       unit: int, *, consume: bool = True,
+                       wire_dtype: torch.dtype | None = None) -> Pending:
         """SUM-reduce a full flat gradient across ranks; the result is this rank's shard.
 
         `full_grad` is the collective's to overwrite. `consume`: outside NCCL's even path
         its storage is freed as soon as the shard is out (the engine never reads a full
         gradient after its reduce-scatter); pass False to reuse the buffer (the collective
-        profiler does)."""
+        profiler does). `wire_dtype` (e.g. bf16 for an fp32 gradient): the gradient is
+        rounded to it and reduced in it (the backend sums in that format), half the bytes;
+        the shard comes back widened to `full_grad`'s dtype."""
         start, end = bounds[self.rank]
-        self._count("reduce_scatter", unit, full_grad.numel(), full_grad.dtype)
+        narrow = wire_dtype is not None and wire_dtype != full_grad.dtype and \
+            self.world_size > 1
+        if narrow:
+            buf = full_grad.to(wire_dtype)
+            if consume and _whole(full_grad):
+                full_grad.untyped_storage().resize_(0)
+        else:
+            buf = full_grad
+        self._count("reduce_scatter", unit, buf.numel(), buf.dtype)
         if self.world_size == 1:
             return Pending([], full_grad[start:end], "reduce_scatter", self.stats, done=True)
         out = torch.empty(end - start, dtype=full_grad.dtype, device=full_grad.device)
         if self.backend == "nccl" and _even(bounds):
             self.stats.native_calls["reduce_scatter"] += 1
-            work = dist.reduce_scatter_tensor(out, full_grad, group=self.group, async_op=True)
-            return Pending([work], out, "reduce_scatter", self.stats)
+            shard = torch.empty(end - start, dtype=buf.dtype, device=buf.device) \
+                if narrow else out
+            work = dist.reduce_scatter_tensor(shard, buf, group=self.group, async_op=True)
+
+            def widen() -> None:
+                out.copy_(shard)
+
+            return Pending([work], out, "reduce_scatter", self.stats,
+                           finish=widen if narrow else None)
         if self.backend == "nccl" or self.reduce_by_owner:
             # Uneven: one in-place reduce per owner of its slice (no padded copy; together
             # they move what a reduce-scatter moves).
-            works = [dist.reduce(full_grad[s:e], dst=self._global_rank(r),
+            works = [dist.reduce(buf[s:e], dst=self._global_rank(r),
                                  op=dist.ReduceOp.SUM, group=self.group, async_op=True)
                      for r, (s, e) in enumerate(bounds) if e > s]
         else:
@@ -203,18 +221,18 @@ class UnevenCollectives:
             # an all-reduce of that copy and a copy-out: a second full gradient alive while
             # it runs, which the memory model does not count (measured). The gradient is
             # flat already: all-reduce it in place, gloo's reduction without the copy.
-            works = [dist.all_reduce(full_grad, op=dist.ReduceOp.SUM, group=self.group,
+            works = [dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group,
                                      async_op=True)]
         self.stats.native_calls["reduce_scatter"] += len(works)
-        whole = full_grad.storage_offset() == 0 and \
-            full_grad.untyped_storage().nbytes() == full_grad.numel() * full_grad.element_size()
+        # (a view of a larger buffer is its owner's to free; a narrowed copy is ours)
+        free = narrow or (consume and _whole(buf))
 
         def slice_out() -> None:
-            out.copy_(full_grad[start:end])
-            if consume and whole:  # (a view of a larger buffer is its owner's to free)
+            out.copy_(buf[start:end])
+            if free:
                 # Freed here, not when the last reference goes: gloo's worker thread holds
                 # the finished collective, and the buffer, until it next runs.
-                full_grad.untyped_storage().resize_(0)
+                buf.untyped_storage().resize_(0)
 
         return Pending(works, out, "reduce_scatter", self.stats, finish=slice_out)
 
@@ -234,6 +252,12 @@ class UnevenCollectives:
         self.stats.elements[kind] += numel
         self.stats.payload_bytes[kind] += numel * dtype.itemsize
         self.stats.log.append((kind, unit))
+
+
+def _whole(t: torch.Tensor) -> bool:
+    """`t` is its storage's only tensor (so freeing the storage frees no one else's)."""
+    return t.storage_offset() == 0 and \
+        t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
 def _even(bounds: list[tuple[int, int]]) -> bool:

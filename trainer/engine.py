@@ -61,8 +61,9 @@ from cephalo.trainer.unit_ops import ActivationStore, BlockTiming, run_unit_for_
 
 __all__ = ["BlockTiming", "Engine", "Layout", "StepResult", "run_unit_for_profile"]
 
-# A job's gatherPrecision -> what parameter all-gathers move (None: the masters' fp32).
-GATHER_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
+# A job's gatherPrecision / reducePrecision -> what parameter all-gathers / gradient
+# reduce-scatters move (None: the fp32 of the masters and gradients).
+WIRE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets)
 
@@ -140,7 +141,8 @@ class Engine:
                  group: dist.ProcessGroup | None = None, device: torch.device | None = None,
                  precision: str = "fp32", recompute: bool = True,
                  offload: bool | None = None, time_dilation: float = 1.0,
-                 standalone: bool = False, gather_precision: str = "fp32") -> None:
+                 standalone: bool = False, gather_precision: str = "fp32",
+                 reduce_precision: str = "fp32") -> None:
         # standalone: a single rank that needs no process group (see UnevenCollectives).
         self.comm = UnevenCollectives(group, standalone=standalone)
         self.rank = self.comm.rank
@@ -184,13 +186,18 @@ class Engine:
         self.loss_scaling = "fp16" in precisions
         self.scaler = LossScaler()
         self.recompute = recompute
-        # Parameters travel in bf16 (half the bytes) and are widened on arrival: every rank
-        # computes from the same bf16-rounded weights; masters, gradients and their fp32
-        # reduce-scatter are untouched (a job's gatherPrecision, the same on every rank).
-        if gather_precision not in GATHER_DTYPES:
-            raise ValueError(f"gather_precision must be one of {', '.join(GATHER_DTYPES)}, "
-                             f"got {gather_precision!r}")
-        self.gather_dtype = GATHER_DTYPES[gather_precision]
+        # gather_precision bf16: parameters travel in bf16 (half the bytes) and are widened
+        # on arrival, so every rank computes from the same bf16-rounded weights; the masters
+        # are untouched. reduce_precision bf16: each full gradient is rounded to bf16, summed
+        # in bf16 by the backend and its shard widened (half the bytes, coarser sums). Job
+        # fields gatherPrecision / reducePrecision, the same on every rank.
+        for name, value in (("gather_precision", gather_precision),
+                            ("reduce_precision", reduce_precision)):
+            if value not in WIRE_DTYPES:
+                raise ValueError(f"{name} must be one of {', '.join(WIRE_DTYPES)}, got "
+                                 f"{value!r}")
+        self.gather_dtype = WIRE_DTYPES[gather_precision]
+        self.reduce_dtype = WIRE_DTYPES[reduce_precision]
         # Blocks L-k+1..L (engine units) keep their graphs from forward to backward.
         self.kept_blocks = layout.kept_blocks[self.rank] if layout.kept_blocks else 0
         # What one sample's block graph holds, as the plan priced it (the profile's
@@ -259,7 +266,8 @@ class Engine:
         owner's shard (the overflow verdict, `_optimizer_step`)."""
         if self.precision == "fp16":
             full_grad.mul_(1.0 / self.scaler.scale)
-        return self.comm.reduce_scatter(full_grad, self.units[u].bounds, u)
+        return self.comm.reduce_scatter(full_grad, self.units[u].bounds, u,
+                                        wire_dtype=self.reduce_dtype)
 
     # ---- parameters ----------------------------------------------------------------
     @property

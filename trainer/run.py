@@ -88,6 +88,7 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
     spec = job.training
     engine = Engine(config, spec, layout, group=group, device=device,
                     precision=job.precision, gather_precision=job.gather_precision,
+                    reduce_precision=job.reduce_precision,
                     time_dilation=time_dilation,
                     recompute=True if recompute is None else recompute, offload=offload)
     if memory_limit_bytes is not None:
