@@ -52,6 +52,8 @@ def progress_record(result: StepResult, rate: Throughput,
               "tflops": rate.tflops, "time": time.time(), "ranks": rank_timings(result)}
     if validation_loss is not None:
         record["validation_loss"] = validation_loss
+    if result.skipped:
+        record.update(skipped=True, loss_scale=result.loss_scale)
     return record
 
 
@@ -123,7 +125,8 @@ class StepLogger:
                              samples_per_second=rate.samples_per_second,
                              tokens_per_second=rate.tokens_per_second, tflops=rate.tflops,
                              wait_seconds_by_op=waits, local_rank=self.local_rank,
-                             validation_loss=validation_loss)
+                             validation_loss=validation_loss, loss_scale=result.loss_scale,
+                             skipped=result.skipped)
 
     def line(self, result: StepResult, rate: Throughput,
              validation_loss: float | None = None) -> str:

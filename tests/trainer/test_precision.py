@@ -13,11 +13,13 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
+from prometheus_client import generate_latest
 
 from cephalo.api.job import DataSpec, SyntheticData, TrainingSpec
 from cephalo.api.models import preset
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Engine, Layout, StepResult
+from cephalo.trainer.metrics import TrainerMetrics
 from cephalo.trainer.precision import (
     LossScaler,
     PrecisionError,
@@ -26,7 +28,7 @@ from cephalo.trainer.precision import (
     precision_problem,
 )
 from cephalo.trainer.spawn import spawn_ranks
-from cephalo.trainer.step_log import StepLogger, throughput
+from cephalo.trainer.step_log import StepLogger, progress_record, throughput
 
 MIXED = ["fp32", "bf16", "fp16"]
 UNEVEN = Layout(batch_sizes=[5, 2, 1], micro_batch_sizes=[1, 2, 1],
@@ -184,7 +186,7 @@ def test_a_precision_the_device_cannot_run_is_one_line() -> None:
                standalone=True)
 
 
-def test_a_skipped_step_says_so_in_its_log_line() -> None:
+def test_a_skipped_step_says_so_in_its_log_line_progress_record_and_metrics() -> None:
     logger = StepLogger(rank=0, global_batch_size=8, local_batch_size=8, tokens_per_sample=4,
                         flops_per_sample=1.0, total_steps=9)
     result = StepResult(step=3, loss=2.5, grad_norm=float("inf"), learning_rate=1e-3,
@@ -194,7 +196,18 @@ def test_a_skipped_step_says_so_in_its_log_line() -> None:
                       tokens_per_sample=4, flops_per_sample=1.0)
     line = logger.line(result, rate)
     assert "step 3/9 loss 2.5000 (skipped: gradient overflow at loss scale 32768)" in line
-    assert "skipped" not in logger.line(StepResult(3, 2.5, 1.0, 1e-3, 0.5, 0.0), rate)
+    good = StepResult(3, 2.5, 1.0, 1e-3, 0.5, 0.0, loss_scale=32768.0)
+    assert "skipped" not in logger.line(good, rate)
+    record = progress_record(result, rate)
+    assert record["skipped"] is True and record["loss_scale"] == 32768.0
+    assert "skipped" not in progress_record(good, rate)
+    metrics = TrainerMetrics(rank=0, port=0, predicted_step_seconds=None)
+    logger.metrics = metrics
+    logger.observe(result, rate)
+    logger.observe(good, rate)
+    page = generate_latest(metrics.registry).decode()
+    assert 'cephalo_skipped_steps_total{rank="0"} 1.0' in page
+    assert 'cephalo_loss_scale{rank="0"} 32768.0' in page
 
 
 def test_a_real_fp16_overflow_backs_the_scale_off_until_steps_succeed() -> None:
