@@ -58,7 +58,9 @@ useful TFLOP/s and MFU (against the GPU's dense peak at the run's precision, fro
 planner's catalog) are reported. `--precision bf16` runs both engines under the same bf16
 autocast over fp32 weights (FSDP2 without a MixedPrecisionPolicy: its bf16 gathers would be
 other arithmetic, and one rank has no traffic to halve); losses are then held to a looser
-tolerance.
+tolerance. `--gather bf16` (with `--precision bf16`, on CPU ranks) gathers parameters in bf16
+in both engines: Cephalo's gatherPrecision, FSDP2's MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32).
 
 Run: `python bench/fsdp2.py [--regime compute|communication] [--rounds N]`; `--quick` is a
 seconds-long smoke run on a tiny model (CI); `--json` prints the results as JSON. On a GPU:
@@ -131,6 +133,7 @@ class RunOptions:
     num_micro_batches: int | None = None
     sequence_length: int | None = None
     contenders: tuple[str, ...] | None = None
+    gather: str = "fp32"  # "fp32" | "bf16": what parameter all-gathers move, both engines
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,7 @@ class Setup:
     device: torch.device
     precision: str
     units: UnitCache | None = None  # CUDA: seeded units drawn once, copied per contender
+    gather: str = "fp32"  # bf16: Cephalo's gatherPrecision, FSDP2's MixedPrecisionPolicy
 
 
 @dataclass(frozen=True)
@@ -225,7 +229,8 @@ def cephalo_step(config: ModelConfig, batch: int, micro: int, recompute: bool,
     # that do not fit, and FSDP2 offloads nothing.
     with setup.units.installed() if setup.units else contextlib.nullcontext():
         engine = Engine(config, SPEC, layout, recompute=recompute, device=setup.device,
-                        precision=setup.precision, offload=False)
+                        precision=setup.precision, offload=False,
+                        gather_precision=setup.gather)
 
     def step(i: int, batches: MicroBatches) -> tuple[float, float]:
         result = engine.step(batches)
@@ -236,9 +241,13 @@ def cephalo_step(config: ModelConfig, batch: int, micro: int, recompute: bool,
 
 def fsdp2_step(config: ModelConfig, batch: int, variant: str, setup: Setup) -> StepFn:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     world, device = setup.world, setup.device
+    # --gather bf16: FSDP2's own policy, parameters gathered (and computed) in bf16, gradients
+    # reduced in fp32; Cephalo gathers bf16 too (and widens, computing in its precision).
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if setup.gather == "bf16" else MixedPrecisionPolicy()
     mesh = init_device_mesh(device.type, (world,))
     keep = variant != "per-microbatch"  # the no-sync variants keep parameters after forward
     make_unit = setup.units.build_unit if setup.units else build_unit
@@ -246,9 +255,10 @@ def fsdp2_step(config: ModelConfig, batch: int, variant: str, setup: Setup) -> S
     for i in range(config.num_units):  # one full unit at a time, as the engine builds them
         unit = make_unit(config, i, seed=SPEC.seed).to(device)
         if 0 < i < config.num_units - 1:
-            fully_shard(unit, mesh=mesh, reshard_after_forward=not keep)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=not keep, mp_policy=policy)
         units.append(unit)
-    model = fully_shard(UnitModel(config, units), mesh=mesh, reshard_after_forward=not keep)
+    model = fully_shard(UnitModel(config, units), mesh=mesh, reshard_after_forward=not keep,
+                        mp_policy=policy)
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     others = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": SPEC.weight_decay},
@@ -322,7 +332,7 @@ def _worker(rank: int, world_size: int, regimes: dict[str, int], quick: bool,
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     device = torch_device(options.device)
     setup = Setup(world_size, device, options.precision,
-                  UnitCache() if device.type == "cuda" else None)
+                  UnitCache() if device.type == "cuda" else None, options.gather)
     return {regime: _regime(rank, regime, quick, rounds, memory, options, setup)
             for regime, rounds in regimes.items()}
 
@@ -409,6 +419,7 @@ def _regime(rank: int, regime: str, quick: bool, rounds: int, memory: bool,
             "parameters": config.total_parameters(),
             "device": device.type, "device_name": device_name, "peak_flops": peak_flops,
             "world_size": world, "backend": dist.get_backend(), "precision": setup.precision,
+            "gather": setup.gather,
             "flops_per_step": config.training_flops_per_sample() * world * batch}
 
 
@@ -425,7 +436,7 @@ def _options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> RunOp
     names = None if args.contenders is None else \
         tuple(n.strip() for n in args.contenders.split(",") if n.strip())
     return RunOptions(args.device, args.precision, args.preset, args.micro_batch,
-                      args.micro_batches, args.sequence_length, names)
+                      args.micro_batches, args.sequence_length, names, args.gather)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -449,6 +460,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="default: the preset's, else the regime's")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                         help="bf16: autocast over fp32 weights, in both engines")
+    parser.add_argument("--gather", choices=["fp32", "bf16"], default="fp32",
+                        help="bf16: parameters all-gathered in bf16 by both engines (Cephalo's "
+                             "gatherPrecision; FSDP2's MixedPrecisionPolicy(param bf16, reduce "
+                             "fp32)); use with --precision bf16")
     parser.add_argument("--contenders", default=None,
                         help="comma-separated contender names, 'cephalo recompute' among them "
                              "(default: all; on cuda, but for --quick's tiny model: "

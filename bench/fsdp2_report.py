@@ -110,14 +110,15 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
             "device": result["device"], "device_name": result["device_name"],
             "peak_tflops": None if result["peak_flops"] is None else result["peak_flops"] / 1e12,
             "world_size": result["world_size"], "backend": result["backend"],
-            "precision": result["precision"]}
+            "precision": result["precision"], "gather": result.get("gather", "fp32")}
 
 
 def report(regime: str, s: dict[str, Any]) -> str:
     m = s["model"]
     world, cuda = s["world_size"], s["device"] == "cuda"
     ranks = f"1 nccl rank ({s['device_name']}, {s['precision']})" if cuda else \
-        f"{world} {s['backend']} ranks" + (", bf16" if s["precision"] == "bf16" else "")
+        f"{world} {s['backend']} ranks" + (", bf16" if s["precision"] == "bf16" else "") + \
+        (", bf16 gathers" if s["gather"] == "bf16" else "")
     lines = [f"== {regime}: {m['family']} {m['num_layers']} layers, hidden {m['hidden_size']}, "
              f"seq {m['sequence_length']}, {s['parameters']:,} parameters; {ranks} x "
              f"{s['num_micro_batches']} microbatches of {s['micro_batch_size']}; "

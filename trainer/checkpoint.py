@@ -7,7 +7,8 @@ Layout of a checkpoint root (a folder every rank sees, or an fsspec URL such as
     step-00000040/
         rank-00000.pt   one file per rank: for every unit its global [start, end) offsets,
         rank-00001.pt   fp32 master shard and Adam moments; the rank's RNG state
-        meta.json       step, model config, unit sizes and bounds, every file's size and sha256
+        meta.json       step, model config, unit sizes and bounds, every file's size and
+                        sha256, the job's loss scale (fp16 ranks)
         COMPLETE        written last; its presence (and matching files) = loadable
 
 Protocol (the same on POSIX and object storage, because object stores have no rename;
@@ -309,6 +310,8 @@ def restore(engine: Engine, info: CheckpointInfo, reader: ShardReader | None = N
         reader.close()
     opt["num_steps"] = int(info.meta["optimizer_steps"])
     state["step_count"] = info.step
+    if "loss_scale" in info.meta:  # job-wide; older checkpoints: the scaler starts afresh
+        state["loss_scale"] = info.meta["loss_scale"]
     engine.load_state_dict(state)
 
 

@@ -68,7 +68,8 @@ def _snapshot(engine: Engine, copy: bool) -> tuple[dict[str, Any], dict[str, Any
             "model": engine.config.model_dump(mode="json"),
             "unit_numels": [u.numel for u in engine.units],
             "bounds": [u.bounds for u in engine.units],
-            "global_batch_size": engine.layout.global_batch_size}
+            "global_batch_size": engine.layout.global_batch_size,
+            "loss_scale": dict(state["loss_scale"])}
     return shard, meta
 
 

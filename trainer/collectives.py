@@ -75,12 +75,16 @@ class CollectiveStats:
     calls: Counter = field(default_factory=Counter)  # logical collectives by kind
     native_calls: Counter = field(default_factory=Counter)  # backend calls by kind
     elements: Counter = field(default_factory=Counter)
+    # bytes of the buffer each collective fills, by kind: what travels (a gather in bf16
+    # counts 2 bytes a parameter, the fp32 one 4)
+    payload_bytes: Counter = field(default_factory=Counter)
     # seconds blocked in wait() by kind: floats, so a defaultdict (a Counter is for counts)
     wait_seconds: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     log: list[tuple[str, int]] = field(default_factory=list)  # (kind, unit) in issue order
 
     def reset(self) -> None:
-        for c in (self.calls, self.native_calls, self.elements, self.wait_seconds):
+        for c in (self.calls, self.native_calls, self.elements, self.payload_bytes,
+                  self.wait_seconds):
             c.clear()
         self.log.clear()
 
@@ -111,10 +115,17 @@ class UnevenCollectives:
         return dist.get_global_rank(self.group, group_rank)
 
     def all_gather(self, shard: torch.Tensor, bounds: list[tuple[int, int]], unit: int,
-                   dtype: torch.dtype | None = None) -> Pending:
-        """Gather every rank's shard of a flat buffer into a new full buffer."""
+                   dtype: torch.dtype | None = None, wire_dtype: torch.dtype | None = None
+                   ) -> Pending:
+        """Gather every rank's shard of a flat buffer into a new full buffer (of `dtype`,
+        default the shard's). `wire_dtype` (e.g. bf16 for fp32 shards): the shards travel
+        in it, half the bytes, and the result is widened back, every rank's slice alike
+        (its own too), so every rank holds the same rounded weights."""
         numel = bounds[-1][1]
-        self._count("all_gather", unit, numel)
+        out_dtype = dtype or shard.dtype
+        if wire_dtype is not None and wire_dtype != out_dtype and self.world_size > 1:
+            return self._narrow_gather(shard, bounds, unit, out_dtype, wire_dtype)
+        self._count("all_gather", unit, numel, out_dtype)
         if self.world_size == 1 and (dtype is None or dtype == shard.dtype):
             # The shard is the whole buffer: hand out an alias (own autograd identity, same
             # storage) instead of a copy. Nothing writes to it until the optimizer step.
@@ -123,13 +134,18 @@ class UnevenCollectives:
         if self.world_size == 1:
             full.copy_(shard)
             return Pending([], full, "all_gather", self.stats, done=True)
+        return Pending(self._gather_into(full, shard, bounds), full, "all_gather", self.stats)
+
+    def _gather_into(self, full: torch.Tensor, shard: torch.Tensor,
+                     bounds: list[tuple[int, int]]) -> list:
+        """Start gathering every rank's shard into `full` (this rank's copied in, cast to
+        `full`'s dtype); returns the works."""
         start, end = bounds[self.rank]
         full[start:end].copy_(shard)
         if self.backend == "nccl" and _even(bounds):
             self.stats.native_calls["all_gather"] += 1
-            work = dist.all_gather_into_tensor(full, full[start:end].clone(), group=self.group,
-                                               async_op=True)
-            return Pending([work], full, "all_gather", self.stats)
+            return [dist.all_gather_into_tensor(full, full[start:end].clone(),
+                                                group=self.group, async_op=True)]
         # Uneven (or gloo): each owner broadcasts its shard straight into its slice of the
         # full buffer. No padding: the padded [world, largest] gather would hold up to
         # world x the unit (a unit owned by one rank: 8 x on 8 GPUs) beside the full buffer,
@@ -138,29 +154,66 @@ class UnevenCollectives:
                                 async_op=True)
                  for r, (s, e) in enumerate(bounds) if e > s]
         self.stats.native_calls["all_gather"] += len(works)
-        return Pending(works, full, "all_gather", self.stats)
+        return works
+
+    def _narrow_gather(self, shard: torch.Tensor, bounds: list[tuple[int, int]], unit: int,
+                       out_dtype: torch.dtype, wire_dtype: torch.dtype) -> Pending:
+        """`all_gather` over a `wire_dtype` buffer, widened to `out_dtype` once it is in.
+        The wide buffer exists only from then on (beside the narrow one for the copy)."""
+        numel = bounds[-1][1]
+        self._count("all_gather", unit, numel, wire_dtype)
+        wire = torch.empty(numel, dtype=wire_dtype, device=shard.device)
+        pending = Pending(self._gather_into(wire, shard, bounds), wire, "all_gather",
+                          self.stats)
+
+        def widen() -> None:
+            pending.result = wire.to(out_dtype)
+            # Freed now: gloo's worker thread holds the finished collective, and the
+            # buffer, until it next runs (passes.release).
+            wire.untyped_storage().resize_(0)
+
+        pending.finish = widen
+        return pending
 
     def reduce_scatter(self, full_grad: torch.Tensor, bounds: list[tuple[int, int]],
-                       unit: int, *, consume: bool = True) -> Pending:
+                       unit: int, *, consume: bool = True,
+                       wire_dtype: torch.dtype | None = None) -> Pending:
         """SUM-reduce a full flat gradient across ranks; the result is this rank's shard.
 
         `full_grad` is the collective's to overwrite. `consume`: outside NCCL's even path
         its storage is freed as soon as the shard is out (the engine never reads a full
         gradient after its reduce-scatter); pass False to reuse the buffer (the collective
-        profiler does)."""
+        profiler does). `wire_dtype` (e.g. bf16 for an fp32 gradient): the gradient is
+        rounded to it and reduced in it (the backend sums in that format), half the bytes;
+        the shard comes back widened to `full_grad`'s dtype."""
         start, end = bounds[self.rank]
-        self._count("reduce_scatter", unit, full_grad.numel())
+        narrow = wire_dtype is not None and wire_dtype != full_grad.dtype and \
+            self.world_size > 1
+        if narrow:
+            buf = full_grad.to(wire_dtype)
+            if consume and _whole(full_grad):
+                full_grad.untyped_storage().resize_(0)
+        else:
+            buf = full_grad
+        self._count("reduce_scatter", unit, buf.numel(), buf.dtype)
         if self.world_size == 1:
             return Pending([], full_grad[start:end], "reduce_scatter", self.stats, done=True)
         out = torch.empty(end - start, dtype=full_grad.dtype, device=full_grad.device)
         if self.backend == "nccl" and _even(bounds):
             self.stats.native_calls["reduce_scatter"] += 1
-            work = dist.reduce_scatter_tensor(out, full_grad, group=self.group, async_op=True)
-            return Pending([work], out, "reduce_scatter", self.stats)
+            shard = torch.empty(end - start, dtype=buf.dtype, device=buf.device) \
+                if narrow else out
+            work = dist.reduce_scatter_tensor(shard, buf, group=self.group, async_op=True)
+
+            def widen() -> None:
+                out.copy_(shard)
+
+            return Pending([work], out, "reduce_scatter", self.stats,
+                           finish=widen if narrow else None)
         if self.backend == "nccl" or self.reduce_by_owner:
             # Uneven: one in-place reduce per owner of its slice (no padded copy; together
             # they move what a reduce-scatter moves).
-            works = [dist.reduce(full_grad[s:e], dst=self._global_rank(r),
+            works = [dist.reduce(buf[s:e], dst=self._global_rank(r),
                                  op=dist.ReduceOp.SUM, group=self.group, async_op=True)
                      for r, (s, e) in enumerate(bounds) if e > s]
         else:
@@ -168,25 +221,25 @@ class UnevenCollectives:
             # an all-reduce of that copy and a copy-out: a second full gradient alive while
             # it runs, which the memory model does not count (measured). The gradient is
             # flat already: all-reduce it in place, gloo's reduction without the copy.
-            works = [dist.all_reduce(full_grad, op=dist.ReduceOp.SUM, group=self.group,
+            works = [dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group,
                                      async_op=True)]
         self.stats.native_calls["reduce_scatter"] += len(works)
-        whole = full_grad.storage_offset() == 0 and \
-            full_grad.untyped_storage().nbytes() == full_grad.numel() * full_grad.element_size()
+        # (a view of a larger buffer is its owner's to free; a narrowed copy is ours)
+        free = narrow or (consume and _whole(buf))
 
         def slice_out() -> None:
-            out.copy_(full_grad[start:end])
-            if consume and whole:  # (a view of a larger buffer is its owner's to free)
+            out.copy_(buf[start:end])
+            if free:
                 # Freed here, not when the last reference goes: gloo's worker thread holds
                 # the finished collective, and the buffer, until it next runs.
-                full_grad.untyped_storage().resize_(0)
+                buf.untyped_storage().resize_(0)
 
         return Pending(works, out, "reduce_scatter", self.stats, finish=slice_out)
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Blocking SUM all-reduce of a small tensor (once per step: grad-norm, loss, and what
         rides along — every rank's timings, the trainer's stop and checkpoint votes)."""
-        self._count("all_reduce", -1, values.numel())
+        self._count("all_reduce", -1, values.numel(), values.dtype)
         if self.world_size > 1:
             self.stats.native_calls["all_reduce"] += 1
             started = time.perf_counter()
@@ -194,10 +247,17 @@ class UnevenCollectives:
             self.stats.wait_seconds["all_reduce"] += time.perf_counter() - started
         return values
 
-    def _count(self, kind: str, unit: int, numel: int) -> None:
+    def _count(self, kind: str, unit: int, numel: int, dtype: torch.dtype) -> None:
         self.stats.calls[kind] += 1
         self.stats.elements[kind] += numel
+        self.stats.payload_bytes[kind] += numel * dtype.itemsize
         self.stats.log.append((kind, unit))
+
+
+def _whole(t: torch.Tensor) -> bool:
+    """`t` is its storage's only tensor (so freeing the storage frees no one else's)."""
+    return t.storage_offset() == 0 and \
+        t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
 def _even(bounds: list[tuple[int, int]]) -> bool:

@@ -15,7 +15,9 @@ head):
 4. **Optimizer**: one all-reduce of [Σ grad², Σ loss, every rank's compute and wait
    seconds so far, the caller's votes]; global-norm clipping; AdamW on the fp32 master
    shards. The trainer's logs and its stop vote ride on this all-reduce, so the loop around
-   `step` needs no collective of its own.
+   `step` needs no collective of its own. With fp16 ranks, a non-finite norm is the job's
+   overflow verdict: every rank skips the update and the loss scale backs off
+   (`cephalo.trainer.precision`, docs/precision.md).
 
 So each unit is gathered once per pass (the head once per step) and reduce-scattered once
 per step, whatever ℓ_i. A rank with no batch runs the same collectives on empty work.
@@ -37,6 +39,7 @@ passes themselves are in `cephalo.trainer.passes`.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -53,9 +56,14 @@ from cephalo.trainer.collectives import Pending, UnevenCollectives
 from cephalo.trainer.flat import FlatUnit
 from cephalo.trainer.models import build_unit
 from cephalo.trainer.optim import OptimizerState, ShardedAdamW, learning_rate
+from cephalo.trainer.precision import PRECISIONS, LossScaler, LossScaleState
 from cephalo.trainer.unit_ops import ActivationStore, BlockTiming, run_unit_for_profile
 
 __all__ = ["BlockTiming", "Engine", "Layout", "StepResult", "run_unit_for_profile"]
+
+# A job's gatherPrecision / reducePrecision -> what parameter all-gathers / gradient
+# reduce-scatters move (None: the fp32 of the masters and gradients).
+WIRE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets)
 
@@ -72,6 +80,8 @@ class Layout:
     `graph_bytes_per_sample`: per rank, the block graph size the plan priced its kept blocks
     with (None or empty: the estimate from the dimensions); every rank reads all of them to
     agree on the tail they run per microbatch (`cephalo.api.memory.fused_tail_blocks`).
+    `precisions`: per rank, the precision it computes in (a plan's ``ranks[i].precision``;
+    None or empty: the job's); every rank reads all of them to agree on loss scaling.
     """
 
     batch_sizes: list[int]
@@ -80,6 +90,7 @@ class Layout:
     unit_shard_ratios: dict[int, list[float]] = field(default_factory=dict)
     kept_blocks: list[int] = field(default_factory=list)
     graph_bytes_per_sample: list[float | None] = field(default_factory=list)
+    precisions: list[str | None] = field(default_factory=list)
 
     def ratios_for(self, unit: int) -> list[float]:
         return self.unit_shard_ratios.get(unit, self.shard_ratios)
@@ -111,6 +122,10 @@ class StepResult:
     rank_compute_seconds: list[float] = field(default_factory=list)
     rank_wait_seconds: list[float] = field(default_factory=list)
     votes: list[float] = field(default_factory=list)  # the callers' votes, summed over ranks
+    # Loss scaling (a job with an fp16 rank): some rank's gradient overflowed, so no rank
+    # stepped the optimizer; the loss scale the step ran with.
+    skipped: bool = False
+    loss_scale: float = 1.0
 
 
 class EngineState(TypedDict):
@@ -118,6 +133,7 @@ class EngineState(TypedDict):
 
     step_count: int  # optimizer steps done (the checkpoint's step)
     optimizer: OptimizerState
+    loss_scale: LossScaleState  # the job's (the same on every rank; older states lack it)
 
 
 class Engine:
@@ -125,7 +141,8 @@ class Engine:
                  group: dist.ProcessGroup | None = None, device: torch.device | None = None,
                  precision: str = "fp32", recompute: bool = True,
                  offload: bool | None = None, time_dilation: float = 1.0,
-                 standalone: bool = False) -> None:
+                 standalone: bool = False, gather_precision: str = "fp32",
+                 reduce_precision: str = "fp32") -> None:
         # standalone: a single rank that needs no process group (see UnevenCollectives).
         self.comm = UnevenCollectives(group, standalone=standalone)
         self.rank = self.comm.rank
@@ -150,12 +167,37 @@ class Engine:
             if not recompute and any(layout.kept_blocks):
                 raise ValueError(f"kept_blocks {layout.kept_blocks} is for recompute mode; "
                                  "recompute=False keeps every block's graph already")
+        if layout.precisions and len(layout.precisions) != layout.world_size:
+            raise ValueError(f"precisions needs one per rank ({layout.world_size}), got "
+                             f"{layout.precisions}")
+        precisions = [p or precision for p in layout.precisions] or [precision]
+        for p in precisions:
+            if p not in PRECISIONS:
+                raise ValueError(f"precision {p!r} is not one of {', '.join(PRECISIONS)} "
+                                 "(a job's auto is resolved per rank by the planner)")
         self.config = config
         self.training = training
         self.layout = layout
         self.device = device or torch.device("cpu")
-        self.precision = precision
+        # This rank's compute precision (its plan entry's, else the job's).
+        self.precision = precisions[self.rank] if layout.precisions else precision
+        # One loss scale for the job whenever any rank computes in fp16: every rank updates
+        # it from the same all-reduced verdict (precision.py), only fp16 ranks apply it.
+        self.loss_scaling = "fp16" in precisions
+        self.scaler = LossScaler()
         self.recompute = recompute
+        # gather_precision bf16: parameters travel in bf16 (half the bytes) and are widened
+        # on arrival, so every rank computes from the same bf16-rounded weights; the masters
+        # are untouched. reduce_precision bf16: each full gradient is rounded to bf16, summed
+        # in bf16 by the backend and its shard widened (half the bytes, coarser sums). Job
+        # fields gatherPrecision / reducePrecision, the same on every rank.
+        for name, value in (("gather_precision", gather_precision),
+                            ("reduce_precision", reduce_precision)):
+            if value not in WIRE_DTYPES:
+                raise ValueError(f"{name} must be one of {', '.join(WIRE_DTYPES)}, got "
+                                 f"{value!r}")
+        self.gather_dtype = WIRE_DTYPES[gather_precision]
+        self.reduce_dtype = WIRE_DTYPES[reduce_precision]
         # Blocks L-k+1..L (engine units) keep their graphs from forward to backward.
         self.kept_blocks = layout.kept_blocks[self.rank] if layout.kept_blocks else 0
         # What one sample's block graph holds, as the plan priced it (the profile's
@@ -198,11 +240,34 @@ class Engine:
     def state_dict(self) -> EngineState:
         """This rank's training state: its shard of every unit's master weights and Adam
         moments, and the step counter (live tensors: see ShardedAdamW.state_dict)."""
-        return {"step_count": self.step_count, "optimizer": self.optimizer.state_dict()}
+        return {"step_count": self.step_count, "optimizer": self.optimizer.state_dict(),
+                "loss_scale": self.scaler.state_dict()}
 
     def load_state_dict(self, state: EngineState) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = int(state["step_count"])
+        loss_scale = state.get("loss_scale")
+        if loss_scale is not None:  # None: a state saved before loss scaling existed
+            self.scaler.load_state_dict(loss_scale)
+
+    # ---- loss scaling ----------------------------------------------------------------
+    @property
+    def loss_weight(self) -> float:
+        """What this rank's per-sample losses are weighted by before backward: 1/B (the
+        gradients summed over ranks are the mean loss's), times the loss scale on an fp16
+        rank so that small gradients survive fp16's range."""
+        scale = self.scaler.scale if self.precision == "fp16" else 1.0
+        return scale / self.layout.global_batch_size
+
+    def _reduce_scatter(self, u: int, full_grad: torch.Tensor) -> Pending:
+        """Reduce-scatter unit `u`'s full gradient (fp32). An fp16 rank unscales it first
+        (a power of two: exact), so every rank contributes the true gradient and the sum is
+        right whatever the mix of precisions; an inf or nan stays one and reaches the
+        owner's shard (the overflow verdict, `_optimizer_step`)."""
+        if self.precision == "fp16":
+            full_grad.mul_(1.0 / self.scaler.scale)
+        return self.comm.reduce_scatter(full_grad, self.units[u].bounds, u,
+                                        wire_dtype=self.reduce_dtype)
 
     # ---- parameters ----------------------------------------------------------------
     @property
@@ -210,13 +275,16 @@ class Engine:
         return self.optimizer.params
 
     def _gather(self, index: int) -> Pending:
+        """Unit `index`'s parameters for compute (in the job's gather precision)."""
         unit = self.units[index]
-        return self.comm.all_gather(self.master_shards[index], unit.bounds, index)
+        return self.comm.all_gather(self.master_shards[index], unit.bounds, index,
+                                    wire_dtype=self.gather_dtype)
 
     def full_parameters(self) -> list[torch.Tensor]:
-        """Every unit's full flat buffer (a collective: all ranks must call it)."""
-        return [self._gather(i).wait().detach().to("cpu", copy=True)
-                for i in range(len(self.units))]
+        """Every unit's full flat fp32 master weights (a collective: all ranks must call
+        it), never rounded by the gather precision."""
+        return [self.comm.all_gather(self.master_shards[i], u.bounds, i).wait().detach()
+                .to("cpu", copy=True) for i, u in enumerate(self.units)]
 
     # ---- evaluation -----------------------------------------------------------------
     def evaluate(self, micro_batches: list[MicroBatch]) -> tuple[float, int]:
@@ -336,8 +404,16 @@ class Engine:
         values = self.comm.all_reduce_sum(totals).cpu().tolist()
         grad_norm = float(values[0]) ** 0.5
         lr = learning_rate(self.training, self.step_count)
-        scale = opt.clip_factor(grad_norm, self.training.gradient_clip_norm)
-        opt.step(grads, lr, grad_scale=scale)
+        loss_scale = self.scaler.scale if self.loss_scaling else 1.0
+        # Any rank's non-finite gradient made the summed squared norm non-finite on every
+        # rank alike (precision.py): all skip the update, as torch.amp.GradScaler does; the
+        # step's data is consumed all the same (the step counter moves, Adam's does not).
+        skipped = self.loss_scaling and not math.isfinite(values[0])
+        if not skipped:
+            scale = opt.clip_factor(grad_norm, self.training.gradient_clip_norm)
+            opt.step(grads, lr, grad_scale=scale)
+        if self.loss_scaling:
+            self.scaler.update(found_inf=skipped)
         self.step_count += 1
         return StepResult(step=self.step_count,
                           loss=values[1] / self.layout.global_batch_size,
@@ -345,4 +421,5 @@ class Engine:
                           collective_wait_seconds=0.0,
                           rank_compute_seconds=values[2:2 + world],
                           rank_wait_seconds=values[2 + world:2 + 2 * world],
-                          votes=values[2 + 2 * world:])
+                          votes=values[2 + 2 * world:], skipped=skipped,
+                          loss_scale=loss_scale)

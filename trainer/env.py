@@ -70,7 +70,8 @@ def layout_from_plan(plan: Plan) -> Layout:
                   shard_ratios=[r.shard_ratio for r in plan.ranks],
                   unit_shard_ratios=unit_ratios,
                   kept_blocks=[r.kept_blocks for r in plan.ranks],
-                  graph_bytes_per_sample=[r.block_graph_bytes_per_sample for r in plan.ranks])
+                  graph_bytes_per_sample=[r.block_graph_bytes_per_sample for r in plan.ranks],
+                  precisions=[r.precision for r in plan.ranks])
 
 
 def read_env(env: Mapping[str, str] | None = None) -> TrainerEnv:
@@ -122,6 +123,7 @@ def read_env(env: Mapping[str, str] | None = None) -> TrainerEnv:
                            f"micro_batch_size 0")
     layout_from_plan(plan)  # validates per-unit ratio overrides before any rank starts
     _check_kept_blocks(plan, job)
+    _check_precisions(plan, job)
     try:  # a missing or unusable token file fails here, on every rank, before any collective
         DataSource(job.model.resolve(), job.data, job.training.seed)
     except ValueError as err:
@@ -150,6 +152,16 @@ def _check_kept_blocks(plan: Plan, job: CephaloJobSpec) -> None:
     if max(kept, default=0) > layers:
         raise EnvError(f"the plan's kept_blocks {kept} exceed the model's {layers} blocks; "
                        "re-plan for this model")
+
+
+def _check_precisions(plan: Plan, job: CephaloJobSpec) -> None:
+    """A job's `precision: auto` needs the planner's per-rank choice (every rank's)."""
+    if job.precision == "auto":
+        missing = [r.rank for r in plan.ranks if r.precision is None]
+        if missing:
+            raise EnvError(f"the job's precision is auto but the plan gives no precision for "
+                           f"rank(s) {missing}; re-plan (the planner resolves auto per rank) "
+                           "or set spec.precision to fp32, bf16 or fp16")
 
 
 def _metrics_file(explicit: str | None, checkpoint_dir: str | None) -> Path | None:

@@ -2,7 +2,8 @@
 
 The JSONL file (one object per logged step: step, loss, samples_per_second,
 tokens_per_second, step_seconds, learning_rate, grad_norm, tflops, per-rank
-compute / collective-wait seconds, and validation_loss on the steps that evaluated) is what
+compute / collective-wait seconds, validation_loss on the steps that evaluated, and
+skipped + loss_scale on a step an fp16 overflow skipped) is what
 `cephalo run` reads to show progress.
 
 Rank r serves Prometheus on CEPHALO_METRICS_PORT + LOCAL_RANK: one rank per pod (LOCAL_RANK
@@ -82,6 +83,11 @@ class TrainerMetrics:
         self.memory_used = gauge("cephalo_memory_used_bytes", "GPU memory used")
         self.memory_capacity = gauge("cephalo_memory_capacity_bytes", "GPU memory capacity")
         self.predicted = gauge("cephalo_predicted_step_seconds", "The plan's predicted step time")
+        self.loss_scale = gauge("cephalo_loss_scale",
+                                "The job's fp16 loss scale (1: no rank computes in fp16)")
+        self.skipped_steps = Counter(
+            "cephalo_skipped_steps", "Steps no rank applied: a gradient overflowed under fp16",
+            ["rank"], registry=r)
         self.collective_seconds = Counter(
             "cephalo_collective_wait_seconds", "Seconds compute waited on collectives",
             ["rank", "op"], registry=r)
@@ -103,8 +109,12 @@ class TrainerMetrics:
 
     def observe(self, *, step: int, loss: float, step_seconds: float, samples_per_second: float,
                 tokens_per_second: float, tflops: float, wait_seconds_by_op: dict[str, float],
-                local_rank: int, validation_loss: float | None = None) -> None:
+                local_rank: int, validation_loss: float | None = None,
+                loss_scale: float = 1.0, skipped: bool = False) -> None:
         lb = self.labels
+        self.loss_scale.labels(**lb).set(loss_scale)
+        if skipped:  # every skipped step is logged (run.py), so the count is whole
+            self.skipped_steps.labels(**lb).inc()
         if validation_loss is not None:
             self.validation_loss.labels(**lb).set(validation_loss)
         self.step_seconds.labels(**lb).observe(step_seconds)

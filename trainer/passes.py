@@ -64,7 +64,7 @@ def head(engine: Engine, full: torch.Tensor, targets: list[torch.Tensor]
     scatters: list[Pending] = []
 
     def issue(u: int, grad: torch.Tensor) -> Pending:
-        scatters.append(engine.comm.reduce_scatter(grad, engine.units[u].bounds, u))
+        scatters.append(engine._reduce_scatter(u, grad))
         return scatters[-1]
 
     last = len(engine.units) - 1
@@ -105,7 +105,7 @@ def fused_tail(engine: Engine, first: int, first_gather: Pending,
 
     issued = _InOrder(last, first, issue)
     loss_sum = torch.zeros((), dtype=torch.float32, device=engine.device)
-    weight = 1.0 / engine.layout.global_batch_size
+    weight = engine.loss_weight  # 1/B, times the loss scale on an fp16 rank
     num_mb = len(targets)
     for mb, t in enumerate(targets):
         final = mb == num_mb - 1
@@ -272,7 +272,7 @@ def forward_backward_recompute(engine: Engine, inputs: list[torch.Tensor],
             # backward ends (every tail gradient final): its buffer takes the place of a
             # microbatch gradient being added (cephalo.api.memory.fused_tail_bytes).
             pending = engine._gather(u - 1)
-        scatters.append(engine.comm.reduce_scatter(grad, units[u].bounds, u))
+        scatters.append(engine._reduce_scatter(u, grad))
         return scatters[-1]
 
     loss_sum = fused_tail(engine, first_fused, tail_gather, targets, issue)
@@ -298,7 +298,7 @@ def forward_backward_recompute(engine: Engine, inputs: list[torch.Tensor],
         # the memory model's unit buffers, cephalo.api.memory): the previous unit's has
         # had this unit's backward to finish, as the cost model assumes.
         scatters[-1].wait()
-        scatters.append(engine.comm.reduce_scatter(grad_of(full), units[u].bounds, u))
+        scatters.append(engine._reduce_scatter(u, grad_of(full)))
         release(engine, u, full)
         del full
     store.clear()
@@ -394,7 +394,7 @@ def forward_backward_keep(engine: Engine, inputs: list[torch.Tensor],
             if u > 0:
                 store.put(("grad", u, mb), x.grad)
         graphs[u] = []
-        scatters.append(engine.comm.reduce_scatter(grad_of(fulls[u]), units[u].bounds, u))
+        scatters.append(engine._reduce_scatter(u, grad_of(fulls[u])))
         release(engine, u, fulls[u])
         fulls[u] = torch.empty(0)
     store.clear()

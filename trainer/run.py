@@ -25,6 +25,7 @@ from cephalo.trainer.env import EnvError, read_env
 from cephalo.trainer.eval import evaluator
 from cephalo.trainer.hf_weights import init_from_pretrained
 from cephalo.trainer.metrics import ProgressFile, TrainerMetrics, write_final_progress
+from cephalo.trainer.precision import PrecisionError, check_precision
 from cephalo.trainer.step_log import StepLogger
 from cephalo.trainer.storage import CheckpointError, Store, check_shared
 from cephalo.trainer.tensorboard_log import TensorBoardLog, open_log
@@ -89,7 +90,9 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
     config = job.model.resolve()
     spec = job.training
     engine = Engine(config, spec, layout, group=group, device=device,
-                    precision=job.precision, time_dilation=time_dilation,
+                    precision=job.precision, gather_precision=job.gather_precision,
+                    reduce_precision=job.reduce_precision,
+                    time_dilation=time_dilation,
                     recompute=True if recompute is None else recompute, offload=offload)
     if memory_limit_bytes is not None:
         _check_memory(engine, memory_limit_bytes)
@@ -147,7 +150,7 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
             # request, whose grace period is for the checkpoint.
             val_loss = validation.loss() if validation is not None and \
                 validation.due(result.step, final=result.step == last) else None
-            if val_loss is not None or logger.due(result.step, final=final):
+            if val_loss is not None or result.skipped or logger.due(result.step, final=final):
                 logger.log(result, val_loss)
             if writer is not None:
                 if writer.has_pending and not uploading:  # every rank's upload is done
@@ -216,6 +219,12 @@ def main() -> int:
         else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    precision = env.plan.ranks[env.rank].precision or env.job.precision
+    try:  # before the process group forms (the others wait there until the gang goes)
+        check_precision(device, precision)
+    except PrecisionError as err:
+        print(f"cephalo trainer (rank {env.rank}): error: {err}", file=sys.stderr, flush=True)
+        return 2
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=env.rank,
                             world_size=env.world_size,
                             timeout=datetime.timedelta(seconds=env.timeout_seconds))

@@ -54,6 +54,8 @@ def progress_record(result: StepResult, rate: Throughput,
               "tflops": rate.tflops, "time": time.time(), "ranks": rank_timings(result)}
     if validation_loss is not None:
         record["validation_loss"] = validation_loss
+    if result.skipped:
+        record.update(skipped=True, loss_scale=result.loss_scale)
     return record
 
 
@@ -130,11 +132,14 @@ class StepLogger:
                              samples_per_second=rate.samples_per_second,
                              tokens_per_second=rate.tokens_per_second, tflops=rate.tflops,
                              wait_seconds_by_op=waits, local_rank=self.local_rank,
-                             validation_loss=validation_loss)
+                             validation_loss=validation_loss, loss_scale=result.loss_scale,
+                             skipped=result.skipped)
 
     def line(self, result: StepResult, rate: Throughput,
              validation_loss: float | None = None) -> str:
         validation = "" if validation_loss is None else f" val-loss {validation_loss:.4f}"
+        if result.skipped:  # loss scaling: some rank's gradient overflowed
+            validation += f" (skipped: gradient overflow at loss scale {result.loss_scale:g})"
         return (f"step {result.step}/{self.total_steps} loss {result.loss:.4f}{validation} "
                 f"lr {result.learning_rate:.2e} grad-norm {result.grad_norm:.3f} | "
                 f"{rate.samples_per_second:.1f} samples/s | step {result.step_seconds:.3f} s "

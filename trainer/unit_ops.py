@@ -14,7 +14,6 @@ freed after the forward and gathered again for the backward all the same).
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -23,13 +22,7 @@ import torch
 from torch import nn
 
 from cephalo.trainer.flat import FlatUnit
-
-
-def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """bf16 autocast (fp32 master weights stay untouched) or nothing for fp32."""
-    if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+from cephalo.trainer.precision import autocast as autocast  # re-exported
 
 
 class ActivationStore:

@@ -87,6 +87,22 @@ def test_bf16_autocast_and_a_chosen_subset_on_cpu() -> None:
     assert regime["peak_allocated_mib"] == {} and regime["equal_memory_allocated"] == {}
 
 
+@pytest.mark.slow
+def test_bf16_gathers_in_both_engines_reach_the_same_losses() -> None:
+    """--gather bf16: Cephalo's bf16 all-gathers and FSDP2's MixedPrecisionPolicy (param
+    bf16, reduce fp32) train to the same losses within the bf16 tolerance."""
+    names = ["cephalo recompute", "fsdp2 per-microbatch"]
+    done = subprocess.run([sys.executable, "-I", str(BENCH), "--quick", "--regime",
+                           "communication", "--precision", "bf16", "--gather", "bf16",
+                           "--no-memory", "--rounds", "1", "--json",
+                           "--contenders", ",".join(names)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    regime = json.loads(done.stdout)["communication"]
+    assert regime["gather"] == "bf16" and regime["losses_equal"]
+    assert list(regime["ratios"]) == ["cephalo recompute / fsdp2 per-microbatch"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
 def test_device_cuda_without_a_gpu_is_a_one_line_error() -> None:
     done = subprocess.run([sys.executable, "-I", str(BENCH), "--device", "cuda"],

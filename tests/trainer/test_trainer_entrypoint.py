@@ -171,3 +171,19 @@ def test_plan_unit_shard_ratios_are_read_and_checked(tmp_path: Path) -> None:
     plan["unit_shard_ratios"] = {"0": [1.0]}
     with pytest.raises(EnvError, match=r"unit_shard_ratios\[0\] must hold 2"):
         read_env(_env(_files(tmp_path, plan), 0, 2))
+
+
+def test_plan_precisions_are_read_and_auto_needs_them(tmp_path: Path) -> None:
+    plan = _plan([5, 3], [5, 1], [0.6, 0.4])
+    plan["ranks"][1]["precision"] = "fp16"
+    env = read_env(_env(_files(tmp_path, plan), 0, 2))
+    assert env.layout.precisions == [None, "fp16"]  # rank 0: the job's (fp32)
+    base = _files(tmp_path, plan)
+    job = {**JOB, "spec": {**JOB["spec"], "precision": "auto"}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    with pytest.raises(EnvError, match=r"precision is auto but the plan gives no precision "
+                                       r"for rank\(s\) \[0\]; re-plan"):
+        read_env(_env(base, 0, 2))
+    plan["ranks"][0]["precision"] = "fp8"
+    with pytest.raises(EnvError, match=r"ranks.0.precision: Input should be 'fp32', 'bf16' or"):
+        read_env(_env(_files(tmp_path, plan), 0, 2))

@@ -77,10 +77,11 @@ def test_engine_peak_agrees_with_the_memory_model(by_owner: bool) -> None:
             max(CONFIG.unit_parameters())) + kept
 
 
-def test_state_and_buffers_are_fp32_in_both_precisions() -> None:
-    # bf16 autocasts over fp32 master shards; gathers and gradients keep the shards' dtype.
+def test_state_and_buffers_are_fp32_in_every_precision() -> None:
+    # bf16 and fp16 autocast over fp32 master shards; gathers and gradients keep the shards'
+    # dtype.
     assert memory.state_bytes_per_parameter("bf16") == memory.state_bytes_per_parameter(
-        "fp32") == 16
+        "fp16") == memory.state_bytes_per_parameter("fp32") == 16
     assert memory.unit_buffer_bytes(1000) == memory.UNIT_BUFFERS_AT_PEAK * 4 * 1000
     assert memory.kept_boundary_bytes(3, 2, 8, 16, offload=True) == 0
     assert memory.kept_boundary_bytes(3, 2, 8, 16, offload=False) == 5 * 2 * 8 * 16 * 4

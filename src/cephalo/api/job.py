@@ -283,6 +283,13 @@ class CephaloJobSpec(CamelModel):
         "fp32 (the paper's setting), bf16 autocast, or fp16 autocast with dynamic loss "
         "scaling (one scale for the job), each with fp32 master weights; auto: each GPU its "
         "fastest (the plan gives each rank's precision)."))
+    gather_precision: Literal["fp32", "bf16"] = Field(default="fp32", description=(
+        "Format of the parameter all-gathers: bf16 moves half the bytes (every rank then "
+        "computes from the bf16-rounded weights); master weights, gradients and their "
+        "reduce-scatter stay fp32 (see reducePrecision)."))
+    reduce_precision: Literal["fp32", "bf16"] = Field(default="fp32", description=(
+        "Format of the gradient reduce-scatters: bf16 moves half the bytes, the sums "
+        "themselves in bf16 (coarser); the shards are widened to fp32 for the optimizer."))
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     data: DataSpec = Field(default_factory=lambda: DataSpec(synthetic=SyntheticData()))
     gpu_pools: list[GpuPoolSpec] | None = Field(default=None, max_length=64, description=(

@@ -34,7 +34,7 @@ _STATE_BYTES = {"fp32": 4 * FP32_BYTES, "bf16": 4 * FP32_BYTES, "fp16": 4 * FP32
 # A job's "auto" (each rank in its GPU's fastest precision) keeps the same fp32 state.
 _STATE_BYTES["auto"] = _STATE_BYTES["fp32"]
 STATE_BYTES_PER_PARAMETER = _STATE_BYTES["fp32"]
-# Parameters are gathered and gradients reduce-scattered in fp32 in both precisions.
+# Parameters are gathered and gradients reduce-scattered in fp32 in every precision.
 COMM_BYTES_PER_PARAMETER = FP32_BYTES
 # Current unit, its gradient, a microbatch's gradient being added to it, the prefetched next
 # unit, the previous unit's gradient under its reduce-scatter.

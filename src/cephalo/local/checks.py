@@ -256,6 +256,28 @@ def check_plan(plan: Plan, devices: list[LocalDevice], source: str,
     return used
 
 
+def check_device_precisions(spec: CephaloJobSpec, devices: list[LocalDevice],
+                            plan: Plan | None = None) -> None:
+    """Every device can run the precision its rank will compute in (the plan's, else the
+    job's; `auto` is the planner's to resolve, and each rank checks again on start)."""
+    import torch
+
+    from cephalo.trainer.precision import PrecisionError, check_precision
+
+    wanted = [r.precision or spec.precision for r in plan.ranks] if plan is not None \
+        else [spec.precision] * len(devices)
+    for device, precision in zip(devices, wanted, strict=False):
+        if precision == "auto":
+            continue
+        # An emulated GPU is a CPU rank: its catalog GPU's speed is the planner's concern.
+        where = torch.device("cpu") if device.emulated or device.kind == "cpu" \
+            else torch.device(device.kind, device.index)
+        try:
+            check_precision(where, precision)
+        except PrecisionError as err:
+            raise RunError(f"{device.label}: {err}") from None
+
+
 def plan_rank_devices(plan: Plan, devices: list[LocalDevice],
                       source: str) -> list[LocalDevice]:
     """The device each rank of a plan runs on: the devices in order, or, where the plan left

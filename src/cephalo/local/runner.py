@@ -23,6 +23,7 @@ from cephalo.api.trainer_env import TrainerVars, to_environ
 from cephalo.local.checks import (
     RunError,
     RunOptions,
+    check_device_precisions,
     check_hostname_resolves,
     check_inputs,
     check_memory_scale,
@@ -294,6 +295,7 @@ def run_job(options: RunOptions, out=print) -> int:
         except PlanError as err:
             raise RunError(str(err)) from None
         used = check_plan(given_plan, devices, options.plan_path, job.spec)
+        check_device_precisions(job.spec, used, given_plan)
         if any(d.emulated for d in devices):
             try:
                 emulation = given_plan_emulation(given_plan, [d.product for d in used],
@@ -302,6 +304,8 @@ def run_job(options: RunOptions, out=print) -> int:
                                                  [d.product for d in devices])
             except ValueError as err:
                 raise RunError(str(err)) from None
+    if given_plan is None:
+        check_device_precisions(job.spec, devices)
     run_dir = choose_run_dir(job, options)
     if options.resume:
         note = schedule_change(run_dir, job.spec.training, options.steps)
