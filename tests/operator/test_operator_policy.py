@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 from kube_emulator import ApiEmulator
 from kube_fixtures import job_body
 from kubelet import apply_job, pods, wait_for
@@ -106,6 +107,9 @@ def test_volume_types_are_the_charts() -> None:
     schema = json.loads((CHART_DIR / "values.schema.json").read_text())
     node = schema["properties"]["jobPolicy"]["properties"]["allowedVolumeTypes"]
     assert set(node["items"]["enum"]) == VOLUME_TYPES
+    values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())["jobPolicy"]
+    assert tuple(values["allowedVolumeTypes"]) == RESTRICTED_VOLUME_TYPES
+    assert values["serviceAccountName"] == {"allowed": False, "names": []}
 
 
 @pytest.mark.asyncio

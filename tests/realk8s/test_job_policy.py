@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
+from cephalo.operator.policy import RESTRICTED_VOLUME_TYPES
+
 from .cluster import CHART, OPERATOR_NAMESPACE, RELEASE, Cluster, run_tool
 from .controlplane import k8s_version
 from .operator_run import tiny_job
@@ -157,3 +159,37 @@ def test_values_that_opt_in_admit_host_path_and_the_listed_service_account(
     refused = _apply(cluster, config, tmp_path)
     assert refused.returncode != 0 and "volume c is configMap" in refused.stderr and \
         "allowed: emptyDir, persistentVolumeClaim, hostPath" in refused.stderr, refused.stderr
+
+
+# One valid volume of each type the default allows, and two it refuses.
+VOLUMES = {"configMap": {"name": "x"}, "csi": {"driver": "example.com"},
+           "downwardAPI": {"items": []}, "emptyDir": {},
+           "ephemeral": {"volumeClaimTemplate": {"spec": {
+               "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}}},
+           "persistentVolumeClaim": {"claimName": "x"}, "projected": {"sources": []},
+           "secret": {"secretName": "x"}, "hostPath": {"path": "/"},
+           "nfs": {"server": "nfs.example.com", "path": "/"}}
+
+
+def test_default_volume_types_are_what_pod_security_restricted_allows(
+        cluster: Cluster, policy_namespace: str) -> None:
+    """The default list is the real Pod Security `restricted` one: of a pod per volume type
+    (otherwise restricted-clean) in a namespace that enforces it, the API server admits
+    exactly those the default allows."""
+    admitted = []
+    for kind, source in VOLUMES.items():
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": kind.lower(), "namespace": policy_namespace},
+               "spec": {"securityContext": {"runAsNonRoot": True, "runAsUser": 1000,
+                                            "seccompProfile": {"type": "RuntimeDefault"}},
+                        "containers": [{"name": "c", "image": "x", "securityContext": {
+                            "allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"]}}}],
+                        "volumes": [{"name": "v", kind: source}]}}
+        reply = cluster.rest.request("POST", f"/api/v1/namespaces/{policy_namespace}/pods",
+                                     pod, params={"dryRun": "All"})
+        assert reply.ok or (reply.status == 403 and "restricted" in reply.message), \
+            f"{kind}: {reply.status} {reply.message}"
+        if reply.ok:
+            admitted.append(kind)
+    assert tuple(admitted) == RESTRICTED_VOLUME_TYPES
