@@ -58,9 +58,10 @@ def _apply(cluster: Cluster, job: dict[str, Any], folder: Path) -> subprocess.Co
     return run_tool(cluster, "kubectl", "apply", "-f", str(path), check=False)
 
 
-def _render_policy(cluster: Cluster, folder: Path, *values: str) -> Path:
+def _render_policy(cluster: Cluster, folder: Path, *values: str,
+                   kube_version: str | None = None) -> Path:
     done = run_tool(cluster, "helm", "template", RELEASE, str(CHART), "-n", OPERATOR_NAMESPACE,
-                    "--kube-version", k8s_version().lstrip("v"),
+                    "--kube-version", kube_version or k8s_version().lstrip("v"),
                     "--show-only", "templates/jobpolicy.yaml", *values)
     path = folder / f"policy-{len(values)}.yaml"
     path.write_text(done.stdout)
@@ -193,3 +194,15 @@ def test_default_volume_types_are_what_pod_security_restricted_allows(
         if reply.ok:
             admitted.append(kind)
     assert tuple(admitted) == RESTRICTED_VOLUME_TYPES
+
+
+def test_clusters_older_than_1_30_get_no_admission_policy(cluster: Cluster,
+                                                         tmp_path: Path) -> None:
+    """admissionregistration.k8s.io/v1 policies are GA from 1.30: real Helm renders none for
+    an older cluster (the chart still installs there; the operator's check remains)."""
+    assert _render_policy(cluster, tmp_path, kube_version="1.30.0").read_text().strip()
+    older = run_tool(cluster, "helm", "template", RELEASE, str(CHART), "-n", OPERATOR_NAMESPACE,
+                     "--kube-version", "1.29.0")
+    kinds = {d["kind"] for d in yaml.safe_load_all(older.stdout) if d}
+    assert "Deployment" in kinds and not kinds & {"ValidatingAdmissionPolicy",
+                                                  "ValidatingAdmissionPolicyBinding"}, kinds
