@@ -12,6 +12,13 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+from cephalo.operator.policy import (
+    RESTRICTED_VOLUME_TYPES,
+    JobPolicy,
+    parse_volume_types,
+    split_names,
+)
+
 DEFAULT_TRAINER_IMAGE = "ghcr.io/cephalo/cephalo-trainer:0.1.0"
 
 
@@ -49,6 +56,19 @@ class OperatorConfig:
     # for an hour per GPU type, for jobs whose planner.gpuPricesPerHour is unset (the cost
     # objective, and the prices every plan states). "" or "{}": none.
     gpu_prices_per_hour: str = ""
+    # The chart's jobPolicy (cephalo.operator.policy): what a job's podTemplate may ask of
+    # the pods the operator creates. CEPHALO_ALLOWED_VOLUME_TYPES (comma-separated; default
+    # the types Pod Security `restricted` allows), CEPHALO_ALLOW_SERVICE_ACCOUNT_NAME and
+    # CEPHALO_ALLOWED_SERVICE_ACCOUNT_NAMES (comma-separated; empty: any, when allowed).
+    allowed_volume_types: str = ",".join(RESTRICTED_VOLUME_TYPES)
+    allow_service_account_name: bool = False
+    allowed_service_account_names: str = ""
+
+    def job_policy(self) -> JobPolicy:
+        """The job policy, parsed (checked at startup by `from_env`)."""
+        return JobPolicy(parse_volume_types(self.allowed_volume_types),
+                         self.allow_service_account_name,
+                         frozenset(split_names(self.allowed_service_account_names)))
 
     def prices(self) -> dict[str, float]:
         """The price list, parsed (checked at startup by `from_env`)."""
@@ -78,6 +98,11 @@ class OperatorConfig:
                 _parse_prices(values["gpu_prices_per_hour"])
             except ValueError as err:
                 raise ValueError(f"CEPHALO_GPU_PRICES_PER_HOUR: {err}") from None
+        if "allowed_volume_types" in values:
+            try:
+                parse_volume_types(values["allowed_volume_types"])
+            except ValueError as err:
+                raise ValueError(f"CEPHALO_ALLOWED_VOLUME_TYPES: {err}") from None
         return cls(**values)
 
 

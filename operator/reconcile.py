@@ -42,6 +42,8 @@ from cephalo.operator.netpol import ensure_network_policy
 from cephalo.operator.nodes import NODES
 from cephalo.operator.planning import PlanningFailed, plan_for
 from cephalo.operator.podspec import pack_ranks, pods_fit, with_pod_ranks
+from cephalo.operator.policy import REASON as POLICY_DENIED
+from cephalo.operator.policy import refusal
 from cephalo.operator.profiling import ProfilingFailed, delete_profilers, profile
 from cephalo.operator.render import (
     ANNOTATION_CONFIG_HASH,
@@ -102,8 +104,14 @@ async def reconcile(kube: AsyncKube, config: OperatorConfig, namespace: str,
     if job.spec.suspend:
         await _suspend(ctx)
         return None
+    # Issue 39 item 9: what the job's podTemplate asks of its pods (volume types, service
+    # account) against the chart's jobPolicy, before any pod; again on every pass, so a
+    # job admitted before the policy (or without the admission policy) never runs.
+    refused = refusal(job.spec.pod_template, config.job_policy())
     try:
-        if not await _past_deadline(ctx):
+        if refused:
+            await ctx.fail(POLICY_DENIED, refused)
+        elif not await _past_deadline(ctx):
             await _step(ctx)
     except ProfilingFailed as err:
         await ctx.fail("ProfilingFailed", str(err))
@@ -123,7 +131,8 @@ async def reconcile(kube: AsyncKube, config: OperatorConfig, namespace: str,
 
 
 # Failures that only say the spec cannot work (no pod ran): an edited spec gets a new try.
-SPEC_FAILURE_REASONS = frozenset({"InvalidSpec", "Infeasible", "PlanningFailed"})
+SPEC_FAILURE_REASONS = frozenset({"InvalidSpec", "Infeasible", "PlanningFailed",
+                                  POLICY_DENIED})
 
 
 def _edited_since_status(body: dict[str, Any]) -> bool:

@@ -65,7 +65,18 @@ EVERYTHING_ON: dict[str, Any] = {
                 "podMonitor": {"enabled": True, "interval": "5s", "scrapeTimeout": "4s"},
                 "prometheusRule": {"enabled": True, "labels": {"release": "kps"}}},
     "dashboards": {"enabled": True},
+    "jobPolicy": {"allowedVolumeTypes": ["emptyDir", "hostPath", "nfs"],
+                  "serviceAccountName": {"allowed": True, "names": ["trainer"]}},
 }
+
+
+ADMISSION_POLICY_KINDS = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+
+
+def _older(version: str, than: str) -> bool:
+    def key(v: str) -> tuple[int, ...]:
+        return tuple(int(p) for p in v.split("."))
+    return key(version) < key(than)
 
 
 def _validate_all(objects: list[dict[str, Any]]) -> set[str]:
@@ -74,6 +85,8 @@ def _validate_all(objects: list[dict[str, Any]]) -> set[str]:
         if obj["apiVersion"] == MONITORING:
             continue  # Prometheus Operator CRs: no bundled schema; checked structurally below
         for version in K8S_VERSIONS:
+            if obj["kind"] in ADMISSION_POLICY_KINDS and _older(version, "1.30.0"):
+                continue  # admissionregistration.k8s.io/v1 from 1.30 (jobPolicy says so)
             try:
                 kubernetes_validate.validate(strip(obj), version, strict=True)
             except kubernetes_validate.ValidationError as err:
@@ -92,9 +105,9 @@ def _env(deployment: dict[str, Any]) -> dict[str, str]:
 def test_default_values_render_valid_objects() -> None:
     objects = render()
     assert _validate_all(objects) == {"Deployment", "ServiceAccount", "ClusterRole",
-                                      "ClusterRoleBinding", "Service"}
+                                      "ClusterRoleBinding", "Service", *ADMISSION_POLICY_KINDS}
     for obj in objects:
-        if obj["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
+        if obj["kind"] not in ("ClusterRole", "ClusterRoleBinding", *ADMISSION_POLICY_KINDS):
             assert obj["metadata"]["namespace"] == RELEASE_NAMESPACE, obj["kind"]
 
 
@@ -102,7 +115,7 @@ def test_non_default_values_render_valid_objects() -> None:
     objects = render(EVERYTHING_ON)
     assert _validate_all(objects) == {"Deployment", "ServiceAccount", "ClusterRole",
                                       "ClusterRoleBinding", "Role", "RoleBinding", "Service",
-                                      "ConfigMap"}
+                                      "ConfigMap", *ADMISSION_POLICY_KINDS}
     deployment = one(objects, "Deployment")
     pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
@@ -143,6 +156,9 @@ def test_strict_lint_passes(values: dict[str, Any]) -> None:
      "additional properties 'bad-name' not allowed"),
     ({"rbac": {"scope": "namespaced"}}, "rbac.scope=namespaced needs watchNamespaces"),
     ({"metrics": {"port": 8081}}, "metrics.port and health.port are both 8081"),
+    ({"jobPolicy": {"allowedVolumeTypes": ["hostpath"]}}, "at '/jobPolicy/allowedVolumeTypes/0'"),
+    ({"jobPolicy": {"serviceAccountName": {"names": ["Trainer"]}}},
+     "at '/jobPolicy/serviceAccountName/names/0'"),
     ({"serviceAccount": {"create": False}}, "serviceAccount.name is required"),
     ({"metrics": {"service": {"enabled": False}, "serviceMonitor": {"enabled": True}}},
      "needs metrics.service.enabled=true"),
@@ -204,6 +220,10 @@ def _bumped(value: str) -> str:
     of cephalo.operator.config.BOUNDS that holds the value itself)."""
     if value in ("true", "false"):
         return {"true": "false", "false": "true"}[value]
+    if value == "":  # an empty list (jobPolicy.serviceAccountName.names): one name
+        return "other"
+    if "," in value:  # a list (jobPolicy.allowedVolumeTypes): one fewer
+        return value.rsplit(",", 1)[0]
     if value.startswith("{"):  # a JSON object (gpuPricesPerHour): another valid one
         return '{"NVIDIA-L4": 0.8}' if value == "{}" else "{}"
     for kind in (int, float):

@@ -221,7 +221,9 @@ class ControlPlane:
             "kube-controller-manager", f"--kubeconfig={self.kubeconfig}", "--leader-elect=false",
             "--controllers=garbagecollector,namespace,serviceaccount,serviceaccount-token,"
             "root-ca-cert-publisher,nodelifecycle,podgc,taint-eviction-controller,"
-            "persistentvolume-binder",
+            "persistentvolume-binder,"
+            # type-checks ValidatingAdmissionPolicies (their status.typeChecking)
+            "validatingadmissionpolicy-status-controller",
             f"--service-account-private-key-file={p.sa_key}", f"--root-ca-file={p.ca_cert}",
             "--use-service-account-credentials=false", "--bind-address=127.0.0.1",
             f"--secure-port={kcm_port}", "--kube-api-qps=100", "--kube-api-burst=200",
