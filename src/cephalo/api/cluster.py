@@ -1,8 +1,10 @@
-"""ClusterSpec: the GPUs a plan may use, grouped into pools of one product each."""
+"""ClusterSpec: the GPUs a plan may use, grouped into pools of one product each, and
+optionally the nodes they sit on with each node's links (the planner's topology,
+`cephalo.planner.topology`)."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_GPUS_PER_GROUP = 100_000
 
@@ -16,14 +18,70 @@ class GpuGroup(BaseModel):
     pool: str | None = Field(default=None, description="pool name; default: the product")
     memory_bytes: int | None = Field(default=None, ge=1, description="override the catalog")
 
+    @property
+    def key(self) -> str:
+        """What a node's `gpus` names this group by."""
+        return self.pool or self.product
+
+
+class ClusterNode(BaseModel):
+    """One machine (or `count` identical ones): its GPUs by group key, and its links where
+    known (None: the job's figure, else the documented default)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gpus: dict[str, int] = Field(min_length=1)
+    count: int = Field(default=1, ge=1)
+    name: str | None = None
+    nic_bandwidth_bytes_per_second: float | None = Field(default=None, gt=0)
+    nic_latency_seconds: float | None = Field(default=None, ge=0)
+    intra_bandwidth_bytes_per_second: float | None = Field(default=None, gt=0)
+    intra_latency_seconds: float | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _positive(self) -> ClusterNode:
+        if any(n < 1 for n in self.gpus.values()):
+            raise ValueError("a node holds at least one GPU of each group it names")
+        return self
+
 
 class ClusterSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     groups: list[GpuGroup] = Field(min_length=1)
+    # A flat ring: every hop at this bandwidth and latency (a local run's bus, a bench).
     network_bandwidth_bytes_per_second: float | None = Field(default=None, gt=0)
     network_latency_seconds: float | None = Field(default=None, ge=0)
+    # Which GPUs share a node, in rank order (None: not known here).
+    nodes: list[ClusterNode] | None = None
+    # Who described the nodes' links (the plan's assumptions name it), e.g. the operator's
+    # node labels.
+    network_source: str | None = None
+
+    @model_validator(mode="after")
+    def _nodes_hold_the_groups(self) -> ClusterSpec:
+        if self.nodes is not None:
+            check_placement({g.key: g.count for g in self.groups},
+                            [(n.gpus, n.count) for n in self.nodes], "nodes")
+        return self
 
     @property
     def num_gpus(self) -> int:
         return sum(g.count for g in self.groups)
+
+
+def check_placement(counts: dict[str, int], nodes: list[tuple[dict[str, int], int]],
+                    where: str) -> None:
+    """ValueError unless the nodes hold exactly each group's GPUs (and nothing else)."""
+    placed: dict[str, int] = {}
+    for gpus, repeat in nodes:
+        for key, n in gpus.items():
+            placed[key] = placed.get(key, 0) + n * repeat
+    unknown = sorted(set(placed) - set(counts))
+    if unknown:
+        raise ValueError(f"{where} name GPUs of no pool: {', '.join(unknown)} (pools: "
+                         f"{', '.join(counts)})")
+    wrong = [f"{key}: {placed.get(key, 0)} on nodes, {n} in the pool"
+             for key, n in counts.items() if placed.get(key, 0) != n]
+    if wrong:
+        raise ValueError(f"{where} must hold every GPU of each pool once: {'; '.join(wrong)}")
