@@ -3,18 +3,19 @@ slower (every AllGather/ReduceScatter pays (n−1) latency hops), so the planner
 how many GPUs of each class to use and leave the rest idle (no rank, no pod); `solve(...,
 choose_gpus=True)` asks for it, `cephalo plan` does.
 
-A choice is a count k_c ≤ count_c per class of identical GPUs (which k GPUs of a class does
-not matter: with a topology a class is also of one kind of node, and the first k, in rank
-order, fill its nodes one after the other; packed onto the fewest nodes, the ring crosses
-the fewest NICs, which is never slower while the intra-node links are at least as fast as
-the NICs, with no more latency: topology.py). Every choice is solved by `solve_fixed`
-(exact, or with its stated gap); the best wins, ties going to more GPUs. When the number
-of choices is small (Π(count_c + 1) − 1 ≤ EXHAUSTIVE_MAX_CHOICES) all are tried, so the
-result is the optimum over every subset of the cluster (tests check it against brute
-force) and adding GPUs never makes the plan slower. Larger clusters try a family that always contains the whole
-cluster (so the plan is never slower than using every GPU): sets of classes at halving
-fractions of their counts, smallest first. The plan then states a proven gap to the
-optimum over every subset (`subset_lower_bound`: a relaxation per world-size interval).
+A choice is a count k_c ≤ count_c per class of identical GPUs (which k GPUs of a class
+does not matter: with a topology a class is also of one kind of node, and the first k, in
+rank order, fill its nodes one after the other; packed onto the fewest nodes, the ring
+crosses the fewest NICs, which is never slower while the intra-node links are at least as
+fast as the NICs, with no more latency: topology.py). Every choice is solved by
+`solve_fixed` (exact, or with its stated gap); the best wins, ties going to more GPUs.
+When the number of choices is small (Π(count_c + 1) − 1 ≤ EXHAUSTIVE_MAX_CHOICES) all are
+tried, so the result is the optimum over every subset of the cluster (tests check it
+against brute force) and adding GPUs never makes the plan slower. Larger clusters try a
+family that always contains the whole cluster (so the plan is never slower than using
+every GPU): sets of classes at halving fractions of their counts, smallest first. The plan
+then states a proven gap to the optimum over every subset (`subset_lower_bound`: a
+relaxation per world-size interval).
 
 A choice is skipped without solving when its GPUs cannot process B samples within the best
 step found so far: Σ_c k_c · (largest batch class c finishes in time) < B is a proof.
