@@ -172,13 +172,20 @@ def test_default_network_is_said_assumed_with_how_to_set_it() -> None:
     assert "set spec.planner.network (interNodeGbps" in text
 
 
-def test_job_nodes_that_miss_a_pool_are_refused_in_one_line() -> None:
-    spec = parse_job({"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
-                      "metadata": {"name": "t"}, "spec": {
-                          "model": {"preset": "gpt-small"}, "globalBatchSize": 32,
-                          "planner": {"network": {"nodes": [{"gpus": {"A10G": 1}}]}}}}).spec
-    with pytest.raises(CephaloError, match=r"A10G: 1 on nodes, 2 in the pool"):
-        solve(spec, ClusterSpec(groups=[GpuGroup(product="A10G", count=2)]))
+def test_job_nodes_name_pools_and_other_counts_fall_back_to_assumed() -> None:
+    def job(nodes: list) -> object:  # type: ignore[type-arg]
+        return parse_job({"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
+                          "metadata": {"name": "t"}, "spec": {
+                              "model": {"preset": "gpt-small"}, "globalBatchSize": 32,
+                              "planner": {"network": {"nodes": nodes}}}}).spec
+    cluster = ClusterSpec(groups=[GpuGroup(product="A10G", count=2)])
+    with pytest.raises(CephaloError, match=r"names 'H100', which is no single pool"):
+        solve(job([{"gpus": {"H100": 2}}]), cluster)  # type: ignore[arg-type]
+    # One GPU fewer free than the nodes list: the placement is not known.
+    plan = solve(job([{"gpus": {"A10G": 3}}]), cluster, choose_gpus=False)  # type: ignore[arg-type]
+    assert plan.assumptions["network_figures"]["sources"]["placement"] == "assumed"
+    described = solve(job([{"gpus": {"A10G": 2}}]), cluster, choose_gpus=False)  # type: ignore[arg-type]
+    assert described.assumptions["network_nodes"] == 1
 
 
 def test_flat_and_topology_together_are_refused() -> None:

@@ -6,8 +6,8 @@ one node) and the intra-node link (NVLink or PCIe) between consecutive ranks of 
 its per-rank bandwidth is the slowest link it crosses: min(intra-node link, NIC) across
 nodes, the intra-node link alone on one node (`cephalo.planner.topology`, docs/network.md).
 
-On a cluster the operator knows the nodes (GPU discovery) and reads each node's NIC speed
-from its label `cephalo.dev/nic-gbps`; the fields here win over what it found. Unset
+A cluster's own description of its nodes (`ClusterSpec.nodes`) is used where given; the
+fields here win over its figures. Unset
 figures fall back to the documented defaults below, and the plan says "assumed".
 """
 
@@ -79,7 +79,6 @@ class NetworkSpec(CamelModel):
         default=None, ge=0, le=MAX_LATENCY_MICROSECONDS, description=(
             "Latency of one hop between two GPUs of a node (default 10; at most 10 s)."))
     nodes: list[NodeGpus] | None = Field(default=None, max_length=256, description=(
-        "Which GPUs share a node, for planning off the cluster (cephalo plan --job); the "
-        "GPUs of every pool must add up to its maxGpus. On a cluster the operator places "
-        "ranks on the nodes it discovered and ignores this. Default off the cluster: every "
-        "GPU on a node of its own (assumed). At most 256 entries."))
+        "Which GPUs share a node: used when the GPUs planned on are exactly these (e.g. "
+        "cephalo plan --job: each pool's maxGpus); otherwise, and by default, every GPU on "
+        "a node of its own (assumed). At most 256 entries."))

@@ -151,8 +151,10 @@ def job_nodes(spec: CephaloJobSpec, cluster: ClusterSpec) -> list[ClusterNode] |
     try:
         check_placement({g.key: g.count for g in cluster.groups},
                         [(n.gpus, n.count) for n in nodes], "planner.network.nodes")
-    except ValueError as err:
-        raise NetworkSpecError(f"{err}; list each node's GPUs by gpuPools product") from None
+    except ValueError:
+        # Fewer GPUs free than the nodes list (a shared cluster, an elastic re-plan): the
+        # placement is not known, and the plan says "assumed" (each GPU on its own node).
+        return None
     return nodes
 
 
