@@ -37,6 +37,9 @@ class ClusterNode(BaseModel):
     nic_latency_seconds: float | None = Field(default=None, ge=0)
     intra_bandwidth_bytes_per_second: float | None = Field(default=None, gt=0)
     intra_latency_seconds: float | None = Field(default=None, ge=0)
+    # The part of the NIC a ring over these GPUs gets: a pod of a job's ranks that may share
+    # its node with others of the same job shares the node's NIC with them.
+    nic_share: float = Field(default=1.0, gt=0, le=1)
 
     @model_validator(mode="after")
     def _positive(self) -> ClusterNode:

@@ -6,8 +6,9 @@ one node) and the intra-node link (NVLink or PCIe) between consecutive ranks of 
 its per-rank bandwidth is the slowest link it crosses: min(intra-node link, NIC) across
 nodes, the intra-node link alone on one node (`cephalo.planner.topology`, docs/network.md).
 
-A cluster's own description of its nodes (`ClusterSpec.nodes`) is used where given; the
-fields here win over its figures. Unset
+On a cluster the operator knows the nodes (GPU discovery) and reads each node's NIC speed
+from its label `cephalo.dev/nic-gbps` (`ClusterSpec.nodes`); the fields here win over what
+it found. Unset
 figures fall back to the documented defaults below, and the plan says "assumed".
 """
 

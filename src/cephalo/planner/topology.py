@@ -116,8 +116,9 @@ class Network:
     flat_reason: str = ""  # what gave a flat ring its figures
 
     def source_of(self, rank_nodes: Sequence[int]) -> str:
-        """Where the figures a ring over these ranks crosses came from, one word: 'assumed'
-        when a bandwidth it crosses or the placement itself was a default."""
+        """Where the figures a ring over these ranks crosses came from ('job spec', the
+        cluster's describer, both joined by ' + '): 'assumed' when a bandwidth it crosses or
+        the placement itself was a default."""
         if self.topology is None:
             return self.source
         sources = self.topology.sources
@@ -126,10 +127,9 @@ class Network:
             crossed.append(sources["inter_node_bandwidth"])
         if len(set(rank_nodes)) < len(rank_nodes):
             crossed.append(sources["intra_node_bandwidth"])
-        for worst in (ASSUMED, JOB):
-            if worst in crossed:
-                return worst
-        return crossed[0] if crossed else "unused (one rank)"
+        if ASSUMED in crossed:
+            return ASSUMED
+        return " + ".join(dict.fromkeys(crossed)) if crossed else "unused (one rank)"
 
 
 def job_nodes(spec: CephaloJobSpec, cluster: ClusterSpec) -> list[ClusterNode] | None:
@@ -215,7 +215,8 @@ def topology_network(spec: CephaloJobSpec, cluster: ClusterSpec, base: CommModel
     index = {g.key: i for i, g in enumerate(cluster.groups)}
     for node in nodes:
         link = NodeLinks(
-            figure("inter_node_bandwidth", node.nic_bandwidth_bytes_per_second, describer),
+            figure("inter_node_bandwidth", node.nic_bandwidth_bytes_per_second, describer) *
+            node.nic_share,
             figure("inter_node_latency", node.nic_latency_seconds, describer),
             figure("intra_node_bandwidth", node.intra_bandwidth_bytes_per_second, describer),
             figure("intra_node_latency", node.intra_latency_seconds, describer))
