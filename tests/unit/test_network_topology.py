@@ -195,3 +195,23 @@ def test_flat_and_topology_together_are_refused() -> None:
                        "model": {"preset": "gpt-small"}, "globalBatchSize": 32,
                        "planner": {"networkBandwidthGbps": 10.0,
                                    "network": {"interNodeGbps": 100.0}}}})
+
+
+def test_a_described_cluster_narrowed_by_model_copy_keeps_the_nodes_that_hold_it() -> None:
+    """The operator's rescale narrows a discovered cluster's groups with model_copy (a pool
+    without a cached profile left out, a rollback to fewer GPUs): the planner keeps each
+    group's first GPUs on the nodes, in order, and drops the rest."""
+    groups = [GpuGroup(product="A10G", count=8), GpuGroup(product="T4", count=4)]
+    nodes = [ClusterNode(gpus={"A10G": 4}, count=2, nic_bandwidth_bytes_per_second=GBIT),
+             ClusterNode(gpus={"T4": 4}, nic_bandwidth_bytes_per_second=GBIT)]
+    cluster = ClusterSpec(groups=groups, nodes=nodes, network_source="test")
+    spec = parse_job({"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
+                      "metadata": {"name": "t"}, "spec": {"model": {"preset": "gpt-small"},
+                                                          "globalBatchSize": 32}}).spec
+    narrowed = cluster.model_copy(update={"groups": [groups[0].model_copy(
+        update={"count": 4})]})
+    plan = solve(spec, narrowed, choose_gpus=False)
+    assert plan.world_size == 4 and plan.assumptions["network_nodes"] == 1
+    # The placement is the cluster's; the intra-node link it crosses is a default.
+    assert plan.assumptions["network_figures"]["sources"]["placement"] == "test"
+    assert plan.assumptions["network_source"] == "assumed"

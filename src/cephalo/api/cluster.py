@@ -88,3 +88,22 @@ def check_placement(counts: dict[str, int], nodes: list[tuple[dict[str, int], in
              for key, n in counts.items() if placed.get(key, 0) != n]
     if wrong:
         raise ValueError(f"{where} must hold every GPU of each pool once: {'; '.join(wrong)}")
+
+
+def fit_nodes(groups: list[GpuGroup], nodes: list[ClusterNode]) -> list[ClusterNode] | None:
+    """The nodes as they hold exactly `groups`' GPUs: each group's first `count` GPUs in node
+    order (a described cluster whose groups a caller narrowed with model_copy: a pool left
+    out, fewer GPUs of one); None when the nodes hold fewer of some group than it counts."""
+    want = {g.key: g.count for g in groups}
+    out = []
+    for node in nodes:
+        for _ in range(node.count):
+            held = {}
+            for key, n in node.gpus.items():
+                take = min(n, want.get(key, 0))
+                if take:
+                    held[key] = take
+                    want[key] -= take
+            if held:
+                out.append(node.model_copy(update={"gpus": held, "count": 1}))
+    return None if any(want.values()) else out

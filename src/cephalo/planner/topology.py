@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from cephalo.api.cluster import ClusterNode, ClusterSpec, check_placement
+from cephalo.api.cluster import ClusterNode, ClusterSpec, check_placement, fit_nodes
 from cephalo.api.job import CephaloJobSpec
 from cephalo.api.network import (
     DEFAULT_INTER_NODE_GBPS,
@@ -178,7 +178,7 @@ def topology_network(spec: CephaloJobSpec, cluster: ClusterSpec, base: CommModel
     """The nodes (the cluster's, else the job's, else one GPU per node) and each figure:
     the job's planner.network, else the node's own (the operator's node label), else the
     documented default (assumed)."""
-    nodes = cluster.nodes
+    nodes = None if cluster.nodes is None else fit_nodes(cluster.groups, cluster.nodes)
     describer = cluster.network_source or "cluster"
     if nodes is None:
         nodes = job_nodes(spec, cluster)
