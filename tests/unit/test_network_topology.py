@@ -215,3 +215,14 @@ def test_a_described_cluster_narrowed_by_model_copy_keeps_the_nodes_that_hold_it
     # The placement is the cluster's; the intra-node link it crosses is a default.
     assert plan.assumptions["network_figures"]["sources"]["placement"] == "test"
     assert plan.assumptions["network_source"] == "assumed"
+
+
+def test_a_narrowed_cluster_survives_the_planning_workers_validation() -> None:
+    """The operator's planning child process validates the cluster it is sent: a rollback's
+    narrowed groups (4 of the 8 A10Gs the nodes hold) must not fail there."""
+    nodes = [ClusterNode(gpus={"A10G": 4}, count=2)]
+    cluster = ClusterSpec(groups=[GpuGroup(product="A10G", count=8)], nodes=nodes)
+    narrowed = cluster.model_copy(update={"groups": [GpuGroup(product="A10G", count=4)]})
+    assert ClusterSpec.model_validate(narrowed.model_dump(mode="json")).nodes == nodes
+    with pytest.raises(ValueError, match="nodes must hold every GPU of each group"):
+        ClusterSpec(groups=[GpuGroup(product="A10G", count=9)], nodes=nodes)

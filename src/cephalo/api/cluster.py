@@ -63,9 +63,11 @@ class ClusterSpec(BaseModel):
 
     @model_validator(mode="after")
     def _nodes_hold_the_groups(self) -> ClusterSpec:
-        if self.nodes is not None:
-            check_placement({g.key: g.count for g in self.groups},
-                            [(n.gpus, n.count) for n in self.nodes], "nodes")
+        # The nodes may hold more than the groups (a caller narrowed the groups of a
+        # described cluster: the planner keeps each group's first GPUs, `fit_nodes`), never
+        # fewer: GPUs that sit on no node.
+        if self.nodes is not None and fit_nodes(self.groups, self.nodes) is None:
+            raise ValueError("nodes must hold every GPU of each group")
         return self
 
     @property
