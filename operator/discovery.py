@@ -19,7 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cephalo.api import ClusterSpec, GpuGroup
+from cephalo.api.cluster import ClusterNode
 from cephalo.api.job import CephaloJobSpec
+from cephalo.api.network import NIC_GBPS_LABEL
+from cephalo.operator.podspec import pod_sizes
 from cephalo.planner.catalog import gpu_key, lookup_gpu, resolve_gpu, same_gpu
 
 PRODUCT_LABEL = "nvidia.com/gpu.product"
@@ -215,7 +218,55 @@ def select_cluster(spec: CephaloJobSpec, discovery: Discovery,
         chosen = _cap(chosen, spec.max_gpus, spec.precision)
     groups = [GpuGroup(product=p.catalog_name or p.product, count=count, pool=p.product,
                        memory_bytes=memory or p.memory_bytes) for p, count, memory in chosen]
-    return ClusterSpec(groups=groups), [p for p, _, _ in chosen]
+    placed = describe_nodes([(p, g) for (p, _, _), g in zip(chosen, groups, strict=True)],
+                            nodes or [], spec.ranks_per_pod)
+    return ClusterSpec(groups=groups, nodes=placed, network_source=NETWORK_SOURCE), \
+        [p for p, _, _ in chosen]
+
+
+NETWORK_SOURCE = f"operator (GPU discovery, node label {NIC_GBPS_LABEL})"
+
+
+def describe_nodes(chosen: list[tuple[Pool, GpuGroup]], nodes: list[dict[str, Any]],
+                   ranks_per_pod: int) -> list[ClusterNode]:
+    """Where the ranks of each pool will sit, as the planner's nodes: the pods
+    `podspec.pack_ranks` will make of them (one per node of the pool, largest first; at most
+    ranksPerPod ranks each), each on a node with its pool's NIC. A pod lands on any node of
+    its pool that has room, so its NIC is the pool's slowest labelled one (none: unlabelled,
+    the plan assumes the default); a pod cut short by ranksPerPod may share its node with
+    others of the job, and so its NIC (one rank a pod: 1/8 of an 8-GPU node's)."""
+    by_name = {n["metadata"]["name"]: n for n in nodes}
+    out = []
+    for pool, group in chosen:
+        free = list(pool.node_gpus) or [_int(((by_name.get(n) or {}).get("status") or {})
+                                             .get("allocatable", {}).get(GPU_RESOURCE))
+                                        for n in pool.nodes]
+        largest = max(free, default=1)
+        nic = _pool_nic_gbps(pool, by_name)
+        cap = ranks_per_pod if ranks_per_pod > 0 else group.count
+        for size in pod_sizes(list(free), group.count, cap):
+            shared = ranks_per_pod > 0 and size == cap < largest
+            out.append(ClusterNode(gpus={group.key: size}, name=pool.product,
+                                   nic_bandwidth_bytes_per_second=None if nic is None
+                                   else nic * 1e9 / 8,
+                                   nic_share=size / largest if shared else 1.0))
+    return out
+
+
+def _pool_nic_gbps(pool: Pool, by_name: dict[str, dict[str, Any]]) -> float | None:
+    """The slowest NIC the pool's nodes' labels name (Gbit/s); None when one is unlabelled
+    or its label is not a positive number (that node's NIC is not known)."""
+    speeds = []
+    for name in pool.nodes:
+        labels = (by_name.get(name) or {}).get("metadata", {}).get("labels") or {}
+        try:
+            speed = float(labels.get(NIC_GBPS_LABEL, ""))
+        except ValueError:
+            return None
+        if not 0 < speed < float("inf"):
+            return None
+        speeds.append(speed)
+    return min(speeds) if speeds else None
 
 
 def _cap(chosen: list[tuple[Pool, int, int | None]], max_gpus: int,

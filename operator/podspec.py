@@ -83,23 +83,32 @@ def pack_ranks(plan: Plan, node_free_gpus: Mapping[str, Sequence[int]],
     `ranks_per_pod` each (0: no cap). A pod of k ranks requests k GPUs and lands on a node
     that has them (the scheduler picks it, within the pool's nodeSelector)."""
     cap = ranks_per_pod if ranks_per_pod > 0 else max(1, plan.world_size)
-    left = {pool: sorted((g for g in free if g > 0), reverse=True)
-            for pool, free in node_free_gpus.items()}
+    left = {pool: list(free) for pool, free in node_free_gpus.items()}
     sizes: list[int] = []
     for pool, run in groupby(plan.ranks, key=lambda r: r.pool or r.gpu):
-        remaining = len(list(run))
-        nodes = left.setdefault(pool, [])
-        while remaining:
-            # The node with the most free GPUs takes the next pod; none left (more ranks
-            # than free GPUs seen, e.g. a plan from before): one rank per pod.
-            take = min(remaining, cap, nodes[0] if nodes else 1)
-            if nodes:
-                nodes[0] -= take
-                nodes.sort(reverse=True)
-                while nodes and nodes[-1] <= 0:
-                    nodes.pop()
-            sizes.append(take)
-            remaining -= take
+        sizes += pod_sizes(left.setdefault(pool, []), len(list(run)), cap)
+    return sizes
+
+
+def pod_sizes(free: list[int], ranks: int, cap: int) -> list[int]:
+    """The pods `ranks` consecutive ranks of one pool get: each as large as the node with the
+    most free GPUs left (`free`, taken from in place), at most `cap`. Also how discovery
+    describes the nodes a plan's ranks sit on (`discovery.describe_nodes`)."""
+    nodes = sorted((g for g in free if g > 0), reverse=True)
+    sizes: list[int] = []
+    remaining = ranks
+    while remaining:
+        # The node with the most free GPUs takes the next pod; none left (more ranks
+        # than free GPUs seen, e.g. a plan from before): one rank per pod.
+        take = min(remaining, cap, nodes[0] if nodes else 1)
+        if nodes:
+            nodes[0] -= take
+            nodes.sort(reverse=True)
+            while nodes and nodes[-1] <= 0:
+                nodes.pop()
+        sizes.append(take)
+        remaining -= take
+    free[:] = nodes
     return sizes
 
 

@@ -64,6 +64,6 @@ def test_the_header_states_what_the_plan_assumed() -> None:
     plan = _plan(assumptions={"network_bandwidth_bytes_per_second": 12.5e9,
                               "network_latency_seconds": 5e-5, "state_bytes_per_parameter": 16})
     assert format_plan(plan, "vit-e").splitlines()[1] == (
-        "assumes: network 100 Gbit/s per GPU for collectives, latency 50 us, 16 bytes of "
+        "assumes: network 100 Gbit/s per GPU for collectives, latency 50 us per hop, 16 bytes of "
         "training state per parameter")
     assert format_plan(_plan(), "x").splitlines()[1] == ""  # a hand-written plan: nothing

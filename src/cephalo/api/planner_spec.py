@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import ConfigDict, Field, model_validator
 from pydantic.config import JsonValue
 
+from cephalo.api.network import NetworkSpec
 from cephalo.api.wire import CamelModel
 
 # The rule of PlannerSpec that pydantic checks in `_floor_needs_cost`, as CEL for the API
@@ -14,10 +15,15 @@ from cephalo.api.wire import CamelModel
 # price list may supply them.)
 _FLOOR_NEEDS_COST = ("planner.minSamplesPerSecond and planner.deadlineSeconds bound the cost "
                      "objective: set planner.objective: cost, or leave them out")
+_FLAT_OR_TOPOLOGY = ("planner.networkBandwidthGbps/networkLatencyMicroseconds price a flat "
+                     "ring, planner.network the nodes' links: give one of them")
 _PLANNER_RULES: list[JsonValue] = [
     {"rule": "(has(self.objective) && self.objective == 'cost') || "
              "(!has(self.minSamplesPerSecond) && !has(self.deadlineSeconds))",
      "message": _FLOOR_NEEDS_COST},
+    {"rule": "!has(self.network) || "
+             "(!has(self.networkBandwidthGbps) && !has(self.networkLatencyMicroseconds))",
+     "message": _FLAT_OR_TOPOLOGY},
 ]
 
 
@@ -33,11 +39,19 @@ class PlannerSpec(CamelModel):
         default_factory=lambda: list(range(1, 9)), min_length=1, max_length=64,
         description=("Microbatch sizes the profiler measures (linear extrapolation beyond); "
                      "1 to 64 sizes, each 1 to 4096."))
-    network_bandwidth_gbps: float = Field(default=10.0, gt=0, le=100_000, description=(
-        "Bandwidth per GPU for collectives (Gbit/s) when no collective profile exists "
-        "(at most 100000)."))
-    network_latency_microseconds: float = Field(default=50.0, ge=0, le=10_000_000, description=(
-        "Per-hop latency of collectives when no collective profile exists (at most 10 s)."))
+    # Before planner.network (issue 35) these were the only network figures, defaulted to 10
+    # Gbit/s and 50 µs; a job stored with them keeps exactly the plans it had.
+    network_bandwidth_gbps: float | None = Field(default=None, gt=0, le=100_000, description=(
+        "A flat ring: every hop of every collective at this bandwidth per GPU (Gbit/s), as "
+        "if each GPU were a node of its own with a NIC this fast; used when no collective "
+        "profile exists. Unset: planner.network (the nodes' links). At most 100000."))
+    network_latency_microseconds: float | None = Field(
+        default=None, ge=0, le=10_000_000, description=(
+            "With networkBandwidthGbps: the flat ring's latency per hop (default 50; at "
+            "most 10 s)."))
+    network: NetworkSpec | None = Field(default=None, description=(
+        "The nodes' links (NIC, NVLink/PCIe) the collectives cross; unset figures come from "
+        "the operator's node labels or the documented defaults (docs/network.md)."))
     allow_state_only_ranks: bool = Field(default=True, description=(
         "Let a slow GPU take no batch and only hold training state when that is faster."))
     choose_gpus: bool = Field(default=True, description=(
@@ -72,4 +86,7 @@ class PlannerSpec(CamelModel):
         if self.objective != "cost" and (self.min_samples_per_second is not None or
                                          self.deadline_seconds is not None):
             raise ValueError(_FLOOR_NEEDS_COST)
+        if self.network is not None and (self.network_bandwidth_gbps is not None or
+                                         self.network_latency_microseconds is not None):
+            raise ValueError(_FLAT_OR_TOPOLOGY)
         return self

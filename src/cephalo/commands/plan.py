@@ -37,8 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-fraction", type=float, default=None,
                         help="fraction of each GPU's memory the plan may use (default 0.8)")
     parser.add_argument("--bandwidth-gbps", type=float, default=None,
-                        help="network bandwidth per GPU for collectives (default: the "
-                             "job's planner.networkBandwidthGbps, else 10)")
+                        help="a flat ring at this bandwidth per GPU for collectives "
+                             "(planner.networkBandwidthGbps; replaces the job's "
+                             "planner.network). Default: the job's network (docs/network.md)")
     parser.add_argument("--profiles", metavar="DIR",
                         help="folder of measured GpuProfile JSON files (else catalog estimates)")
     parser.add_argument("--json", action="store_true",
@@ -143,6 +144,7 @@ def _spec(args: argparse.Namespace) -> CephaloJobSpec:
         planner["memoryFraction"] = args.memory_fraction
     if args.bandwidth_gbps is not None:
         planner["networkBandwidthGbps"] = args.bandwidth_gbps
+        planner.pop("network", None)
     return parse_job({"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
                       "spec": data}, source="plan options").spec
 

@@ -26,8 +26,13 @@ from cephalo.planner.costmodel import (
 )
 from cephalo.planner.kept_blocks import kept_candidates
 from cephalo.planner.search import ClassTable
+from cephalo.planner.topology import JOB, MEASURED, Network, Topology, topology_network
 
 GIB = 1024**3
+# planner.networkBandwidthGbps / networkLatencyMicroseconds when only one of them is given:
+# the defaults they had before the topology model (a job stored then has both).
+FLAT_GBPS = 10.0
+FLAT_LATENCY_MICROSECONDS = 50.0
 
 
 class InfeasibleError(CephaloError, ValueError):
@@ -57,6 +62,10 @@ class Problem:
     ranks: list[tuple[str, str]]  # (catalog gpu name, pool) per rank, in rank order
     classes: list[GpuClass]
     rank_class: list[int]  # class index of each rank
+    # The network (topology.py): with a topology, `comm_model` is the ring over these
+    # ranks' nodes (`rank_node`), rebuilt from `network.base` for every subset of them.
+    network: Network | None = None
+    rank_node: list[int] = field(default_factory=list)
 
     @property
     def world_size(self) -> int:
@@ -72,6 +81,37 @@ class Problem:
 
     def unit_comm(self, uneven: bool) -> UnitComm:
         return UnitComm.build(self.model, self.comm_model, self.world_size, uneven)
+
+    def ring_bounds(self, least_ranks: int) -> list[tuple[CommModel, list[int]]]:
+        """Flat rings no slower than any ring of at least `least_ranks` of these GPUs, each
+        with the GPUs per class it may use: one without a topology; with one, a ring across
+        nodes (every GPU) and one per kind of node that holds `least_ranks` (its GPUs)."""
+        counts = [len(c.slots) for c in self.classes]
+        topology = self.topology
+        if topology is None:
+            return [(self.comm_model, counts)]
+        per_node = [[0] * len(self.classes) for _ in topology.nodes]
+        for cls, node in zip(self.rank_class, self.rank_node, strict=True):
+            per_node[node][cls] += 1
+        used = sorted(set(self.rank_node))
+        base = self.network.base if self.network is not None else self.comm_model
+        cases = []
+        if len(used) > 1:
+            cases.append((topology.across_bound(base, used), counts))
+        seen = set()
+        for node in used:
+            key = (topology.nodes[node], tuple(per_node[node]))
+            if sum(per_node[node]) >= least_ranks and key not in seen:
+                seen.add(key)
+                cases.append((topology.inside_bound(base, node), per_node[node]))
+        return cases or [(topology.across_bound(base, used), counts)]
+
+    @property
+    def topology(self) -> Topology | None:
+        return None if self.network is None else self.network.topology
+
+    def network_source(self) -> str:
+        return "" if self.network is None else self.network.source_of(self.rank_node)
 
     def rank_budget(self, rank: int) -> float:
         return self.classes[self.rank_class[rank]].budget_bytes
@@ -89,11 +129,15 @@ def build_problem(spec: CephaloJobSpec, cluster: ClusterSpec,
                   profiles: Mapping[str, GpuProfile] | None = None) -> Problem:
     model = spec.model.resolve()
     profiles = dict(profiles or {})
-    comm = _comm_model(spec, cluster, profiles)
-    classes: dict[tuple[str, int], GpuClass] = {}
+    network = _network(spec, cluster, profiles)
+    comm = network.base
+    classes: dict[tuple[str, int, int], GpuClass] = {}
     ranks: list[tuple[str, str]] = []
     rank_class: list[int] = []
-    for group in cluster.groups:
+    rank_node: list[int] = []
+    kinds = _node_kinds(cluster, network)
+    for group_index, node in _rank_order(cluster, network):
+        group = cluster.groups[group_index]
         gpu = resolve_gpu(group.product, group.memory_bytes)  # outside the catalog: profiled
         # The precision this GPU's ranks compute in: the job's, or under "auto" the GPU's
         # fastest; its profile must have been measured in it.
@@ -113,24 +157,52 @@ def build_problem(spec: CephaloJobSpec, cluster: ClusterSpec,
         profile = given or estimate_profile(
             gpu, model, precision, spec.planner.profile_micro_batch_sizes)
         capacity = group.memory_bytes or profile.memory_capacity_bytes or gpu.memory_bytes
-        key = (gpu.name, capacity)
+        # GPUs of one class are interchangeable: the same product and memory, and (with a
+        # topology) nodes of the same kind, so that which k of a class a subset takes does
+        # not change its ring (subset.py takes the first k, packed onto the fewest nodes).
+        key = (gpu.name, capacity, kinds[node] if node >= 0 else 0)
         if key not in classes:
             classes[key] = GpuClass(gpu, GpuCostModel(gpu, profile, capacity, model.num_layers,
                                                       model),
                                     capacity * spec.planner.memory_fraction)
         index = list(classes).index(key)
-        for _ in range(group.count):
-            classes[key].slots.append(len(ranks))
-            ranks.append((gpu.name, group.pool or gpu.name))
-            rank_class.append(index)
+        classes[key].slots.append(len(ranks))
+        ranks.append((gpu.name, group.pool or gpu.name))
+        rank_class.append(index)
+        rank_node.append(node)
     probe = _probed_collectives(profiles)
     if probe is not None and probe.probe_step_seconds is not None:
         # A real step measured on the cluster: calibrate against it.
         comm = comm.calibrated(model, [c.cost for c in classes.values()],
                                probe.probe_step_seconds, probe.world_size)
+        network = dataclasses.replace(network, base=comm)
+    if network.topology is not None:
+        comm = network.topology.comm(network.base, rank_node)
+    else:
+        rank_node = []
     return Problem(model, spec.precision, spec.global_batch_size, spec.planner.memory_fraction,
                    spec.planner.allow_state_only_ranks, comm, ranks, list(classes.values()),
-                   rank_class)
+                   rank_class, network, rank_node)
+
+
+def _rank_order(cluster: ClusterSpec, network: Network) -> list[tuple[int, int]]:
+    """(group index, node index) per rank: grouped by node with a topology (the ring
+    crosses each NIC once), else the groups in order (node -1: not known)."""
+    if network.placement is not None:
+        return network.placement
+    return [(g, -1) for g, group in enumerate(cluster.groups) for _ in range(group.count)]
+
+
+def _node_kinds(cluster: ClusterSpec, network: Network) -> list[int]:
+    """Per node, an index shared by nodes with the same GPUs and links."""
+    if network.topology is None or network.placement is None:
+        return []
+    holds: list[dict[int, int]] = [{} for _ in network.topology.nodes]
+    for group, node in network.placement:
+        holds[node][group] = holds[node].get(group, 0) + 1
+    seen: dict[object, int] = {}
+    return [seen.setdefault((tuple(sorted(h.items())), links), len(seen))
+            for h, links in zip(holds, network.topology.nodes, strict=True)]
 
 
 def _probed_collectives(profiles: Mapping[str, GpuProfile]) -> CollectiveProfile | None:
@@ -140,10 +212,12 @@ def _probed_collectives(profiles: Mapping[str, GpuProfile]) -> CollectiveProfile
     return max(probed, key=lambda c: c.probe_step_seconds or 0.0, default=None)
 
 
-def _comm_model(spec: CephaloJobSpec, cluster: ClusterSpec,
-                profiles: Mapping[str, GpuProfile]) -> CommModel:
-    """Measured collectives win over the cluster's declared network, which wins over the
-    job's planner assumption."""
+def _network(spec: CephaloJobSpec, cluster: ClusterSpec,
+             profiles: Mapping[str, GpuProfile]) -> Network:
+    """Measured collectives win over a flat ring the cluster declares (a local run's bus),
+    which wins over the job's flat planner.networkBandwidthGbps; without any of them the
+    topology (topology.py): the cluster's nodes and links, the job's planner.network, the
+    documented defaults."""
     measured = [p.collectives for p in profiles.values() if p.collectives is not None]
     if measured:
         slowest = min(measured, key=lambda c: c.bandwidth_bytes_per_second)
@@ -151,18 +225,28 @@ def _comm_model(spec: CephaloJobSpec, cluster: ClusterSpec,
                       for c in measured)
         uneven = max((c.uneven_overhead for c in measured if c.uneven_overhead is not None),
                      default=UNEVEN_COLLECTIVE_OVERHEAD)
-        return CommModel(slowest.bandwidth_bytes_per_second, slowest.latency_seconds,
-                         uneven_overhead=uneven, overlap_fraction=overlap,
-                         reduce_scatter_bandwidth_bytes_per_second=(
-                             slowest.reduce_scatter_bandwidth_bytes_per_second),
-                         reduce_scatter_latency_seconds=slowest.reduce_scatter_latency_seconds,
-                         all_reduce_seconds=slowest.all_reduce_seconds)
+        return Network(CommModel(
+            slowest.bandwidth_bytes_per_second, slowest.latency_seconds,
+            uneven_overhead=uneven, overlap_fraction=overlap,
+            reduce_scatter_bandwidth_bytes_per_second=(
+                slowest.reduce_scatter_bandwidth_bytes_per_second),
+            reduce_scatter_latency_seconds=slowest.reduce_scatter_latency_seconds,
+            all_reduce_seconds=slowest.all_reduce_seconds), None, None, MEASURED,
+            f"collectives measured on {slowest.world_size} ranks")
+    planner = spec.planner
+    if cluster.network_bandwidth_bytes_per_second is not None:
+        source, why = cluster.network_source or "cluster", "the cluster's bus"
+    elif planner.network_bandwidth_gbps is not None or \
+            planner.network_latency_microseconds is not None:
+        source, why = JOB, "planner.networkBandwidthGbps"
+    else:
+        return topology_network(spec, cluster, CommModel(1.0, 0.0))
     bandwidth = cluster.network_bandwidth_bytes_per_second or (
-        spec.planner.network_bandwidth_gbps * 1e9 / 8)
+        (planner.network_bandwidth_gbps or FLAT_GBPS) * 1e9 / 8)
     latency = cluster.network_latency_seconds
     if latency is None:
-        latency = spec.planner.network_latency_microseconds * 1e-6
-    return CommModel(bandwidth, latency)
+        latency = (planner.network_latency_microseconds or FLAT_LATENCY_MICROSECONDS) * 1e-6
+    return Network(CommModel(bandwidth, latency), None, None, source, f"a flat ring ({why})")
 
 
 def class_tables(problem: Problem, *, uneven: bool = True, max_ell: int | None = None,
@@ -243,10 +327,15 @@ def subset_problem(problem: Problem, keep: list[int]) -> Problem:
         if slots:
             class_index[c] = len(classes)
             classes.append(GpuClass(cls.gpu, cls.cost, cls.budget_bytes, slots))
+    comm, rank_node = problem.comm_model, [problem.rank_node[r] for r in keep] \
+        if problem.rank_node else []
+    if problem.topology is not None and problem.network is not None:
+        comm = problem.topology.comm(problem.network.base, rank_node)
     return Problem(problem.model, problem.precision, problem.global_batch_size,
-                   problem.memory_fraction, problem.allow_state_only, problem.comm_model,
+                   problem.memory_fraction, problem.allow_state_only, comm,
                    [problem.ranks[r] for r in keep], classes,
-                   [class_index[problem.rank_class[r]] for r in keep])
+                   [class_index[problem.rank_class[r]] for r in keep], problem.network,
+                   rank_node)
 
 
 def fused_everything(problem: Problem) -> Problem | None:

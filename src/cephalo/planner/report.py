@@ -10,6 +10,7 @@ from cephalo.api.job import ModelSpec
 from cephalo.api.plan import SHARD_RATIO_TOLERANCE, RankPlan
 from cephalo.planner.offload import boundary_activations_line, plan_fused_tail_blocks
 from cephalo.planner.precision import precision_summary
+from cephalo.planner.topology import ASSUMED
 
 GIB = 1024**3
 
@@ -70,20 +71,37 @@ def idle_lines(plan: Plan) -> list[str]:
 
 def assumptions_lines(plan: Plan) -> list[str]:
     """What the plan took as given and a preview must match to mean anything: the network
-    (a job's planner.networkBandwidthGbps, `--bandwidth-gbps`, or measured collectives) and
-    the bytes of state per parameter. None for a plan without them (written by hand)."""
+    (measured collectives, the job's planner.network or flat networkBandwidthGbps, the
+    operator's node labels, or the default: then "assumed" and how to set it) and the bytes
+    of state per parameter. None for a plan without them (written by hand)."""
     given = plan.assumptions
     bandwidth = given.get("network_bandwidth_bytes_per_second")
     if not isinstance(bandwidth, int | float):
         return []
-    parts = [f"network {bandwidth * 8 / 1e9:.3g} Gbit/s per GPU for collectives"]
+    source = given.get("network_source")
+    nodes = given.get("network_nodes")
+    over = f" (the slowest link of a ring over {plural(nodes, 'node')})" \
+        if isinstance(nodes, int) else ""
+    parts = [f"network {bandwidth * 8 / 1e9:.3g} Gbit/s per GPU for collectives{over}"]
     latency = given.get("network_latency_seconds")
     if isinstance(latency, int | float):
-        parts.append(f"latency {latency * 1e6:.3g} us")
+        parts.append(f"latency {latency * 1e6:.3g} us per hop")
+    if isinstance(source, str) and source:
+        parts.append(f"network source: {source}")
     state = given.get("state_bytes_per_parameter")
     if isinstance(state, int | float):
         parts.append(f"{state:g} bytes of training state per parameter")
-    return ["assumes: " + ", ".join(parts)]
+    lines = ["assumes: " + ", ".join(parts)]
+    if source == ASSUMED:
+        lines.append(ASSUMED_NETWORK_HINT)
+    return lines
+
+
+# How to replace an assumed network (docs/network.md has the rest).
+ASSUMED_NETWORK_HINT = (
+    "network assumed (defaults: 10 Gbit/s NIC per node, 128 Gbit/s PCIe inside one, each GPU "
+    "on a node of its own unless told): set spec.planner.network (interNodeGbps, "
+    "intraNodeGbps, nodes) or label the nodes cephalo.dev/nic-gbps (docs/network.md)")
 
 
 def rank_precision(plan: Plan, rank: RankPlan) -> str:

@@ -38,6 +38,7 @@ from cephalo.planner.problem import (
 )
 from cephalo.planner.search import ClassTable, SearchResult
 from cephalo.planner.subset import Choice, idle_counts, search_subsets
+from cephalo.planner.topology import network_assumptions
 from cephalo.planner.unit_search import search_even_sets
 from cephalo.planner.unit_shards import EvenUnits, unit_shard_ratios
 
@@ -373,7 +374,7 @@ def _plan(full: Problem, choice: Choice, sol: Solution, ev: Evaluation, solved: 
     if estimated:
         notes.append("no measured profile for " + ", ".join(estimated) +
                      ": their times are catalog estimates")
-    comm = problem.comm_model
+    comm = problem.comm_model  # the ring over the GPUs used
     return Plan(
         global_batch_size=problem.global_batch_size, world_size=problem.world_size,
         predicted_step_seconds=ev.step_seconds, predicted_samples_per_second=sps,
@@ -386,6 +387,7 @@ def _plan(full: Problem, choice: Choice, sol: Solution, ev: Evaluation, solved: 
             "state_bytes_per_parameter": state_bytes_per_parameter(problem.precision),
             "network_bandwidth_bytes_per_second": comm.bandwidth_bytes_per_second,
             "network_latency_seconds": comm.latency_seconds,
+            **network_assumptions(problem.network, problem.rank_node),
             "uneven_collective_overhead": UNEVEN_COLLECTIVE_OVERHEAD,
         },
         search={"exact": (choice.gap_seconds if chose_gpus else sol.gap_seconds) == 0.0

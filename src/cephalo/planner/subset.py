@@ -3,15 +3,19 @@ slower (every AllGather/ReduceScatter pays (n−1) latency hops), so the planner
 how many GPUs of each class to use and leave the rest idle (no rank, no pod); `solve(...,
 choose_gpus=True)` asks for it, `cephalo plan` does.
 
-A choice is a count k_c ≤ count_c per class of identical GPUs (which k GPUs of a class does
-not matter). Every choice is solved by `solve_fixed` (exact, or with its stated gap); the
-best wins, ties going to more GPUs. When the number of choices is small
-(Π(count_c + 1) − 1 ≤ EXHAUSTIVE_MAX_CHOICES) all are tried, so the result is the optimum
-over every subset of the cluster (tests check it against brute force) and adding GPUs
-never makes the plan slower. Larger clusters try a family that always contains the whole
-cluster (so the plan is never slower than using every GPU): sets of classes at halving
-fractions of their counts, smallest first. The plan then states a proven gap to the
-optimum over every subset (`subset_lower_bound`: a relaxation per world-size interval).
+A choice is a count k_c ≤ count_c per class of identical GPUs (which k GPUs of a class
+does not matter: with a topology a class is also of one kind of node, and the first k, in
+rank order, fill its nodes one after the other; packed onto the fewest nodes, the ring
+crosses the fewest NICs, which is never slower while the intra-node links are at least as
+fast as the NICs, with no more latency: topology.py). Every choice is solved by
+`solve_fixed` (exact, or with its stated gap); the best wins, ties going to more GPUs.
+When the number of choices is small (Π(count_c + 1) − 1 ≤ EXHAUSTIVE_MAX_CHOICES) all are
+tried, so the result is the optimum over every subset of the cluster (tests check it
+against brute force) and adding GPUs never makes the plan slower. Larger clusters try a
+family that always contains the whole cluster (so the plan is never slower than using
+every GPU): sets of classes at halving fractions of their counts, smallest first. The plan
+then states a proven gap to the optimum over every subset (`subset_lower_bound`: a
+relaxation per world-size interval).
 
 A choice is skipped without solving when its GPUs cannot process B samples within the best
 step found so far: Σ_c k_c · (largest batch class c finishes in time) < B is a proof.
@@ -304,24 +308,31 @@ def subset_lower_bound(problem: Problem, best_seconds: float) -> float:
     the optimizer's share at P/n2, ignores the uneven shards' overhead, lets every GPU idle,
     and uses at most min(count, n2) GPUs per class. Its least threshold at which the
     classes' largest batches add up to B is at most the step time of any subset in the
-    interval; an interval whose GPUs cannot hold the training state has no subset at all."""
+    interval; an interval whose GPUs cannot hold the training state has no subset at all.
+    With a topology a ring of n1 is priced at the fastest link and least hop latency a ring
+    of at least n1 of the GPUs may have across nodes, or on one node of each kind with that
+    node's GPUs only (`Problem.ring_bounds`)."""
     batch = problem.global_batch_size
     params = problem.model.total_parameters()
     bound = best_seconds
     n1 = 1
     while n1 <= problem.world_size:
         n2 = min(max(n1, n1 * _INTERVAL_RATIO_PERCENT // 100), problem.world_size)
-        comm = replace(UnitComm.build(problem.model, problem.comm_model, n1, uneven=False),
-                       state_share_parameters=params / n2)
         if _memory_room(problem, n2) < problem.state_bytes:
             n1 = n2 + 1  # no n2 GPUs hold the training state: nothing here fits
             continue
+        # Each way a ring of n1..n2 GPUs may run (one flat ring without a topology; with
+        # one, across nodes or on one node of a kind): its fastest ring and the GPUs it may
+        # use. A subset in the interval runs one of them.
+        cases = [(replace(UnitComm.build(problem.model, ring, n1, uneven=False),
+                          state_share_parameters=params / n2),
+                  [min(k, n2) for k in counts]) for ring, counts in problem.ring_bounds(n1)]
 
-        def reaches(threshold: float, n2: int = n2, comm: UnitComm = comm) -> bool:
+        def reaches(threshold: float, cases: list = cases) -> bool:  # type: ignore[type-arg]
             # Every GPU may idle: a class that runs nothing in time adds nothing.
-            counts = [min(len(cls.slots), n2) for cls in problem.classes]
-            return reachable_samples(problem, counts, comm, threshold, strict=False,
-                                     may_idle=True) >= batch * (1 - _BOUND_RTOL)
+            return any(reachable_samples(problem, counts, comm, threshold, strict=False,
+                                         may_idle=True) >= batch * (1 - _BOUND_RTOL)
+                       for comm, counts in cases)
 
         if reaches(bound * (1 - 1e-9)):  # this interval may beat the bound so far
             lo, hi = 0.0, bound
