@@ -92,7 +92,7 @@ def parse_progress_checked(text: str) -> dict[str, Any]:
         found = parse_progress(text)
     except (ValueError, OverflowError, TypeError, IndexError) as err:
         raise ValueError(f"not Prometheus text: {err}") from None
-    return {k: v for k, v in found.items() if k == SERVED_BY
+    return {k: v for k, v in found.items() if k in (SERVED_BY, "timing")  # timing: checked
             or ((k != "step" or 0 <= v <= MAX_STEP) and math.isfinite(v))}
 
 

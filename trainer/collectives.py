@@ -48,6 +48,9 @@ class Pending:
     stats: CollectiveStats
     finish: Callable[[], None] | None = None
     done: bool = False
+    # An emulated link (CEPHALO_LINK_BYTES_PER_SECOND): the collective is not done before
+    # this perf_counter time, however fast the real transport was.
+    not_before: float = 0.0
 
     def wait(self) -> torch.Tensor:
         if not self.done:
@@ -56,6 +59,8 @@ class Pending:
                 w.wait()
             if self.finish is not None:
                 self.finish()
+            if self.not_before > 0.0:
+                time.sleep(max(0.0, self.not_before - time.perf_counter()))
             self.stats.wait_seconds[self.kind] += time.perf_counter() - started
             self.done = True
             # The works and the copy-out reach the collective's inputs (a full unit buffer):
@@ -94,6 +99,11 @@ class UnevenCollectives:
         profiler times a single-rank step inside a rank of a larger job)."""
         self.group = group
         self.stats = CollectiveStats()
+        # Tests and emulation: every collective also crosses one serial link of this many
+        # bytes/s (a ring moves (n-1)/n of the buffer), so a slow network can be emulated
+        # on one machine; None: the transport as it is.
+        self.link_bytes_per_second: float | None = None
+        self._link_free = 0.0  # perf_counter time the emulated link is next free
         if standalone:
             self.rank, self.world_size, self.backend = 0, 1, "none"
             self.reduce_by_owner = False
@@ -129,7 +139,7 @@ class UnevenCollectives:
             self.stats.native_calls["all_gather"] += 1
             work = dist.all_gather_into_tensor(full, full[start:end].clone(), group=self.group,
                                                async_op=True)
-            return Pending([work], full, "all_gather", self.stats)
+            return self._over_link(Pending([work], full, "all_gather", self.stats))
         # Uneven (or gloo): each owner broadcasts its shard straight into its slice of the
         # full buffer. No padding: the padded [world, largest] gather would hold up to
         # world x the unit (a unit owned by one rank: 8 x on 8 GPUs) beside the full buffer,
@@ -138,7 +148,7 @@ class UnevenCollectives:
                                 async_op=True)
                  for r, (s, e) in enumerate(bounds) if e > s]
         self.stats.native_calls["all_gather"] += len(works)
-        return Pending(works, full, "all_gather", self.stats)
+        return self._over_link(Pending(works, full, "all_gather", self.stats))
 
     def reduce_scatter(self, full_grad: torch.Tensor, bounds: list[tuple[int, int]],
                        unit: int, *, consume: bool = True) -> Pending:
@@ -156,7 +166,8 @@ class UnevenCollectives:
         if self.backend == "nccl" and _even(bounds):
             self.stats.native_calls["reduce_scatter"] += 1
             work = dist.reduce_scatter_tensor(out, full_grad, group=self.group, async_op=True)
-            return Pending([work], out, "reduce_scatter", self.stats)
+            return self._over_link(Pending([work], out, "reduce_scatter", self.stats),
+                                   full_grad)
         if self.backend == "nccl" or self.reduce_by_owner:
             # Uneven: one in-place reduce per owner of its slice (no padded copy; together
             # they move what a reduce-scatter moves).
@@ -181,7 +192,8 @@ class UnevenCollectives:
                 # the finished collective, and the buffer, until it next runs.
                 full_grad.untyped_storage().resize_(0)
 
-        return Pending(works, out, "reduce_scatter", self.stats, finish=slice_out)
+        return self._over_link(Pending(works, out, "reduce_scatter", self.stats,
+                                       finish=slice_out), full_grad)
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Blocking SUM all-reduce of a small tensor (once per step: grad-norm, loss, and what
@@ -191,8 +203,23 @@ class UnevenCollectives:
             self.stats.native_calls["all_reduce"] += 1
             started = time.perf_counter()
             dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)
+            link = self._over_link(Pending([], values, "all_reduce", self.stats, done=True))
+            if link.not_before > 0.0:
+                time.sleep(max(0.0, link.not_before - time.perf_counter()))
             self.stats.wait_seconds["all_reduce"] += time.perf_counter() - started
         return values
+
+    def _over_link(self, pending: Pending, buffer: torch.Tensor | None = None) -> Pending:
+        """`pending` (of the full `buffer`, default its result) also crossing the emulated
+        link, if one is set: queued behind the collectives issued before it."""
+        if self.link_bytes_per_second is None:
+            return pending
+        full = pending.result if buffer is None else buffer
+        seconds = (self.world_size - 1) / self.world_size * full.numel() * \
+            full.element_size() / self.link_bytes_per_second
+        self._link_free = max(time.perf_counter(), self._link_free) + seconds
+        pending.not_before = self._link_free
+        return pending
 
     def _count(self, kind: str, unit: int, numel: int) -> None:
         self.stats.calls[kind] += 1

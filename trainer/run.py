@@ -69,7 +69,8 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
           memory_limit_bytes: int | None = None, collective_timeout_seconds: float = 600.0,
           stop_requested: Callable[[], bool] | None = None,
           async_checkpoints: bool = True, recompute: bool | None = None,
-          offload: bool | None = None) -> TrainOutcome:
+          offload: bool | None = None,
+          link_bytes_per_second: float | None = None) -> TrainOutcome:
     """Train `job` under `layout`, resuming from the newest intact checkpoint in
     `checkpoint_dir` (a shared folder or an fsspec URL; None or "" = no checkpoints at all);
     checkpoints every `intervalSteps` and always at the end (or at `stop_after_step`, which
@@ -82,12 +83,14 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
     `recompute`: the plan's job-wide choice (None: the engine's default, recompute).
     `offload`: this rank's plan choice for its boundary activations (None: the engine's
     default, offloaded to host on CUDA devices only). The block graph sizes the plan priced kept
-    blocks with travel in `layout` (the memory check uses this rank's)."""
+    blocks with travel in `layout` (the memory check uses this rank's).
+    `link_bytes_per_second`: emulate a network this slow (collectives.py)."""
     config = job.model.resolve()
     spec = job.training
     engine = Engine(config, spec, layout, group=group, device=device,
                     precision=job.precision, time_dilation=time_dilation,
                     recompute=True if recompute is None else recompute, offload=offload)
+    engine.comm.link_bytes_per_second = link_bytes_per_second
     if memory_limit_bytes is not None:
         _check_memory(engine, memory_limit_bytes)
     data = DataSource(config, job.data, spec.seed)
@@ -228,7 +231,8 @@ def main() -> int:
                             collective_timeout_seconds=env.timeout_seconds,
                             stop_requested=terminated.is_set,
                             recompute=env.plan.recompute,
-                            offload=env.plan.ranks[env.rank].offload_activations)
+                            offload=env.plan.ranks[env.rank].offload_activations,
+                            link_bytes_per_second=env.link_bytes_per_second)
         except MemoryLimitError as err:
             print(f"cephalo trainer (rank {env.rank}): error: {err}", file=sys.stderr,
                   flush=True)
