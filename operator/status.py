@@ -10,6 +10,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from cephalo.api.replan import MAX_TIMED_RANKS
+
 MESSAGE_TAIL_CHARS = 400
 
 class StrEnum(str, Enum):
@@ -164,7 +166,6 @@ TIMED_STEPS = "cephalo_timed_steps_total"
 TIMED_STEP_SECONDS = "cephalo_timed_step_seconds_total"
 RANK_SPLIT = {"cephalo_rank_compute_seconds_total": "computeSeconds",
               "cephalo_rank_wait_seconds_total": "waitSeconds"}
-MAX_TIMED_RANKS = 256
 
 
 def parse_progress(metrics_text: str) -> dict[str, Any]:

@@ -23,11 +23,12 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from cephalo.api.replan import MAX_TIMED_RANKS
+
 STEP_BUCKETS_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 # Rank 0 exports every rank's compute / collective-wait split (the operator's re-planning
-# reads it, docs/replanning.md) for gangs of at most this many ranks: two series per rank,
-# so the page stays far below the operator's 1 MiB scrape limit.
-MAX_TIMED_RANKS = 256
+# reads it, docs/replanning.md) for gangs of at most MAX_TIMED_RANKS ranks: two series per
+# rank, so the page stays far below the operator's 1 MiB scrape limit.
 
 
 @functools.cache

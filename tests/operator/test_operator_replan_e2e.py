@@ -51,13 +51,15 @@ SECONDS_PER_SAMPLE = {"block_forward_seconds": 2e-3, "block_backward_seconds": 4
                       "other_forward_seconds": 1e-3, "other_backward_seconds": 2e-3}
 
 
-def _job(name: str, max_gpus: int = 2, **planner: Any) -> dict[str, Any]:
+def _job(name: str, max_gpus: int = 2, steps: int = 40, enabled: bool = True,
+         **planner: Any) -> dict[str, Any]:
     return job_body(name, model=TINY, globalBatchSize=32, maxGpus=max_gpus,
-                    training={"steps": 40, "learningRate": 1e-3, "schedule": "constant",
+                    training={"steps": steps, "learningRate": 1e-3, "schedule": "constant",
                               "seed": 1},
                     data={"synthetic": {}},
                     planner={"profileMicroBatchSizes": [1, 2, 4], "chooseGpus": True,
-                             "replan": {"afterSteps": 3, "restartCostSeconds": 0.0},
+                             "replan": {"afterSteps": 3, "restartCostSeconds": 0.0,
+                                        "enabled": enabled},
                              **planner},
                     checkpoint={"claimName": f"ckpt-{name}", "intervalSteps": 1000})
 
@@ -77,7 +79,7 @@ async def cluster_fixture(emulator: ApiEmulator, tmp_path: Path
     await apply_nodes(emulator, [gpu_node("a10g-0", POOL, 2, 23028),
                                  gpu_node("cpu-0", None, 0)])
     Scheduler(emulator, run=False)
-    kubelet = ProcessKubelet(emulator, tmp_path / "kubelet", jobs={"r", "p"},
+    kubelet = ProcessKubelet(emulator, tmp_path / "kubelet", jobs={"r", "p", "o"},
                              metrics_port=free_port(), extra_env={
                                  "CEPHALO_LINK_BYTES_PER_SECOND": str(LINK_BYTES_PER_SECOND)}
                              ).start()
@@ -169,3 +171,17 @@ async def test_a_prediction_no_replan_can_fix_is_reported(
     assert cal["explained"] and cal["reasonCode"] == "GainBelowMinimum", cal
     assert cal["computeScale"]["A10G"] > 10, cal  # the compute was what was off
     assert not (status.get("elastic") or {}).get("rescales")
+
+
+async def test_a_job_that_opted_out_keeps_its_plan(
+        cluster: tuple[ApiEmulator, ProcessKubelet]) -> None:
+    api, _ = cluster
+    body = _job("o", steps=12, enabled=False, networkBandwidthGbps=100.0,
+                networkLatencyMicroseconds=0.0)
+    await apply_job(api, body)
+    await _profiled(api, "o", _profile(body))
+    status = await _finished(api, "o")
+    assert status["phase"] == "Succeeded", status.get("message")
+    assert status["plan"]["worldSize"] == 2 and not status.get("replan")
+    assert (status["progress"].get("timing") or {}).get("steps", 0) >= 3  # it had the figures
+    assert not any(r in ("Replanned", "PredictionOff") for _, r, _ in events(api, "o"))
