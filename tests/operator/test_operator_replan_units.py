@@ -41,3 +41,24 @@ def test_no_split_no_timing() -> None:
     nan = page.replace('cephalo_timed_step_seconds_total{rank="0"} 0.5',
                        'cephalo_timed_step_seconds_total{rank="0"} NaN')
     assert nan != page and "timing" not in parse_progress_checked(nan)
+
+
+def test_replan_settings_restart_no_rank() -> None:
+    """spec.planner.replan is the operator's policy, like spec.elastic: editing it leaves
+    the ranks' config hash as it was (no re-plan, no restart)."""
+    from cephalo.api import ClusterSpec, GpuGroup, parse_job
+    from cephalo.operator.render import config_hash
+    from cephalo.planner import solve
+
+    def job(**planner: object) -> object:
+        return parse_job({"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
+                          "metadata": {"name": "t", "uid": "u"},
+                          "spec": {"model": {"preset": "gpt-tiny"}, "globalBatchSize": 8,
+                                   "planner": planner}})
+
+    plain = job()
+    plan = solve(plain.spec, ClusterSpec(groups=[GpuGroup(product="A10G", count=1)]))
+    opted_out = job(replan={"enabled": False, "minGain": 0.5})
+    assert config_hash(opted_out, plan) == config_hash(plain, plan)
+    assert config_hash(job(memoryFraction=0.5, replan={"enabled": False}), plan) == \
+        config_hash(job(memoryFraction=0.5), plan) != config_hash(plain, plan)
