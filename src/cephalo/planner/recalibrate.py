@@ -40,7 +40,7 @@ MIN_COLLECTIVE_SCALE = 1e-6
 MAX_COLLECTIVE_SCALE = 1e9  # 100 Tbit/s assumed (the spec's bound) vs 0.1 Mbit/s measured
 MIN_COMPUTE_SCALE, MAX_COMPUTE_SCALE = 1e-6, 1e6
 EXPLAINED_TOLERANCE = 0.1
-_BISECTIONS = 60
+_BISECTIONS = 45  # the log-range of c halved to ~1e-12
 _FREE_BANDWIDTH = 1e18  # bytes/s: collectives priced at nothing (compute alone)
 
 
