@@ -145,7 +145,9 @@ def _finish(ctx: JobContext, state: dict[str, Any], plan: Plan, measured: Measur
         state["replans"] = int(state.get("replans") or 0) + 1
         state["lastReplan"] = state["lastCalibration"]
     ctx.record(replan=state)
-    predicted = plan.predicted_step_seconds or 0.0
+    predicted = plan.predicted_step_seconds
+    if not predicted:
+        return  # a plan without a prediction (written by hand) cannot be off
     ratio = predicted / measured.step_seconds  # measured throughput / predicted
     if verdict == "Replan" or ratio >= PREDICTION_OFF_BELOW:
         off = ("False", "Replanned" if verdict == "Replan" else "WithinBounds",
