@@ -40,7 +40,7 @@ from cephalo.api import ClusterSpec, GpuGroup, GpuProfile, parse_job
 from cephalo.planner import estimate_profile, lookup_gpu, solve
 from cephalo.planner.recalibrate import scale_profile
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.slow]  # real trainer processes
 POOL = "NVIDIA-A10G"
 LINK_BYTES_PER_SECOND = 1.25e6  # 10 Mbit/s
 TINY = {"family": "gpt", "numLayers": 2, "hiddenSize": 64, "numHeads": 4,

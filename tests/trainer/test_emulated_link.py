@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from cephalo.trainer.collectives import UnevenCollectives
@@ -36,6 +37,7 @@ def _worker(rank: int, world_size: int) -> dict[str, float]:
             "waited": sum(comm.stats.wait_seconds.values())}
 
 
+@pytest.mark.slow  # two gloo processes
 def test_collectives_cross_the_emulated_link_one_after_the_other() -> None:
     one = (NUMEL // 2) * 4 / LINK  # (n-1)/n of a 200 kB buffer at 1 MB/s: 0.1 s
     for r in spawn_ranks(_worker, 2, timeout_seconds=90):
