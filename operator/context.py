@@ -83,6 +83,10 @@ class JobContext:
         """Decide status fields without a phase or message (`flush` writes them)."""
         self._decided.update(fields)
 
+    def condition(self, type_: str, status: str, reason: str, message: str) -> None:
+        """One condition, written with this pass's status (the phase left as it is)."""
+        self._conditions[type_] = (status, reason, message)
+
     def decided(self, name: str) -> Any:
         """A status field as this pass has decided it so far, else as it read it."""
         return self._decided[name] if name in self._decided else self.status.get(name)

@@ -94,7 +94,7 @@ def parse_progress_checked(text: str) -> dict[str, Any]:
         found = parse_progress(text)
     except (ValueError, OverflowError, TypeError, IndexError) as err:
         raise ValueError(f"not Prometheus text: {err}") from None
-    return {k: v for k, v in found.items() if k == SERVED_BY
+    return {k: v for k, v in found.items() if k in (SERVED_BY, "timing")  # timing: checked
             or ((k != "step" or 0 <= v <= MAX_STEP) and math.isfinite(v))}
 
 
@@ -150,7 +150,10 @@ def final_progress(ctx: JobContext, message: str | None) -> dict[str, Any] | Non
                     "errors); keeping the last scraped progress", ctx.namespace, ctx.name,
                     err.error_count())
         return None
-    progress = {**final.to_wire(), "totalSteps": ctx.job.spec.training.steps,
+    # The last scrape's figures the final message does not carry (the per-rank timing sums
+    # re-planning reads) stay; the final message's own replace the scrape's.
+    scraped = ctx.status.get("progress") or {}
+    progress = {**scraped, **final.to_wire(), "totalSteps": ctx.job.spec.training.steps,
                 "lastUpdateTime": now_iso(ctx.now)}
     if final.samples_per_second is not None:
         metrics.MEASURED_SAMPLES.labels(ctx.namespace, ctx.name).set(final.samples_per_second)

@@ -23,7 +23,7 @@ import kopf
 
 from cephalo.api import CephaloJob, ClusterSpec, JobFileError, Plan, parse_job
 from cephalo.api.plan import PlanError, parse_plan
-from cephalo.operator import metrics, rescale
+from cephalo.operator import metrics, replan, rescale
 from cephalo.operator.config import OperatorConfig
 from cephalo.operator.context import JobContext, _replacing  # noqa: F401 (tests use it)
 from cephalo.operator.discovery import (
@@ -223,6 +223,10 @@ async def _step(ctx: JobContext) -> None:
         # now; train() drains them (SIGTERM: a checkpoint at the next step boundary) and
         # starts the new plan's, which resume from that checkpoint.
         plan = await _adopt(ctx, grown.plan, grown.pools, grown.storage)
+    elif (better := await replan.consider(ctx, nodes, plan)) is not None:
+        # spec.planner.replan: the measured steps recalibrated the model, and its plan on
+        # the same GPUs pays for a restart: adopted the same way as a rescale.
+        plan = await _adopt(ctx, better.plan, better.pools, better.storage)
     await ensure_pod_group(ctx, plan)  # Volcano/coscheduling: the PodGroup before its pods
     await ensure_network_policy(ctx)  # opt-in: only the job's own ranks reach its ranks
     await train(ctx, plan)

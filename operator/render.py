@@ -130,6 +130,10 @@ def config_identity(job: CephaloJob, plan: Plan) -> dict[str, Any]:
     for volatile in ("suspend", "backoffLimit", "ttlSecondsAfterFinished",
                      "activeDeadlineSeconds", "elastic"):
         spec.pop(volatile, None)
+    planner = spec.get("planner") or {}
+    planner.pop("replan", None)  # when to re-plan from measurements: a policy too
+    if not planner:
+        spec.pop("planner", None)
     return {"spec": spec, "plan": plan.model_dump(exclude_defaults=True, mode="json")}
 
 

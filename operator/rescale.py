@@ -27,7 +27,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from cephalo.api import Plan
+from cephalo.api import ClusterSpec, GpuProfile, Plan
 from cephalo.operator import metrics
 from cephalo.operator.discovery import NoGpusError, Pool, job_tolerations, select_cluster
 from cephalo.operator.elastic import (
@@ -172,14 +172,20 @@ async def _decide(ctx: JobContext, plan: Plan, offer: dict[str, int], cluster: A
     _record(ctx, elastic, decision, figures)
     if decision.verdict != "Rescale":
         return None
+    begin(ctx, plan, step)
+    log.info("%s/%s: rescaling: %s", ctx.namespace, ctx.name, decision.reason)
+    return Growth(candidate, pools, storage)
+
+
+def begin(ctx: JobContext, plan: Plan, step: int) -> None:
+    """A rescale of `plan` from `step` starts now (also a re-plan from measurements): counted
+    in status.elastic and the rescale metric; measure_restart ends it."""
     elastic = dict(ctx.decided("elastic") or {})
     elastic.update(rescales=int(elastic.get("rescales") or 0) + 1,
                    lastRescaleTime=now_iso(ctx.now), rescaleStartedTime=now_iso(ctx.now),
                    rescaleFromStep=step, rescaleFromGpus=plan_pools(plan))
     ctx.record(elastic=elastic)
     ctx.after_write(lambda: _count(metrics.RESCALES, ctx))
-    log.info("%s/%s: rescaling: %s", ctx.namespace, ctx.name, decision.reason)
-    return Growth(candidate, pools, storage)
 
 
 def _gpus(offer: dict[str, int]) -> str:
@@ -281,17 +287,27 @@ async def roll_back(ctx: JobContext, nodes: list[dict[str, Any]], plan: Plan) ->
     return Growth(back[0], back[1], checkpoint_target(ctx.job, back[0].world_size))
 
 
-async def _plan_on(ctx: JobContext, nodes: list[dict[str, Any]],
-                   gpus: dict[str, int]) -> tuple[Plan, list[Pool]] | None:
-    """The job planned on at most `gpus` per pool of what it can use now, from cached
-    profiles (the plan it had, when those GPUs are still there); None when that fails."""
+@dataclass(frozen=True)
+class Held:
+    """The GPUs a job holds (at most `gpus` per pool of what it can use now) as planner
+    inputs, with their cached profiles."""
+
+    cluster: ClusterSpec
+    pools: list[Pool]
+    profiles: dict[str, GpuProfile]
+
+
+async def held_inputs(ctx: JobContext, nodes: list[dict[str, Any]], gpus: dict[str, int],
+                      why: str) -> Held | None:
+    """`gpus` per pool as the job can use them now, with cached profiles; None (logged:
+    "no `why` yet") when they are not there or not all profiled."""
     spec = ctx.job.spec
     discovery = await free_pools(ctx.kube, (ctx.namespace, ctx.name), ctx.uid, nodes,
                                  job_tolerations(spec), fresh=True)  # a new plan: see consider
     try:
         cluster, pools = select_cluster(capped_spec(spec), discovery, nodes)
     except NoGpusError as err:
-        log.info("%s/%s: no rollback yet: %s", ctx.namespace, ctx.name, err)
+        log.info("%s/%s: no %s yet: %s", ctx.namespace, ctx.name, why, err)
         return None
     groups = [g.model_copy(update={"count": min(g.count, gpus.get(g.pool or g.product, 0))})
               for g in cluster.groups]
@@ -300,16 +316,25 @@ async def _plan_on(ctx: JobContext, nodes: list[dict[str, Any]],
     pools = [p for p in pools if p.product in kept]
     profiles, missing = await cached_profiles(ctx, pools)
     if not groups or missing:
-        log.info("%s/%s: no rollback yet: none of %s usable with a cached profile",
-                 ctx.namespace, ctx.name, _gpus(gpus))
+        log.info("%s/%s: no %s yet: none of %s usable with a cached profile",
+                 ctx.namespace, ctx.name, why, _gpus(gpus))
+        return None
+    return Held(cluster.model_copy(update={"groups": groups}), pools, profiles)
+
+
+async def _plan_on(ctx: JobContext, nodes: list[dict[str, Any]],
+                   gpus: dict[str, int]) -> tuple[Plan, list[Pool]] | None:
+    """The job planned on at most `gpus` per pool of what it can use now, from cached
+    profiles (the plan it had, when those GPUs are still there); None when that fails."""
+    held = await held_inputs(ctx, nodes, gpus, "rollback")
+    if held is None:
         return None
     try:
-        plan = await plan_for(ctx.config, spec, cluster.model_copy(update={"groups": groups}),
-                              profiles)
+        plan = await plan_for(ctx.config, ctx.job.spec, held.cluster, held.profiles)
     except PlanningFailed as err:
         log.info("%s/%s: no rollback yet: %s", ctx.namespace, ctx.name, err)
         return None
-    return plan, pools
+    return plan, held.pools
 
 
 def rescaling(ctx: JobContext) -> bool:
@@ -321,5 +346,5 @@ async def _count(counter: Any, ctx: JobContext) -> None:
     counter.labels(ctx.namespace, ctx.name).inc()
 
 
-__all__ = ["Growth", "consider", "measure_restart", "note_launch", "plan_pools", "rescaling",
-           "roll_back"]
+__all__ = ["Growth", "Held", "begin", "consider", "held_inputs", "measure_restart",
+           "note_launch", "plan_pools", "rescaling", "roll_back"]

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import datetime
+import math
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from cephalo.api.replan import MAX_TIMED_RANKS
 
 MESSAGE_TAIL_CHARS = 400
 
@@ -158,16 +161,52 @@ TRAINER_INFO = "cephalo_trainer_info"
 SERVED_BY = "servedBy"  # parse_progress's key for that uid (not a status field)
 
 
+# Rank 0's timing sums (cephalo.trainer.metrics.TrainerMetrics.time_ranks).
+TIMED_STEPS = "cephalo_timed_steps_total"
+TIMED_STEP_SECONDS = "cephalo_timed_step_seconds_total"
+RANK_SPLIT = {"cephalo_rank_compute_seconds_total": "computeSeconds",
+              "cephalo_rank_wait_seconds_total": "waitSeconds"}
+
+
 def parse_progress(metrics_text: str) -> dict[str, Any]:
     """Prometheus text from rank 0 → status.progress fields (missing metrics are left out),
-    plus SERVED_BY: the uid of the pod the page names, when it names one."""
+    plus SERVED_BY: the uid of the pod the page names, when it names one. `timing`: the
+    means over the timed steps (step time, each rank's compute and waiting), when the page
+    has every rank's split."""
     found: dict[str, Any] = {}
+    sums: dict[str, float] = {}
+    split: dict[str, dict[int, float]] = {k: {} for k in RANK_SPLIT.values()}
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
             if sample.name == TRAINER_INFO and sample.labels.get("pod_uid"):
                 found[SERVED_BY] = sample.labels["pod_uid"]
+            if sample.name in (TIMED_STEPS, TIMED_STEP_SECONDS):
+                sums[sample.name] = float(sample.value)
+            kind = RANK_SPLIT.get(sample.name)
+            of_rank = sample.labels.get("of_rank", "")
+            if kind is not None and of_rank.isdigit() and int(of_rank) < MAX_TIMED_RANKS:
+                split[kind][int(of_rank)] = float(sample.value)
             field = TRAINER_METRICS.get(sample.name)
             if field is not None:
                 value = sample.value
                 found[field] = int(value) if field == "step" else float(value)
+    timing = _timing(sums, split)
+    if timing is not None:
+        found["timing"] = timing
     return found
+
+
+def _timing(sums: dict[str, float], split: dict[str, dict[int, float]]) -> dict[str, Any] | None:
+    """Means per timed step; None without timed steps or with a rank missing or not finite."""
+    steps = sums.get(TIMED_STEPS, 0.0)
+    compute, wait = split["computeSeconds"], split["waitSeconds"]
+    world = len(compute)
+    if not 1 <= steps < 2**53 or TIMED_STEP_SECONDS not in sums or world == 0 or \
+            set(compute) != set(range(world)) or set(wait) != set(compute):
+        return None
+    values = [sums[TIMED_STEP_SECONDS], *compute.values(), *wait.values()]
+    if not all(math.isfinite(v) and v >= 0 for v in values):
+        return None
+    return {"steps": int(steps), "stepSeconds": sums[TIMED_STEP_SECONDS] / steps,
+            "computeSeconds": [compute[r] / steps for r in range(world)],
+            "waitSeconds": [wait[r] / steps for r in range(world)]}

@@ -48,6 +48,9 @@ class Pending:
     stats: CollectiveStats
     finish: Callable[[], None] | None = None
     done: bool = False
+    # An emulated link (CEPHALO_LINK_BYTES_PER_SECOND): the collective is not done before
+    # this perf_counter time, however fast the real transport was.
+    not_before: float = 0.0
 
     def wait(self) -> torch.Tensor:
         if not self.done:
@@ -56,6 +59,8 @@ class Pending:
                 w.wait()
             if self.finish is not None:
                 self.finish()
+            if self.not_before > 0.0:
+                time.sleep(max(0.0, self.not_before - time.perf_counter()))
             self.stats.wait_seconds[self.kind] += time.perf_counter() - started
             self.done = True
             # The works and the copy-out reach the collective's inputs (a full unit buffer):
@@ -98,6 +103,11 @@ class UnevenCollectives:
         profiler times a single-rank step inside a rank of a larger job)."""
         self.group = group
         self.stats = CollectiveStats()
+        # Tests and emulation: every collective also crosses one serial link of this many
+        # bytes/s (a ring moves (n-1)/n of the buffer), so a slow network can be emulated
+        # on one machine; None: the transport as it is.
+        self.link_bytes_per_second: float | None = None
+        self._link_free = 0.0  # perf_counter time the emulated link is next free
         if standalone:
             self.rank, self.world_size, self.backend = 0, 1, "none"
             self.reduce_by_owner = False
@@ -134,7 +144,8 @@ class UnevenCollectives:
         if self.world_size == 1:
             full.copy_(shard)
             return Pending([], full, "all_gather", self.stats, done=True)
-        return Pending(self._gather_into(full, shard, bounds), full, "all_gather", self.stats)
+        return self._over_link(Pending(self._gather_into(full, shard, bounds), full,
+                                       "all_gather", self.stats))
 
     def _gather_into(self, full: torch.Tensor, shard: torch.Tensor,
                      bounds: list[tuple[int, int]]) -> list:
@@ -163,8 +174,8 @@ class UnevenCollectives:
         numel = bounds[-1][1]
         self._count("all_gather", unit, numel, wire_dtype)
         wire = torch.empty(numel, dtype=wire_dtype, device=shard.device)
-        pending = Pending(self._gather_into(wire, shard, bounds), wire, "all_gather",
-                          self.stats)
+        pending = self._over_link(Pending(self._gather_into(wire, shard, bounds), wire,
+                                          "all_gather", self.stats))
 
         def widen() -> None:
             pending.result = wire.to(out_dtype)
@@ -208,8 +219,8 @@ class UnevenCollectives:
             def widen() -> None:
                 out.copy_(shard)
 
-            return Pending([work], out, "reduce_scatter", self.stats,
-                           finish=widen if narrow else None)
+            return self._over_link(Pending([work], out, "reduce_scatter", self.stats,
+                                           finish=widen if narrow else None), buf)
         if self.backend == "nccl" or self.reduce_by_owner:
             # Uneven: one in-place reduce per owner of its slice (no padded copy; together
             # they move what a reduce-scatter moves).
@@ -234,7 +245,8 @@ class UnevenCollectives:
                 # the finished collective, and the buffer, until it next runs.
                 buf.untyped_storage().resize_(0)
 
-        return Pending(works, out, "reduce_scatter", self.stats, finish=slice_out)
+        return self._over_link(Pending(works, out, "reduce_scatter", self.stats,
+                                       finish=slice_out), buf)
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Blocking SUM all-reduce of a small tensor (once per step: grad-norm, loss, and what
@@ -244,8 +256,23 @@ class UnevenCollectives:
             self.stats.native_calls["all_reduce"] += 1
             started = time.perf_counter()
             dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)
+            link = self._over_link(Pending([], values, "all_reduce", self.stats, done=True))
+            if link.not_before > 0.0:
+                time.sleep(max(0.0, link.not_before - time.perf_counter()))
             self.stats.wait_seconds["all_reduce"] += time.perf_counter() - started
         return values
+
+    def _over_link(self, pending: Pending, buffer: torch.Tensor | None = None) -> Pending:
+        """`pending` (of the full `buffer`, default its result) also crossing the emulated
+        link, if one is set: queued behind the collectives issued before it."""
+        if self.link_bytes_per_second is None:
+            return pending
+        full = pending.result if buffer is None else buffer
+        seconds = (self.world_size - 1) / self.world_size * full.numel() * \
+            full.element_size() / self.link_bytes_per_second
+        self._link_free = max(time.perf_counter(), self._link_free) + seconds
+        pending.not_before = self._link_free
+        return pending
 
     def _count(self, kind: str, unit: int, numel: int, dtype: torch.dtype) -> None:
         self.stats.calls[kind] += 1

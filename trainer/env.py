@@ -47,6 +47,8 @@ class TrainerEnv:
     metrics_address: str = ""  # CEPHALO_METRICS_ADDRESS: /metrics listens here ("": all)
     # CEPHALO_TERMINATION_LOG: rank 0 leaves its final progress there when it completes
     termination_log: str | None = None
+    # CEPHALO_LINK_BYTES_PER_SECOND: an emulated slow network (collectives.py)
+    link_bytes_per_second: float | None = None
 
     @property
     def layout(self) -> Layout:
@@ -139,7 +141,8 @@ def read_env(env: Mapping[str, str] | None = None) -> TrainerEnv:
         metrics_file=_metrics_file(raw.metrics_file, checkpoint_dir),
         timeout_seconds=raw.collective_timeout_seconds or DEFAULT_COLLECTIVE_TIMEOUT_SECONDS,
         stop_after_step=raw.stop_after_step, pod_uid=raw.pod_uid,
-        metrics_address=raw.metrics_address or "", termination_log=raw.termination_log)
+        metrics_address=raw.metrics_address or "", termination_log=raw.termination_log,
+        link_bytes_per_second=raw.link_bytes_per_second)
 
 
 def _check_kept_blocks(plan: Plan, job: CephaloJobSpec) -> None:

@@ -25,9 +25,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from cephalo.api.replan import MAX_TIMED_RANKS
 from cephalo.api.status import FinalProgress
 
 STEP_BUCKETS_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+# Rank 0 exports every rank's compute / collective-wait split (the operator's re-planning
+# reads it, docs/replanning.md) for gangs of at most MAX_TIMED_RANKS ranks: two series per
+# rank, so the page stays far below the operator's 1 MiB scrape limit.
 
 
 @functools.cache
@@ -92,6 +96,22 @@ class TrainerMetrics:
             "cephalo_collective_wait_seconds", "Seconds compute waited on collectives",
             ["rank", "op"], registry=r)
         self.labels = labels
+        # Rank 0: sums over the logged steps of this process but its first (start-up), of
+        # the step time and of every rank's compute and waiting; means are sum / steps.
+        self.timed_steps = self.timed_step_seconds = None
+        self.rank_compute = self.rank_wait = None
+        if rank == 0:
+            self.timed_steps = Counter("cephalo_timed_steps", "Steps in the timing sums",
+                                       ["rank"], registry=r)
+            self.timed_step_seconds = Counter(
+                "cephalo_timed_step_seconds", "Step wall time, summed over the timed steps",
+                ["rank"], registry=r)
+            self.rank_compute = Counter(
+                "cephalo_rank_compute_seconds", "Each rank's compute over the timed steps "
+                "(up to the end-of-step all-reduce)", ["rank", "of_rank"], registry=r)
+            self.rank_wait = Counter(
+                "cephalo_rank_wait_seconds", "Each rank's waiting on collectives over the "
+                "timed steps", ["rank", "of_rank"], registry=r)
         if pod_uid:  # whose page this is: the operator checks it against the pod it scrapes
             Gauge("cephalo_trainer_info", "The pod serving this page (always 1)",
                   ["rank", "pod_uid"], registry=r).labels(**labels, pod_uid=pod_uid).set(1)
@@ -106,6 +126,22 @@ class TrainerMetrics:
                       f"{address + ':' if address else ''}{port}: {err}; "
                       f"serving no metrics", file=sys.stderr, flush=True)
                 self.port = 0
+
+    def time_ranks(self, step_seconds: float, compute_seconds: list[float],
+                   wait_seconds: list[float]) -> None:
+        """Add one step to rank 0's timing sums (every rank's split; none past
+        MAX_TIMED_RANKS ranks)."""
+        if self.timed_steps is None or not compute_seconds or \
+                len(compute_seconds) > MAX_TIMED_RANKS:
+            return
+        assert self.timed_step_seconds is not None and self.rank_compute is not None
+        assert self.rank_wait is not None
+        lb = self.labels
+        self.timed_steps.labels(**lb).inc()
+        self.timed_step_seconds.labels(**lb).inc(max(0.0, step_seconds))
+        for r, (compute, wait) in enumerate(zip(compute_seconds, wait_seconds, strict=True)):
+            self.rank_compute.labels(rank=lb["rank"], of_rank=str(r)).inc(max(0.0, compute))
+            self.rank_wait.labels(rank=lb["rank"], of_rank=str(r)).inc(max(0.0, wait))
 
     def observe(self, *, step: int, loss: float, step_seconds: float, samples_per_second: float,
                 tokens_per_second: float, tflops: float, wait_seconds_by_op: dict[str, float],

@@ -72,7 +72,8 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
           stop_requested: Callable[[], bool] | None = None,
           async_checkpoints: bool = True, recompute: bool | None = None,
           offload: bool | None = None,
-          tensorboard: TensorBoardLog | None = None) -> TrainOutcome:
+          tensorboard: TensorBoardLog | None = None,
+          link_bytes_per_second: float | None = None) -> TrainOutcome:
     """Train `job` under `layout`, resuming from the newest intact checkpoint in
     `checkpoint_dir` (a shared folder or an fsspec URL; None or "" = no checkpoints at all);
     checkpoints every `intervalSteps` and always at the end (or at `stop_after_step`, which
@@ -86,7 +87,8 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
     `offload`: this rank's plan choice for its boundary activations (None: the engine's
     default, offloaded to host on CUDA devices only). The block graph sizes the plan priced kept
     blocks with travel in `layout` (the memory check uses this rank's). `tensorboard`: rank
-    0's event files (spec.tracking.tensorboard), written as steps are logged."""
+    0's event files (spec.tracking.tensorboard), written as steps are logged.
+    `link_bytes_per_second`: emulate a network this slow (collectives.py)."""
     config = job.model.resolve()
     spec = job.training
     engine = Engine(config, spec, layout, group=group, device=device,
@@ -94,6 +96,7 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
                     reduce_precision=job.reduce_precision,
                     time_dilation=time_dilation,
                     recompute=True if recompute is None else recompute, offload=offload)
+    engine.comm.link_bytes_per_second = link_bytes_per_second
     if memory_limit_bytes is not None:
         _check_memory(engine, memory_limit_bytes)
     data = DataSource(config, job.data, spec.seed)
@@ -243,7 +246,8 @@ def main() -> int:
                             stop_requested=terminated.is_set,
                             recompute=env.plan.recompute,
                             offload=env.plan.ranks[env.rank].offload_activations,
-                            tensorboard=tensorboard)
+                            tensorboard=tensorboard,
+                            link_bytes_per_second=env.link_bytes_per_second)
         except MemoryLimitError as err:
             print(f"cephalo trainer (rank {env.rank}): error: {err}", file=sys.stderr,
                   flush=True)

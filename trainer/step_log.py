@@ -100,6 +100,7 @@ class StepLogger:
         self.local_rank = local_rank
         self.verbose = verbose and rank == 0
         self._waits = WaitDelta(wait_seconds) if wait_seconds is not None else None
+        self._started = False  # this process's first logged step is start-up: not timed
 
     def due(self, step: int, *, final: bool = False) -> bool:
         """Whether step `step` is logged: every `interval_steps`, and the run's last one."""
@@ -134,6 +135,10 @@ class StepLogger:
                              wait_seconds_by_op=waits, local_rank=self.local_rank,
                              validation_loss=validation_loss, loss_scale=result.loss_scale,
                              skipped=result.skipped)
+        if self._started:
+            self.metrics.time_ranks(result.step_seconds, result.rank_compute_seconds,
+                                    result.rank_wait_seconds)
+        self._started = True
 
     def line(self, result: StepResult, rate: Throughput,
              validation_loss: float | None = None) -> str:

@@ -68,6 +68,7 @@ class ProcessKubelet:
     # port. Otherwise rank 0 alone (on metrics_port), for the operator.
     every_rank_metrics: bool = False
     served: dict[str, int] = field(default_factory=dict)
+    extra_env: dict[str, str] = field(default_factory=dict)  # e.g. an emulated slow link
     containers: dict[str, Container] = field(default_factory=dict)  # by pod uid
     exits: list[tuple[str, int]] = field(default_factory=list)  # (pod name, exit code)
     _ports: dict[tuple[str, str, str], int] = field(default_factory=dict)
@@ -179,7 +180,7 @@ class ProcessKubelet:
         progress = self.folder / "metrics" / labels[JOB] / f"metrics-{gang[1]}-{gang[2]}.jsonl"
         progress.parent.mkdir(parents=True, exist_ok=True)
         env["CEPHALO_METRICS_FILE"] = str(progress)
-        return env
+        return {**env, **self.extra_env}
 
     async def _run(self, c: Container, pod: dict[str, Any]) -> None:
         (container,) = pod["spec"]["containers"]

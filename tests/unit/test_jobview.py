@@ -101,3 +101,19 @@ def test_cephalo_status_counts_rolled_back_rescales() -> None:
                      "(1 rolled back: not admitted), restart assumed 120 s")
     assert second.startswith("  2026-12-02T11:59:00Z not rescaled (NotAdmitted); could use "
                              "NVIDIA-A10G x8: the 8-GPU gang was not scheduled")
+
+
+def test_cephalo_status_shows_the_last_calibration() -> None:
+    from cephalo.commands.jobview import job_details, replan_lines
+
+    assert replan_lines(job_from(_job(phase="Running"))) == []  # nothing calibrated yet
+    body = _job(phase="Running", replan={"replans": 1, "lastCalibration": {
+        "time": "2026-12-02T11:59:00Z", "step": 4, "measuredStepSeconds": 0.447,
+        "predictedStepSeconds": 0.176, "verdict": "Replan", "reasonCode": "Replanned",
+        "reason": "2 -> 1 GPUs"}})
+    lines = replan_lines(job_from(body))
+    assert lines == [
+        "Re-plan:     on (minGain 10%, after 5 timed steps); 1 re-plan(s)",
+        "  2026-12-02T11:59:00Z step 4: measured 0.447 s/step, predicted 0.176; re-planned: "
+        "2 -> 1 GPUs"]
+    assert lines[0] in job_details(job_from(body), None, [], NOW).splitlines()

@@ -226,3 +226,17 @@ def test_a_narrowed_cluster_survives_the_planning_workers_validation() -> None:
     assert ClusterSpec.model_validate(narrowed.model_dump(mode="json")).nodes == nodes
     with pytest.raises(ValueError, match="nodes must hold every GPU of each group"):
         ClusterSpec(groups=[GpuGroup(product="A10G", count=9)], nodes=nodes)
+
+
+def test_a_flat_latency_of_zero_is_a_figure_not_a_missing_one() -> None:
+    """networkLatencyMicroseconds: 0 means no latency, not the 50 us default (a regression:
+    `0 or default` took the default, and a re-planned job's calibration then fit the
+    collectives to 50 us x c instead of the bandwidth)."""
+    groups = [GpuGroup(product="A10G", count=4)]
+    spec = parse_job({"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
+                      "metadata": {"name": "t"}, "spec": {
+                          "model": {"preset": "gpt-small"}, "globalBatchSize": 64,
+                          "planner": {"networkBandwidthGbps": 100.0,
+                                      "networkLatencyMicroseconds": 0.0}}}).spec
+    plan = solve(spec, ClusterSpec(groups=groups))
+    assert plan.assumptions["network_latency_seconds"] == 0.0

@@ -45,7 +45,7 @@ def test_every_field_round_trips_through_the_reader() -> None:
         time_dilation=2.5, memory_limit_bytes=10**9, collective_timeout_seconds=90.0,
         stop_after_step=5, data_cache="/cache/tokens", tokenize_workers=4, ranks_per_pod=2,
         pod_uid="0b4e-uid", metrics_address="127.0.0.1",
-        termination_log="/dev/termination-log")
+        termination_log="/dev/termination-log", link_bytes_per_second=1.25e6)
     environ = to_environ(full)
     assert set(environ) == names.ALL_NAMES and all(isinstance(v, str) for v in environ.values())
     assert read_env(environ) == full
@@ -113,6 +113,8 @@ def test_local_ranks_pass_the_trainers_own_checks(tmp_path: Path) -> None:
     ({"CEPHALO_SHARD_RATIO": "half"}, "CEPHALO_SHARD_RATIO='half' is not a number"),
     ({"CEPHALO_SHARD_RATIO": "nan"}, "CEPHALO_SHARD_RATIO=nan must be in [0, 1]"),
     ({"CEPHALO_TIME_DILATION": "inf"}, "CEPHALO_TIME_DILATION=inf must be >= 1"),
+    ({"CEPHALO_LINK_BYTES_PER_SECOND": "0"},
+     "CEPHALO_LINK_BYTES_PER_SECOND=0.0 must be a bandwidth"),
     ({"CEPHALO_COLLECTIVE_TIMEOUT_SECONDS": "nan"}, "must be a number of seconds > 0"),
     ({"CEPHALO_NUM_THREADS": "-2"}, "CEPHALO_NUM_THREADS=-2 must be >= 0"),
     ({"CEPHALO_BATCH_SIZE": "3.5"}, "CEPHALO_BATCH_SIZE='3.5' is not an integer"),

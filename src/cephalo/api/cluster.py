@@ -60,6 +60,9 @@ class ClusterSpec(BaseModel):
     # Who described the nodes' links (the plan's assumptions name it), e.g. the operator's
     # node labels.
     network_source: str | None = None
+    # A running job's recalibration (cephalo.planner.recalibrate): every collective of the
+    # declared network (flat or topology) takes this many times as long as described.
+    collective_scale: float = Field(default=1.0, gt=0)
 
     @model_validator(mode="after")
     def _nodes_hold_the_groups(self) -> ClusterSpec:

@@ -8,6 +8,7 @@ from pydantic import ConfigDict, Field, model_validator
 from pydantic.config import JsonValue
 
 from cephalo.api.network import NetworkSpec
+from cephalo.api.replan import ReplanSpec
 from cephalo.api.wire import CamelModel
 
 # The rule of PlannerSpec that pydantic checks in `_floor_needs_cost`, as CEL for the API
@@ -79,6 +80,10 @@ class PlannerSpec(CamelModel):
     deadline_seconds: float | None = Field(default=None, gt=0, le=1e9, description=(
         "objective cost: the plan must predict finishing the training steps (those left, "
         "on a resume) within this many seconds."))
+
+    replan: ReplanSpec = Field(default_factory=ReplanSpec, description=(
+        "Re-plan a running job on the GPUs it holds once its measured steps show the cost "
+        "model was off (docs/replanning.md); enabled: false opts out."))
 
     @model_validator(mode="after")
     def _floor_needs_cost(self) -> PlannerSpec:

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field
 
 from cephalo.api.elastic import ElasticStatus
+from cephalo.api.replan import ReplanStatus, StepTiming
 from cephalo.api.wire import CamelModel, StatusModel
 
 Phase = Literal["Pending", "Profiling", "Planning", "Running", "Restarting", "Suspended",
@@ -48,6 +49,9 @@ class Progress(StatusModel):
         "(spec.training.evalIntervalSteps)."))
     samples_per_second: float | None = Field(default=None,
                                              description="Measured training throughput.")
+    timing: StepTiming | None = Field(default=None, description=(
+        "Means over the gang's timed steps: step time and every rank's compute / waiting "
+        "split (what re-planning calibrates from)."))
     last_update_time: str | None = None
 
 
@@ -86,5 +90,7 @@ class CephaloJobStatus(StatusModel):
         "missing after that vanished, one missing before it is still to be created."))
     elastic: ElasticStatus | None = Field(default=None, description=(
         "Elastic scaling (spec.elastic): rescales and the last decision."))
+    replan: ReplanStatus | None = Field(default=None, description=(
+        "Re-planning from measurements (spec.planner.replan): the last calibration."))
     start_time: str | None = None
     completion_time: str | None = None

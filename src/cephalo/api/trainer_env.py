@@ -42,6 +42,9 @@ RESTART_ATTEMPT = "CEPHALO_RESTART_ATTEMPT"  # the operator's gang-restart count
 METRICS_FILE = "CEPHALO_METRICS_FILE"  # rank 0's JSON-lines progress file (local runs)
 NUM_THREADS = "CEPHALO_NUM_THREADS"  # torch intra-op threads (local ranks share the CPU)
 TIME_DILATION = "CEPHALO_TIME_DILATION"  # emulate a device this much slower (>= 1)
+# Emulate a slow network (tests, docs/replanning.md): every collective also crosses one
+# serial link of this many bytes/s.
+LINK_BYTES_PER_SECOND = "CEPHALO_LINK_BYTES_PER_SECOND"
 MEMORY_LIMIT_BYTES = "CEPHALO_MEMORY_LIMIT_BYTES"  # emulated device capacity
 COLLECTIVE_TIMEOUT_SECONDS = "CEPHALO_COLLECTIVE_TIMEOUT_SECONDS"
 STOP_AFTER_STEP = "CEPHALO_STOP_AFTER_STEP"  # leave after this step (tests, --stop-after)
@@ -105,6 +108,7 @@ class TrainerVars:
     pod_uid: str | None = None
     metrics_address: str | None = None
     termination_log: str | None = None
+    link_bytes_per_second: float | None = None
 
 
 # field name -> variable name, in writing order.
@@ -122,6 +126,7 @@ NAMES: dict[str, str] = {
     "tokenize_workers": TOKENIZE_WORKERS, "ranks_per_pod": RANKS_PER_POD,
     "pod_uid": POD_UID, "metrics_address": METRICS_ADDRESS,
     "termination_log": TERMINATION_LOG,
+    "link_bytes_per_second": LINK_BYTES_PER_SECOND,
 }
 assert list(NAMES) == [f.name for f in fields(TrainerVars)], "NAMES must follow TrainerVars"
 ALL_NAMES = frozenset(NAMES.values())
@@ -203,6 +208,9 @@ def _check_ranges(v: TrainerVars) -> None:
                            (" (0 disables metrics)" if name == METRICS_PORT else ""))
     if v.time_dilation is not None and not 1.0 <= v.time_dilation < math.inf:
         raise EnvError(f"{TIME_DILATION}={v.time_dilation} must be >= 1 (1 = real speed)")
+    link = v.link_bytes_per_second
+    if link is not None and not 0 < link < math.inf:
+        raise EnvError(f"{LINK_BYTES_PER_SECOND}={link} must be a bandwidth in bytes/s > 0")
     if v.shard_ratio is not None and not 0.0 <= v.shard_ratio <= 1.0:
         raise EnvError(f"{SHARD_RATIO}={v.shard_ratio} must be in [0, 1]")
     timeout = v.collective_timeout_seconds

@@ -103,6 +103,7 @@ def job_details(job: Job, plan: Plan | None, events: Sequence[dict[str, Any]],
     if job.unseen:
         lines.append(UNSEEN)
     lines += elastic_lines(job)
+    lines += replan_lines(job)
     if job.spec_error:
         lines.append(f"Invalid spec: {job.spec_error}")
     if job.phase == "Failed":
@@ -155,6 +156,22 @@ def elastic_lines(job: Job) -> list[str]:
         verdict = "rescaled" if d.verdict == "Rescale" else f"not rescaled ({d.reason_code})"
         lines.append(f"  {d.time or ''} {verdict}; could use {free}: {d.reason}")
     return lines
+
+
+def replan_lines(job: Job) -> list[str]:
+    """spec.planner.replan and the last calibration (docs/replanning.md): what was measured
+    against what was predicted, and what became of it; nothing before any calibration."""
+    status = job.status.replan
+    c = status.last_calibration if status else None
+    if c is None:
+        return []
+    spec = job.spec.planner.replan if job.spec else None
+    setting = "off" if spec is not None and not spec.enabled else "on" if spec is None else \
+        f"on (minGain {spec.min_gain:.0%}, after {spec.after_steps} timed steps)"
+    verdict = "re-planned" if c.verdict == "Replan" else f"kept ({c.reason_code})"
+    return [f"Re-plan:     {setting}; {(status.replans if status else None) or 0} re-plan(s)",
+            f"  {c.time or ''} step {c.step}: measured {_num(c.measured_step_seconds, '.3g')} "
+            f"s/step, predicted {_num(c.predicted_step_seconds, '.3g')}; {verdict}: {c.reason}"]
 
 
 def eta_seconds(job: Job) -> float | None:

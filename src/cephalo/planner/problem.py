@@ -214,10 +214,16 @@ def _probed_collectives(profiles: Mapping[str, GpuProfile]) -> CollectiveProfile
 
 def _network(spec: CephaloJobSpec, cluster: ClusterSpec,
              profiles: Mapping[str, GpuProfile]) -> Network:
-    """Measured collectives win over a flat ring the cluster declares (a local run's bus),
-    which wins over the job's flat planner.networkBandwidthGbps; without any of them the
-    topology (topology.py): the cluster's nodes and links, the job's planner.network, the
-    documented defaults."""
+    """`network_of`, slowed by the cluster's calibrated collective_scale."""
+    return network_of(spec, cluster, profiles).scaled(cluster.collective_scale)
+
+
+def network_of(spec: CephaloJobSpec, cluster: ClusterSpec,
+               profiles: Mapping[str, GpuProfile]) -> Network:
+    """The network as described, before any calibration. Measured collectives win over a
+    flat ring the cluster declares (a local run's bus), which wins over the job's flat
+    planner.networkBandwidthGbps; without any of them the topology (topology.py): the
+    cluster's nodes and links, the job's planner.network, the documented defaults."""
     measured = [p.collectives for p in profiles.values() if p.collectives is not None]
     if measured:
         slowest = min(measured, key=lambda c: c.bandwidth_bytes_per_second)
@@ -245,7 +251,9 @@ def _network(spec: CephaloJobSpec, cluster: ClusterSpec,
         (planner.network_bandwidth_gbps or FLAT_GBPS) * 1e9 / 8)
     latency = cluster.network_latency_seconds
     if latency is None:
-        latency = (planner.network_latency_microseconds or FLAT_LATENCY_MICROSECONDS) * 1e-6
+        # (a latency of 0 is a figure, not a missing one)
+        given = planner.network_latency_microseconds
+        latency = (FLAT_LATENCY_MICROSECONDS if given is None else given) * 1e-6
     return Network(CommModel(bandwidth, latency), None, None, source, f"a flat ring ({why})")
 
 

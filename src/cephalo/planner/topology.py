@@ -115,6 +115,27 @@ class Network:
     source: str  # measured, job spec, the cluster's describer (flat rings: the only one)
     flat_reason: str = ""  # what gave a flat ring its figures
 
+    def scaled(self, c: float) -> Network:
+        """Every link c times slower (bandwidth / c, latency x c): a running job's
+        calibration of a declared network (ClusterSpec.collective_scale)."""
+        if c == 1.0:
+            return self
+        base = replace(self.base, bandwidth_bytes_per_second=self.base.bandwidth_bytes_per_second
+                       / c, latency_seconds=self.base.latency_seconds * c)
+        topology = self.topology
+        if topology is not None:
+            topology = replace(topology, nodes=tuple(NodeLinks(
+                n.nic_bandwidth_bytes_per_second / c, n.nic_latency_seconds * c,
+                n.intra_bandwidth_bytes_per_second / c, n.intra_latency_seconds * c)
+                for n in topology.nodes))
+        return replace(self, base=base, topology=topology)
+
+    def ring_over_all(self) -> tuple[float, float]:
+        """(bandwidth, latency per hop) of a ring over every GPU described."""
+        if self.topology is None or self.placement is None:
+            return self.base.bandwidth_bytes_per_second, self.base.latency_seconds
+        return self.topology.ring([node for _, node in self.placement])
+
     def source_of(self, rank_nodes: Sequence[int]) -> str:
         """Where the figures a ring over these ranks crosses came from ('job spec', the
         cluster's describer, both joined by ' + '): 'assumed' when a bandwidth it crosses or

@@ -1,0 +1,64 @@
+"""The timing split from rank 0's page to status.progress.timing: the trainer's own
+Prometheus series (cephalo.trainer.metrics, real prometheus_client output) parsed by the
+operator's progress scrape; a page missing a rank or carrying a non-finite sum has none."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import generate_latest
+
+from cephalo.api.replan import MAX_TIMED_RANKS
+from cephalo.api.status import Progress
+from cephalo.operator.progress import parse_progress_checked
+from cephalo.trainer.metrics import TrainerMetrics
+
+
+def _page(steps: list[tuple[float, list[float], list[float]]], rank: int = 0) -> str:
+    metrics = TrainerMetrics(rank, 0, None)
+    for step_seconds, compute, wait in steps:
+        metrics.time_ranks(step_seconds, compute, wait)
+    return generate_latest(metrics.registry).decode()
+
+
+def test_means_over_the_timed_steps_reach_status() -> None:
+    page = _page([(0.5, [0.1, 0.2], [0.3, 0.1]), (0.7, [0.3, 0.2], [0.3, 0.5])])
+    timing = parse_progress_checked(page)["timing"]
+    assert timing["steps"] == 2 and timing["stepSeconds"] == pytest.approx(0.6)
+    assert timing["computeSeconds"] == pytest.approx([0.2, 0.2])
+    assert timing["waitSeconds"] == pytest.approx([0.3, 0.3])
+    Progress.model_validate({"timing": timing})  # what the CRD's status schema takes
+
+
+def test_no_split_no_timing() -> None:
+    assert "timing" not in parse_progress_checked(_page([]))  # no timed step yet
+    assert "timing" not in parse_progress_checked(_page([(0.5, [0.1], [0.2])], rank=1))
+    too_many = [0.1] * (MAX_TIMED_RANKS + 1)
+    assert "timing" not in parse_progress_checked(_page([(0.5, too_many, too_many)]))
+    page = _page([(0.5, [0.1, 0.2], [0.3, 0.1])])
+    missing = "\n".join(line for line in page.splitlines()
+                        if 'cephalo_rank_wait_seconds_total{of_rank="1"' not in line) + "\n"
+    assert "timing" not in parse_progress_checked(missing)
+    nan = page.replace('cephalo_timed_step_seconds_total{rank="0"} 0.5',
+                       'cephalo_timed_step_seconds_total{rank="0"} NaN')
+    assert nan != page and "timing" not in parse_progress_checked(nan)
+
+
+def test_replan_settings_restart_no_rank() -> None:
+    """spec.planner.replan is the operator's policy, like spec.elastic: editing it leaves
+    the ranks' config hash as it was (no re-plan, no restart)."""
+    from cephalo.api import ClusterSpec, GpuGroup, parse_job
+    from cephalo.operator.render import config_hash
+    from cephalo.planner import solve
+
+    def job(**planner: object) -> object:
+        return parse_job({"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
+                          "metadata": {"name": "t", "uid": "u"},
+                          "spec": {"model": {"preset": "gpt-tiny"}, "globalBatchSize": 8,
+                                   "planner": planner}})
+
+    plain = job()
+    plan = solve(plain.spec, ClusterSpec(groups=[GpuGroup(product="A10G", count=1)]))
+    opted_out = job(replan={"enabled": False, "minGain": 0.5})
+    assert config_hash(opted_out, plan) == config_hash(plain, plan)
+    assert config_hash(job(memoryFraction=0.5, replan={"enabled": False}), plan) == \
+        config_hash(job(memoryFraction=0.5), plan) != config_hash(plain, plan)
