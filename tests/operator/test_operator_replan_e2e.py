@@ -13,11 +13,11 @@ serial link of that speed, however fast loopback is).
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import json
 import pytest
 import pytest_asyncio
 from kube_emulator import ApiEmulator
