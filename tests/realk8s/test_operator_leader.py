@@ -7,8 +7,9 @@ While a job trains, the leader is SIGKILLed five times (a replacement candidate 
 each kill, as the Deployment would): each time the standby takes the Lease and its handlers
 run within lease duration + retry period + start-up; never two replicas Ready at one
 sample; the rank pods the first leader created run on (none duplicated, no gang restart);
-the job still Succeeds. The failover times (SIGKILL to the new leader's Lease, and to its
-/readyz) are printed: median and worst of the five.
+the job still Succeeds. The failover times (SIGKILL to the new leader's Lease, to its
+/readyz, to its first write to the job) are printed: median and worst of the five. Last, a
+clean stop releases the Lease and the standby takes it at once.
 """
 
 from __future__ import annotations
@@ -203,3 +204,21 @@ def _run(cluster: Cluster, ns: str, name: str, lease: str, replicas: list[Replic
     ran = {c.pod["metadata"]["uid"] for c in cluster.kubelet.containers.values()
            if c.key.startswith(f"{ns}/{name}-rank-")}
     assert ran == uids, f"rank pods created after a failover: {ran - uids}"
+
+    # A clean stop (SIGTERM of a rollout; SIGINT here, kopf treats both alike) hands the
+    # Lease over: kopf stops the handlers, empties the holder, and the standby takes it at
+    # its next look (its log says why: released, not expired).
+    old_holder = _holder(cluster, lease)
+    stopped_at = time.monotonic()
+    leader.operator.stop()
+    assert leader.operator.proc.returncode == 0, leader.operator.log()
+    exited_at = time.monotonic()
+    wait_until("the Lease taken after a release", lambda: _holder(cluster, lease) not in (
+        "", old_holder), LEASE_SECONDS, interval_seconds=0.05)
+    taken_at = time.monotonic()
+    print(f"  a clean stop: the leader exited {exited_at - stopped_at:.2f} s after SIGINT, the "
+          f"standby held the Lease {taken_at - exited_at:.2f} s later")
+    new_holder = _holder(cluster, lease)
+    (successor,) = [r for r in replicas if f"acquired by {new_holder} " in r.operator.log_text()]
+    assert f"acquired by {new_holder} (released by its last holder)" in \
+        successor.operator.log_text()
