@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+from cephalo.operator.lease import ElectionTiming
 from cephalo.operator.policy import (
     RESTRICTED_VOLUME_TYPES,
     JobPolicy,
@@ -64,11 +65,28 @@ class OperatorConfig:
     allow_service_account_name: bool = False
     allowed_service_account_names: str = ""
 
+    # Leader election (cephalo.operator.leader; the chart sets these): CEPHALO_LEADER_
+    # ELECTION_NAMESPACE names the namespace of the Lease (the operator's own); "" (kopf run
+    # by hand, a single replica) means no election: this process reconciles at once.
+    leader_election_namespace: str = ""
+    leader_election_lease: str = "cephalo-operator"  # CEPHALO_LEADER_ELECTION_LEASE
+    # CEPHALO_LEASE_DURATION_SECONDS, CEPHALO_RENEW_DEADLINE_SECONDS, CEPHALO_RETRY_PERIOD_
+    # SECONDS: client-go's durations (a standby takes over within lease + retry).
+    lease_duration_seconds: int = 15
+    renew_deadline_seconds: float = 10.0
+    retry_period_seconds: float = 2.0
+    # CEPHALO_PROBE_PORT: /healthz and /readyz of a replica under election (0: none).
+    probe_port: int = 0
+
     def job_policy(self) -> JobPolicy:
         """The job policy, parsed (checked at startup by `from_env`)."""
         return JobPolicy(parse_volume_types(self.allowed_volume_types),
                          self.allow_service_account_name,
                          frozenset(split_names(self.allowed_service_account_names)))
+
+    def election_timing(self) -> ElectionTiming:
+        return ElectionTiming(self.lease_duration_seconds, self.renew_deadline_seconds,
+                              self.retry_period_seconds)
 
     def prices(self) -> dict[str, float]:
         """The price list, parsed (checked at startup by `from_env`)."""
@@ -103,7 +121,10 @@ class OperatorConfig:
                 parse_volume_types(values["allowed_volume_types"])
             except ValueError as err:
                 raise ValueError(f"CEPHALO_ALLOWED_VOLUME_TYPES: {err}") from None
-        return cls(**values)
+        config = cls(**values)
+        if config.leader_election_namespace and (problem := config.election_timing().problem()):
+            raise ValueError(f"leader election: {problem}")
+        return config
 
 
 def _parse_prices(raw: str) -> dict[str, float]:
@@ -148,6 +169,10 @@ BOUNDS: dict[str, tuple[float, bool, float | None]] = {
     "planning_timeout_seconds": (0, False, None),
     "pod_gone_grace_seconds": (0, True, None),
     "planning_memory_bytes": (1024**2, True, None),  # the chart asks 64 MiB or more
+    "lease_duration_seconds": (1, True, 3600),
+    "renew_deadline_seconds": (0, False, 3600),
+    "retry_period_seconds": (0, False, 3600),
+    "probe_port": (0, True, 65535),
 }
 
 

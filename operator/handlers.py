@@ -30,7 +30,7 @@ from typing import Any
 import kopf
 
 from cephalo.api import API_GROUP, API_VERSION, PLURAL
-from cephalo.operator import disruptions, metrics
+from cephalo.operator import disruptions, leader, metrics
 from cephalo.operator.config import OperatorConfig
 from cephalo.operator.gpu_usage import CLAIMS, PODS, TERMINAL_POD_PHASES, pod_gpu_request
 from cephalo.operator.kube import AsyncKube, Kube, load_api_client
@@ -80,7 +80,20 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     memo.config = config
     memo.kube = AsyncKube(Kube(await asyncio.to_thread(load_api_client)))
     metrics.serve(config.metrics_port)
+    if config.leader_election_namespace:
+        # Last: kopf starts the handlers only once every startup handler has returned, so
+        # a standby waits here and reconciles nothing (cephalo.operator.leader).
+        memo.elector = await leader.elect(
+            config.leader_election_namespace, config.leader_election_lease,
+            config.election_timing(), config.probe_port)
     log.info("cephalo operator started: %s", config)
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    """After kopf stopped the handlers (SIGTERM): hand the Lease over at once."""
+    if (elector := getattr(memo, "elector", None)) is not None:
+        await asyncio.to_thread(elector.release)
 
 
 def _wake(namespace: str | None, name: str | None) -> None:

@@ -95,13 +95,14 @@ class Kube:
 
     def request(self, method: str, path: str, body: Any = None,
                 query: dict[str, str] | None = None,
-                content_type: str = "application/json") -> dict[str, Any]:
+                content_type: str = "application/json",
+                timeout_seconds: float = REQUEST_TIMEOUT_SECONDS) -> dict[str, Any]:
         method, url, headers, body, _ = self.api.param_serialize(
             method, path, query_params=list((query or {}).items()),
             header_params={"Accept": "application/json", "Content-Type": content_type},
             body=body, auth_settings=["BearerToken"])
         response = self.api.call_api(method, url, header_params=headers, body=body,
-                                     _request_timeout=REQUEST_TIMEOUT_SECONDS)
+                                     _request_timeout=timeout_seconds)
         response.read()
         text = response.data.decode(errors="replace") if response.data else ""
         if response.status >= 400:

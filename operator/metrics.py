@@ -59,6 +59,10 @@ RESCALE_ROLLBACKS = Counter("cephalo_operator_rescale_rollbacks_total",
                             "Rescales rolled back to the GPUs the job had: the grown gang was "
                             "not scheduled within spec.elastic.rescaleTimeoutSeconds (a gang "
                             "scheduler's quota refused it)", JOB_LABELS)
+# Leader election (cephalo.operator.leader): 1 on the replica whose handlers run, 0 on a
+# standby; sum() over the replicas is 1 while the operator works.
+LEADER = Gauge("cephalo_operator_leader",
+               "1 when this operator replica holds the leader Lease and runs the handlers")
 # Per-job counters start at 0 when the operator first sees a job (set_phase): a counter
 # with no series until its first increment reads "No data" on a panel and makes
 # increase()/rate() in alerting rules blind to the first event.

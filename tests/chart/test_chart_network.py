@@ -165,12 +165,19 @@ def test_network_policies_follow_values() -> None:
 
 
 def test_namespaced_rbac_grants_nothing_outside_the_watched_namespaces() -> None:
-    """Multi-tenant: Roles only in the teams' namespaces; the ClusterRole reads node labels,
-    CRDs and namespaces, and can write nothing."""
+    """Multi-tenant: Roles only in the teams' namespaces (and, in the operator's own, its
+    leader election's Lease alone); the ClusterRole reads node labels, CRDs and namespaces,
+    and can write nothing."""
     objects = render({"rbac": {"scope": "namespaced"}, "watchNamespaces": TEAMS})
-    roles = by_kind(objects, "Role")
+    election = [r for r in by_kind(objects, "Role") if r["metadata"]["name"].endswith(
+        "-leader-election")]
+    roles = [r for r in by_kind(objects, "Role") if r not in election]
+    assert [r["metadata"]["namespace"] for r in election] == [RELEASE_NAMESPACE]
+    assert {(p.group, p.resource) for p in permissions(election[0])} == {
+        ("coordination.k8s.io", "leases")}
     assert sorted(r["metadata"]["namespace"] for r in roles) == TEAMS
-    assert sorted(b["metadata"]["namespace"] for b in by_kind(objects, "RoleBinding")) == TEAMS
+    assert sorted(b["metadata"]["namespace"] for b in by_kind(objects, "RoleBinding")
+                  if not b["metadata"]["name"].endswith("-leader-election")) == TEAMS
     cluster = permissions(one(objects, "ClusterRole"))
     assert {p.verb for p in cluster} <= {"get", "list", "watch"}
     assert {p.resource for p in cluster} == {"nodes", "customresourcedefinitions", "namespaces"}

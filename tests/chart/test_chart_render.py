@@ -105,7 +105,8 @@ def _env(deployment: dict[str, Any]) -> dict[str, str]:
 def test_default_values_render_valid_objects() -> None:
     objects = render()
     assert _validate_all(objects) == {"Deployment", "ServiceAccount", "ClusterRole",
-                                      "ClusterRoleBinding", "Service", *ADMISSION_POLICY_KINDS}
+                                      "ClusterRoleBinding", "Service", "Role", "RoleBinding",
+                                      *ADMISSION_POLICY_KINDS}
     for obj in objects:
         if obj["kind"] not in ("ClusterRole", "ClusterRoleBinding", *ADMISSION_POLICY_KINDS):
             assert obj["metadata"]["namespace"] == RELEASE_NAMESPACE, obj["kind"]
@@ -129,7 +130,7 @@ def test_non_default_values_render_valid_objects() -> None:
     assert deployment["spec"]["template"]["metadata"]["labels"]["team"] == "ml"
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == \
         {"metrics": 9080, "health": 9081}
-    assert "--liveness=http://0.0.0.0:9081/healthz" in container["args"]
+    assert _env(deployment)["CEPHALO_PROBE_PORT"] == "9081"
 
 
 @pytest.mark.parametrize("values", [{}, EVERYTHING_ON], ids=["default", "everything-on"])
@@ -160,6 +161,11 @@ def test_strict_lint_passes(values: dict[str, Any]) -> None:
     ({"jobPolicy": {"serviceAccountName": {"names": ["Trainer"]}}},
      "at '/jobPolicy/serviceAccountName/names/0'"),
     ({"serviceAccount": {"create": False}}, "serviceAccount.name is required"),
+    ({"replicas": 0}, "at '/replicas'"),
+    ({"leaderElection": {"leaseDurationSeconds": 10}},
+     "leaderElection.leaseDurationSeconds (10) must be longer than"),
+    ({"leaderElection": {"renewDeadlineSeconds": 2.4}},
+     "leaderElection.renewDeadlineSeconds (2.4) must be longer than 1.2 x"),
     ({"metrics": {"service": {"enabled": False}, "serviceMonitor": {"enabled": True}}},
      "needs metrics.service.enabled=true"),
 ])
@@ -193,15 +199,39 @@ def test_operator_pod_is_hardened() -> None:
     assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
     assert sc["capabilities"]["drop"] == ["ALL"] and sc["privileged"] is False
     assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
-    # Probes hit kopf's liveness endpoint, on the port and path the --liveness flag opens.
-    liveness = next(a for a in container["args"] if a.startswith("--liveness="))
+    # Probes hit the election's endpoints (cephalo.operator.leader), on the port it serves.
+    assert not [a for a in container["args"] if a.startswith("--liveness")]
+    env = _env(deployment)
     port_name = container["livenessProbe"]["httpGet"]["port"]
     port = next(p["containerPort"] for p in container["ports"] if p["name"] == port_name)
-    assert liveness == f"--liveness=http://0.0.0.0:{port}/healthz"
-    for probe in ("livenessProbe", "readinessProbe"):
-        assert container[probe]["httpGet"] == {"path": "/healthz", "port": port_name}
-    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == \
-        "Recreate", "kopf --standalone: never two operators at once"
+    assert env["CEPHALO_PROBE_PORT"] == str(port)
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": port_name}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": port_name}
+
+
+def test_replicas_elect_a_leader_and_roll_one_at_a_time() -> None:
+    """Two replicas by default, each a candidate for the release's Lease; a rollout never
+    waits for a new pod to be Ready before removing an old one (new pods are standbys)."""
+    deployment = one(render(), "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    env = _env(deployment)
+    assert env["CEPHALO_LEADER_ELECTION_NAMESPACE"] == deployment["metadata"]["namespace"]
+    assert env["CEPHALO_LEADER_ELECTION_LEASE"] == deployment["metadata"]["name"]
+    config = OperatorConfig.from_env(env)
+    assert config.election_timing().problem() is None
+    # The Role: create any Lease (a name cannot limit create), get/update only this one.
+    (role,) = [r for r in render() if r["kind"] == "Role"]
+    assert role["metadata"]["namespace"] == config.leader_election_namespace
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+         "resourceNames": [config.leader_election_lease], "verbs": ["get", "update"]}]
+    anti = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    assert anti["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"][
+        "topologyKey"] == "kubernetes.io/hostname"
+    assert one(render({"replicas": 1}), "Deployment")["spec"]["replicas"] == 1
 
 
 @pytest.mark.parametrize("values", [{}, EVERYTHING_ON], ids=["default", "everything-on"])

@@ -23,19 +23,30 @@ JOB_SECONDS = 300.0  # profiling two tiny models and six steps on two shared cor
 class Operator:
     """`kopf run -m cephalo.operator -A --standalone` against a kubeconfig."""
 
-    def __init__(self, kubeconfig: Path, log_path: Path) -> None:
-        self.log_path = log_path
+    def __init__(self, kubeconfig: Path, log_path: Path,
+                 extra_env: dict[str, str] | None = None) -> None:
+        self.kubeconfig, self.log_path, self.extra_env = kubeconfig, log_path, extra_env or {}
+        self.proc = self._start()
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        log_path = self.log_path
         # The ranks' /metrics port, free on this machine: every pod shares its loopback here,
         # and another session's rank 0 may hold the default 9400 (the scrape would read it).
-        env = {"KUBECONFIG": str(kubeconfig), "CEPHALO_OPERATOR_METRICS_PORT": "0",
+        env = {"CEPHALO_OPERATOR_METRICS_PORT": "0",
                "CEPHALO_TRAINER_METRICS_PORT": str(free_port()),
                "CEPHALO_RECHECK_SECONDS": "1", "CEPHALO_PROGRESS_INTERVAL_SECONDS": "1",
-               "CEPHALO_WATCH_TIMEOUT_SECONDS": "60", "CEPHALO_NODE_DEBOUNCE_SECONDS": "0.2"}
+               "CEPHALO_WATCH_TIMEOUT_SECONDS": "60", "CEPHALO_NODE_DEBOUNCE_SECONDS": "0.2",
+               "KUBECONFIG": str(self.kubeconfig), **self.extra_env}
         with log_path.open("ab") as log:
-            self.proc = subprocess.Popen(dies_with_its_starter(
+            return subprocess.Popen(dies_with_its_starter(
                 [sys.executable, "-m", "kopf", "run", "-m", "cephalo.operator", "-A",
                  "--standalone", "--liveness", f"http://127.0.0.1:{free_port()}/healthz"]),
                 env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
+
+    def restart(self) -> None:
+        """Stopped (a test needed the cluster without it): start it again, same settings."""
+        self.stop()
+        self.proc = self._start()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -59,6 +59,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- fail "networkPolicy.enabled needs watchNamespaces: the trainer pods' NetworkPolicies go into each namespace whose CephaloJobs the operator handles (e.g. --set 'watchNamespaces={team-a}')" -}}
 {{- end -}}
 {{- if eq (int .Values.metrics.port) (int .Values.health.port) -}}
-{{- fail (printf "metrics.port and health.port are both %v: the operator's /metrics and kopf's /healthz need different ports" .Values.metrics.port) -}}
+{{- fail (printf "metrics.port and health.port are both %v: the operator's /metrics and its /healthz need different ports" .Values.metrics.port) -}}
+{{- end -}}
+{{- with .Values.leaderElection -}}
+{{- if not (gt (float64 .leaseDurationSeconds) (float64 .renewDeadlineSeconds)) -}}
+{{- fail (printf "leaderElection.leaseDurationSeconds (%v) must be longer than leaderElection.renewDeadlineSeconds (%v): a leader must stop before a standby may take its lease" .leaseDurationSeconds .renewDeadlineSeconds) -}}
+{{- end -}}
+{{- if not (gt (float64 .renewDeadlineSeconds) (mulf 1.2 (float64 .retryPeriodSeconds))) -}}
+{{- fail (printf "leaderElection.renewDeadlineSeconds (%v) must be longer than 1.2 x leaderElection.retryPeriodSeconds (%v): the leader needs time for a late renewal" .renewDeadlineSeconds .retryPeriodSeconds) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
