@@ -38,6 +38,14 @@ class CommModel:
     # Per step, what a measured real step took beyond this model's prediction of it (see
     # `calibrated`); added to every step on more than one GPU.
     step_overhead_seconds: float = 0.0
+    # What one parameter puts on the wire per collective: the job's gatherPrecision and
+    # reducePrecision (fp32 4 bytes, bf16 2), as the engine sends them (trainer/collectives.py).
+    gather_bytes_per_parameter: float = COMM_BYTES_PER_PARAMETER
+    reduce_bytes_per_parameter: float = COMM_BYTES_PER_PARAMETER
+
+    def bytes_per_parameter(self, kind: str) -> float:
+        return (self.reduce_bytes_per_parameter if kind == "reduce_scatter"
+                else self.gather_bytes_per_parameter)
 
     def ring_seconds(self, num_bytes: float, world_size: int, uneven: bool,
                      kind: str = "all_gather") -> float:
@@ -105,8 +113,8 @@ class UnitComm:
     def build(cls, model: ModelConfig, comm: CommModel, world_size: int,
               uneven: bool) -> UnitComm:
         def ring(params: int, kind: str) -> float:
-            return comm.ring_seconds(params * COMM_BYTES_PER_PARAMETER, world_size, uneven,
-                                     kind)
+            return comm.ring_seconds(params * comm.bytes_per_parameter(kind), world_size,
+                                     uneven, kind)
 
         embedding, block, head = (model.embedding_parameters(), model.block_parameters(),
                                   model.head_parameters())

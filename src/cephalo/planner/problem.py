@@ -32,6 +32,8 @@ GIB = 1024**3
 # planner.networkBandwidthGbps / networkLatencyMicroseconds when only one of them is given:
 # the defaults they had before the topology model (a job stored then has both).
 FLAT_GBPS = 10.0
+# Bytes on the wire per parameter, by a collective's format (spec.gatherPrecision, ...).
+WIRE_BYTES = {"fp32": 4, "bf16": 2}
 FLAT_LATENCY_MICROSECONDS = 50.0
 
 
@@ -130,6 +132,11 @@ def build_problem(spec: CephaloJobSpec, cluster: ClusterSpec,
     model = spec.model.resolve()
     profiles = dict(profiles or {})
     network = _network(spec, cluster, profiles)
+    # The bytes each collective moves per parameter: what the engine sends under the job's
+    # gatherPrecision / reducePrecision (every subset's ring is rebuilt from this base).
+    network = dataclasses.replace(network, base=dataclasses.replace(
+        network.base, gather_bytes_per_parameter=WIRE_BYTES[spec.gather_precision],
+        reduce_bytes_per_parameter=WIRE_BYTES[spec.reduce_precision]))
     comm = network.base
     classes: dict[tuple[str, int, int], GpuClass] = {}
     ranks: list[tuple[str, str]] = []

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from cephalo.api.memory import COMM_BYTES_PER_PARAMETER, state_bytes_per_parameter
+from cephalo.api.memory import state_bytes_per_parameter
 from cephalo.api.models import ModelConfig
 from cephalo.planner.costmodel import CommModel, UnitComm
 
@@ -92,8 +92,8 @@ def mixed_unit_comm(model: ModelConfig, comm: CommModel, world_size: int,
     flat = UnitComm.build(model, comm, world_size, uneven=False)
 
     def ring(params: int, uneven: bool) -> float:
-        return comm.ring_seconds(params * COMM_BYTES_PER_PARAMETER, world_size, uneven,
-                                 "reduce_scatter")
+        return comm.ring_seconds(params * comm.bytes_per_parameter("reduce_scatter"),
+                                 world_size, uneven, "reduce_scatter")
 
     embedding, head = model.embedding_parameters(), model.head_parameters()
     return replace(
