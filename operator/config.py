@@ -9,8 +9,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, fields
 from typing import Any
+
+from cephalo.api.job import MLFLOW_URI_PATTERN
 
 DEFAULT_TRAINER_IMAGE = "ghcr.io/cephalo/cephalo-trainer:0.1.0"
 
@@ -49,6 +52,9 @@ class OperatorConfig:
     # for an hour per GPU type, for jobs whose planner.gpuPricesPerHour is unset (the cost
     # objective, and the prices every plan states). "" or "{}": none.
     gpu_prices_per_hour: str = ""
+    # CEPHALO_MLFLOW_URI (the chart's tracking.mlflowUri): the MLflow tracking server of jobs
+    # whose spec.tracking.mlflow gives no trackingUri (rank pods get MLFLOW_TRACKING_URI).
+    mlflow_uri: str = ""
 
     def prices(self) -> dict[str, float]:
         """The price list, parsed (checked at startup by `from_env`)."""
@@ -78,6 +84,10 @@ class OperatorConfig:
                 _parse_prices(values["gpu_prices_per_hour"])
             except ValueError as err:
                 raise ValueError(f"CEPHALO_GPU_PRICES_PER_HOUR: {err}") from None
+        uri = values.get("mlflow_uri", "")
+        if uri and not re.fullmatch(MLFLOW_URI_PATTERN, uri):
+            raise ValueError(f"CEPHALO_MLFLOW_URI={uri[:80]!r} must be an http(s) URL of an "
+                             "MLflow tracking server (or databricks), without user:password@")
         return cls(**values)
 
 

@@ -1,0 +1,155 @@
+"""spec.tracking.mlflow against a real MLflow tracking server (issue 38): `mlflow server` with
+a SQLite store on loopback, read back with MLflow's own MlflowClient. A run stopped and
+resumed (`cephalo run --resume`) is one MLflow run with every step's metrics; a tracking
+server that is not there costs the run one warning line and nothing else."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.ports import free_listen_ports
+
+from .cli_helpers import run_cephalo
+
+pytestmark = pytest.mark.slow
+
+SERVER_START_SECONDS = 120  # a cold import of the server under a loaded 2-core machine: ~20 s
+PLAN = {"global_batch_size": 6, "world_size": 2, "predicted_step_seconds": 0.5,
+        "predicted_samples_per_second": 12.0,
+        "ranks": [{"rank": i, "batch_size": 3, "micro_batch_size": 3, "num_micro_batches": 1,
+                   "shard_ratio": 0.5} for i in range(2)]}
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if importlib.util.find_spec("mlflow.server") is None or \
+            importlib.util.find_spec("sqlalchemy") is None:
+        pytest.skip("no MLflow tracking server here: pip install 'cephalo[dev]' (mlflow)")
+    folder = tmp_path_factory.mktemp("mlflow")
+    port = free_listen_ports(1)
+    log = (folder / "server.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
+         f"sqlite:///{folder / 'mlflow.db'}", "--default-artifact-root",
+         str(folder / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
+         "--workers", "1"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        if not _healthy(uri, server):
+            pytest.skip(f"mlflow server did not start: "
+                        f"{(folder / 'server.log').read_text()[-500:]}")
+        yield uri
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+def _healthy(uri: str, server: subprocess.Popen) -> bool:
+    """Waits on the server's /health (not a sleep): True once it answers OK."""
+    import time
+
+    deadline = time.monotonic() + SERVER_START_SECONDS
+    while time.monotonic() < deadline and server.poll() is None:
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return True
+        except OSError:
+            time.sleep(0.2)  # polling interval of the condition, not a wait for it
+    return False
+
+
+def _job(tiny_job, tracking: str) -> Path:
+    job = tiny_job(steps=4)
+    job.write_text(job.read_text() + f"  tracking: {{mlflow: {tracking}}}\n")
+    return job
+
+
+def test_a_stopped_and_resumed_run_is_one_mlflow_run_with_every_step(
+        tmp_path: Path, tiny_job, mlflow_server: str) -> None:
+    from mlflow import MlflowClient
+
+    job = _job(tiny_job, f"{{trackingUri: '{mlflow_server}', experiment: cephalo-tests}}")
+    (tmp_path / "plan.json").write_text(json.dumps(PLAN))
+    args = ("run", str(job), "--devices", "cpu:2", "--plan", "plan.json")
+    first = run_cephalo(tmp_path, *args, "--stop-after-step", "2")
+    assert first.returncode == 0, first.stdout + first.stderr
+    (run_dir,) = (tmp_path / "runs" / "tiny").iterdir()
+    resumed = run_cephalo(tmp_path, *args, "--resume", "--run-dir", str(run_dir))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert "MLflow at" not in (run_dir / "logs" / "rank-1.log").read_text()  # rank 0 only
+
+    client = MlflowClient(tracking_uri=mlflow_server)
+    experiment = client.get_experiment_by_name("cephalo-tests")
+    (run,) = client.search_runs([experiment.experiment_id])  # one run for both launches
+    assert json.loads((run_dir / "mlflow-run.json").read_text())["run_id"] == run.info.run_id
+    assert run.info.status == "FINISHED" and run.info.run_name == "tiny"
+    assert run.data.tags["cephalo.job"] == "tiny"
+    assert run.data.params["global_batch_size"] == "6"
+    assert run.data.params["precision"] == "fp32" and run.data.params["model"] == "gpt-tiny"
+    assert run.data.params["gpus"] == "2x cpu" and run.data.params["world_size"] == "2"
+    assert run.data.params["plan.rank1"] == "gpu=cpu batch=3 micro=3x1 shard=0.5000"
+
+    def history(key: str) -> list[tuple[int, float]]:
+        return [(m.step, m.value) for m in sorted(client.get_metric_history(run.info.run_id, key),
+                                                  key=lambda m: (m.step, m.timestamp))]
+
+    for key in ("loss", "learning_rate", "samples_per_second", "step_seconds"):
+        assert history(key) == [(r["step"], pytest.approx(r[key], rel=1e-9)) for r in records]
+    assert history("predicted_samples_per_second") == [(s, 12.0) for s in (1, 2, 3, 4)]
+    for rank in (0, 1):
+        assert history(f"rank{rank}/compute_seconds") == [
+            (r["step"], pytest.approx(r["ranks"][rank]["compute_seconds"], rel=1e-9))
+            for r in records]
+    plan_file = client.download_artifacts(run.info.run_id, "plan.json", str(tmp_path))
+    assert json.loads(Path(plan_file).read_text()) == json.loads(
+        (run_dir / "plan.json").read_text())
+    # The same plan both times: kept once under plans/.
+    assert len(client.list_artifacts(run.info.run_id, "plans")) == 1
+
+
+def test_a_tracking_server_that_is_down_costs_one_warning_line(tmp_path: Path,
+                                                               tiny_job) -> None:
+    from cephalo.trainer import mlflow_log
+
+    # What a server that is down can cost the ranks' end at most (training itself never
+    # waits on it: records go to a bounded queue): one bounded request, no retries.
+    assert mlflow_log.REQUEST_TIMEOUT_SECONDS <= 5 and mlflow_log.REQUEST_MAX_RETRIES == 0
+    assert mlflow_log.CLOSE_TIMEOUT_SECONDS <= 30
+    closed = free_listen_ports(1)  # nothing listens there
+    job = _job(tiny_job, f"{{trackingUri: 'http://127.0.0.1:{closed}', experiment: e}}")
+    (tmp_path / "plan.json").write_text(json.dumps(PLAN))
+    done = run_cephalo(tmp_path, "run", str(job), "--devices", "cpu:2", "--plan", "plan.json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    (run_dir,) = (tmp_path / "runs" / "tiny").iterdir()
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 4
+    log = (run_dir / "logs" / "rank-0.log").read_text()
+    warnings = [line for line in log.splitlines() if "warning" in line.lower()]
+    assert len(warnings) == 1, log
+    assert f"MLflow at http://127.0.0.1:{closed} failed" in warnings[0]
+    assert not (run_dir / "mlflow-run.json").exists()
+
+
+def test_mlflow_without_a_tracking_server_is_refused_before_anything_starts(
+        tmp_path: Path, tiny_job, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    done = run_cephalo(tmp_path, "run", str(_job(tiny_job, "{experiment: e}")))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "spec.tracking.mlflow: no tracking server: set tracking.mlflow.trackingUri" \
+        in done.stderr
+    assert not list(tmp_path.glob("runs/tiny/*/logs/rank-*.log"))
