@@ -17,9 +17,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import sys
 import tempfile
 import threading
+import urllib.parse
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -185,6 +187,8 @@ class _Run:
 
     def send(self, metrics: list[Sample]) -> None:
         if self.run_id is None:
+            if self.client is None:
+                probe(self.uri)  # before seconds of importing MLflow for a server not there
             self.open()
         assert self.run_id is not None
         self._batches(self.run_id, metrics=metrics)
@@ -283,6 +287,20 @@ class MlflowLog:
                 with self._ready:  # close() cuts the wait short
                     self._ready.wait_for(lambda: self._closing is not None,
                                          timeout=RETRY_AFTER_SECONDS)
+
+
+def probe(uri: str) -> None:
+    """Raises OSError when nothing answers TCP at an http(s) URI's host and port (within
+    REQUEST_TIMEOUT_SECONDS); other URIs (databricks) are left to MLflow's client."""
+    parts = urllib.parse.urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), REQUEST_TIMEOUT_SECONDS).close()
+    except OSError as err:
+        raise OSError(f"cannot connect to {parts.hostname}:{port}: "
+                      f"{err.strerror or err}") from None
 
 
 def bound_requests() -> None:

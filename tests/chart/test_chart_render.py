@@ -204,6 +204,8 @@ def _bumped(value: str) -> str:
     of cephalo.operator.config.BOUNDS that holds the value itself)."""
     if value in ("true", "false"):
         return {"true": "false", "false": "true"}[value]
+    if value == "":  # an optional URL left empty (tracking.mlflowUri): a valid one
+        return "http://mlflow.example:5000"
     if value.startswith("{"):  # a JSON object (gpuPricesPerHour): another valid one
         return '{"NVIDIA-L4": 0.8}' if value == "{}" else "{}"
     for kind in (int, float):

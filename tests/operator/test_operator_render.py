@@ -553,6 +553,6 @@ def test_mlflow_tracking_gets_the_operators_default_server_and_the_job_uid() -> 
 
 @pytest.mark.parametrize("uri", ["http://user:secret@mlflow:5000", "file:///mlruns", "mlflow"])
 def test_operator_refuses_an_mlflow_default_that_is_no_server_url(uri: str) -> None:
-    with pytest.raises(ValueError, match="CEPHALO_MLFLOW_URI=.* must be an http"):
+    with pytest.raises(ValueError, match=r"CEPHALO_MLFLOW_URI=.* must be an http"):
         OperatorConfig.from_env({"CEPHALO_MLFLOW_URI": uri})
     assert OperatorConfig.from_env({"CEPHALO_MLFLOW_URI": ""}).mlflow_uri == ""
