@@ -24,7 +24,7 @@ import threading
 import urllib.parse
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +64,8 @@ class RunIdentity:
 
 
 def run_params(job: CephaloJobSpec, plan: Plan) -> dict[str, str]:
-    """The run's params (MLflow keeps the first value of each: a rescale's new plan goes to
-    its own plan artifact)."""
+    """The run's params, logged by the first attempt only (MLflow keeps a param's first
+    value: a rescale's new plan goes to its own plan artifact); at most PARAMS_PER_REQUEST."""
     model = job.model
     gpus: dict[str, int] = {}
     for rank in plan.ranks:
@@ -110,7 +110,6 @@ class _Run:
     plan_json: str
     client: Any = None
     run_id: str | None = None
-    artifacts: list[Path] = field(default_factory=list)
 
     def open(self) -> None:
         from mlflow import MlflowClient  # seconds to import: here, not on the training path
@@ -130,9 +129,10 @@ class _Run:
                      "run_id": run_id}) + "\n")
         else:
             client.update_run(run_id, status="RUNNING")
-        logged = client.get_run(run_id).data.params
-        self._batches(run_id, params=[(k, v) for k, v in self.params.items()
-                                      if k not in logged],
+        # The first attempt's params, in one request (all or none): a later attempt's plan
+        # (a rescale) goes to plans/, beside the first one's per-rank params.
+        first = not client.get_run(run_id).data.params
+        self._batches(run_id, params=list(self.params.items()) if first else [],
                       tags=list(self.identity.tags().items()))
         self._log_plan(run_id)
         self.run_id = run_id
@@ -176,9 +176,9 @@ class _Run:
                  tags: Sequence[tuple[str, str]] = ()) -> None:
         from mlflow.entities import Metric, Param, RunTag
 
-        for i in range(0, len(params), PARAMS_PER_REQUEST):
-            self.client.log_batch(run_id, params=[Param(k, v) for k, v in
-                                                  params[i:i + PARAMS_PER_REQUEST]])
+        if params:
+            assert len(params) <= PARAMS_PER_REQUEST  # run_params: 8 + MAX_RANK_PARAMS
+            self.client.log_batch(run_id, params=[Param(k, v) for k, v in params])
         if tags:
             self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags])
         for i in range(0, len(metrics), METRICS_PER_REQUEST):
@@ -195,9 +195,6 @@ class _Run:
 
     def end(self, status: str) -> None:
         assert self.run_id is not None
-        for path in self.artifacts:
-            self.client.log_artifacts(self.run_id, str(path), artifact_path=path.name) \
-                if path.is_dir() else self.client.log_artifact(self.run_id, str(path))
         self.client.set_terminated(self.run_id, status=status)
 
 
@@ -232,10 +229,6 @@ class MlflowLog:
                 self.dropped_records += 1  # the oldest goes: the newest steps matter most
             self._queue.append(metrics)
             self._ready.notify()
-
-    def add_artifact(self, path: Path) -> None:
-        """A file or folder (an exported model) uploaded when the run ends."""
-        self._run.artifacts.append(path)
 
     def close(self, status: str = "FINISHED") -> None:
         """Ends the run (FINISHED, or KILLED for a stop: a later attempt sets it RUNNING

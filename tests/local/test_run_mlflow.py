@@ -153,3 +153,44 @@ def test_mlflow_without_a_tracking_server_is_refused_before_anything_starts(
     assert "spec.tracking.mlflow: no tracking server: set tracking.mlflow.trackingUri" \
         in done.stderr
     assert not list(tmp_path.glob("runs/tiny/*/logs/rank-*.log"))
+
+
+def test_an_attempt_without_a_local_folder_finds_the_run_by_the_job_uid(
+        mlflow_server: str) -> None:
+    """Checkpoints on object storage (no mlflow-run.json): a gang restart that also rescales
+    finds the job's run by its cephalo.job_uid tag; the first attempt's params stay (MLflow
+    keeps a param's first value; no plan.rank2 beside them), the new plan is a second plans/
+    artifact, the attempt tag moves."""
+    from mlflow import MlflowClient
+
+    from cephalo.api.job import CephaloJobSpec, MlflowTracking
+    from cephalo.api.plan import Plan
+    from cephalo.trainer.mlflow_log import MlflowLog, RunIdentity, _Run, run_params
+
+    job = CephaloJobSpec.model_validate({"model": {"preset": "gpt-tiny"}, "globalBatchSize": 6})
+    settings = MlflowTracking(experiment="cephalo-uid", runName="gpt")
+    uid = "0d5c2b1e-0000-4000-8000-000000000042"
+    for attempt, world in ((0, 2), (1, 3)):  # the restart rescaled 2 ranks to 3
+        plan = Plan.model_validate({**PLAN, "world_size": world, "ranks": [
+            {"rank": i, "batch_size": 6 // world, "micro_batch_size": 6 // world,
+             "num_micro_batches": 1, "shard_ratio": 1 / world} for i in range(world)]})
+        identity = RunIdentity(job="gpt", namespace="team-a", uid=uid, attempt=attempt)
+        log = MlflowLog(_Run(uri=mlflow_server, settings=settings, identity=identity,
+                             params=run_params(job, plan), plan_json=plan.model_dump_json()),
+                        predicted=None)
+        log.write({"step": attempt + 1, "time": 1000.0 + attempt, "loss": 3.0 - attempt})
+        log.close("FINISHED" if attempt else "KILLED")
+        assert log.failures == 0 and log.sent_records == 1
+
+    client = MlflowClient(tracking_uri=mlflow_server)
+    (run,) = client.search_runs([client.get_experiment_by_name("cephalo-uid").experiment_id])
+    assert run.info.run_name == "gpt" and run.info.status == "FINISHED"
+    assert {k: run.data.tags[k] for k in ("cephalo.job", "cephalo.namespace", "cephalo.job_uid",
+                                          "cephalo.attempt")} == {
+        "cephalo.job": "gpt", "cephalo.namespace": "team-a", "cephalo.job_uid": uid,
+        "cephalo.attempt": "1"}
+    assert run.data.params["world_size"] == "2" and "plan.rank2" not in run.data.params
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")] == \
+        [(1, 3.0), (2, 2.0)]
+    plans = client.list_artifacts(run.info.run_id, "plans")
+    assert len(plans) == 2

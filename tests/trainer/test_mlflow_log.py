@@ -95,3 +95,10 @@ def test_params_hold_the_plan_per_rank() -> None:
     assert params["plan.rank0"] == "gpu=cpu batch=2 micro=2x1 shard=1.0000"
     assert params["gpus"] == "1x cpu" and params["model"] == "gpt-tiny"
     assert params["global_batch_size"] == "2" and params["precision"] == "fp32"
+    # A thousand ranks: the first MAX_RANK_PARAMS as params, all of them in one request.
+    big = Plan.model_validate({"global_batch_size": 1000, "world_size": 1000, "ranks": [
+        {"rank": i, "batch_size": 1, "micro_batch_size": 1, "num_micro_batches": 1,
+         "shard_ratio": 0.001} for i in range(1000)]})
+    many = mlflow_log.run_params(JOB, big)
+    assert len(many) <= mlflow_log.PARAMS_PER_REQUEST and "plan.rank63" in many
+    assert "plan.rank64" not in many
