@@ -97,6 +97,8 @@ def test_a_stopped_and_resumed_run_is_one_mlflow_run_with_every_step(
     client = MlflowClient(tracking_uri=mlflow_server)
     experiment = client.get_experiment_by_name("cephalo-tests")
     (run,) = client.search_runs([experiment.experiment_id])  # one run for both launches
+    assert (f"mlflow      {mlflow_server}/#/experiments/{experiment.experiment_id}/runs/"
+            f"{run.info.run_id}") in resumed.stdout
     assert json.loads((run_dir / "mlflow-run.json").read_text())["run_id"] == run.info.run_id
     assert run.info.status == "FINISHED" and run.info.run_name == "tiny"
     assert run.data.tags["cephalo.job"] == "tiny"
@@ -194,3 +196,16 @@ def test_an_attempt_without_a_local_folder_finds_the_run_by_the_job_uid(
         [(1, 3.0), (2, 2.0)]
     plans = client.list_artifacts(run.info.run_id, "plans")
     assert len(plans) == 2
+
+
+def test_mlflow_without_the_package_is_refused_before_anything_starts(tmp_path: Path,
+                                                                     tiny_job) -> None:
+    job = _job(tiny_job, "{trackingUri: 'http://127.0.0.1:5000', experiment: e}")
+    # The `mlflow` module hidden from this one process, as on a machine without it.
+    code = ("import sys, importlib.util as u; real = u.find_spec; u.find_spec = lambda n, *a: "
+            "None if n == 'mlflow' else real(n, *a); from cephalo.cli import main; "
+            f"sys.argv = ['cephalo', 'run', {str(job)!r}]; sys.exit(main())")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "spec.tracking.mlflow: the mlflow package is not installed here" in done.stderr
