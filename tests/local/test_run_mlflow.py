@@ -17,7 +17,7 @@ import pytest
 
 from tests.ports import free_listen_ports
 
-from .cli_helpers import run_cephalo
+from .cli_helpers import run_cephalo, run_without_module
 
 pytestmark = pytest.mark.slow
 
@@ -201,11 +201,6 @@ def test_an_attempt_without_a_local_folder_finds_the_run_by_the_job_uid(
 def test_mlflow_without_the_package_is_refused_before_anything_starts(tmp_path: Path,
                                                                      tiny_job) -> None:
     job = _job(tiny_job, "{trackingUri: 'http://127.0.0.1:5000', experiment: e}")
-    # The `mlflow` module hidden from this one process, as on a machine without it.
-    code = ("import sys, importlib.util as u; real = u.find_spec; u.find_spec = lambda n, *a: "
-            "None if n == 'mlflow' else real(n, *a); from cephalo.cli import main; "
-            f"sys.argv = ['cephalo', 'run', {str(job)!r}]; sys.exit(main())")
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
+    done = run_without_module(tmp_path, "mlflow", job)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "spec.tracking.mlflow: the mlflow package is not installed here" in done.stderr
