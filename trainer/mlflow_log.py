@@ -331,5 +331,21 @@ def open_mlflow(tracking: TrackingSpec | None, job: CephaloJobSpec, plan: Plan, 
     return MlflowLog(run, plan.predicted_samples_per_second)
 
 
+def log_model(run_file: Path, output: Path) -> str:
+    """`cephalo export --mlflow`: the exported file or folder as the `model` artifact of the
+    run `run_file` (RUN_ID_FILE) names; MLflow's own request bounds (an upload of gigabytes
+    is no 5-s request, and the user waits for it)."""
+    saved = json.loads(run_file.read_text())
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=saved["tracking_uri"])
+    if output.is_dir():
+        client.log_artifacts(saved["run_id"], str(output), artifact_path="model")
+    else:
+        client.log_artifact(saved["run_id"], str(output), artifact_path="model")
+    return (f"{saved['tracking_uri'].rstrip('/')}/#/experiments/{saved['experiment_id']}/runs/"
+            f"{saved['run_id']} (artifact model/{output.name if output.is_file() else ''})")
+
+
 def _warn(message: str) -> None:
     print(f"cephalo trainer (rank 0): warning: {message}", file=sys.stderr, flush=True)

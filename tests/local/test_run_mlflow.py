@@ -123,6 +123,12 @@ def test_a_stopped_and_resumed_run_is_one_mlflow_run_with_every_step(
         (run_dir / "plan.json").read_text())
     # The same plan both times: kept once under plans/.
     assert len(client.list_artifacts(run.info.run_id, "plans")) == 1
+    # The job's export, logged to the same run.
+    exported = run_cephalo(tmp_path, "export", str(run_dir / "checkpoints"), "--output",
+                           str(tmp_path / "model.pt"), "--mlflow")
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    model = client.download_artifacts(run.info.run_id, "model/model.pt", str(tmp_path / "dl"))
+    assert Path(model).read_bytes() == (tmp_path / "model.pt").read_bytes()
 
 
 def test_a_tracking_server_that_is_down_costs_one_warning_line(tmp_path: Path,
@@ -145,6 +151,12 @@ def test_a_tracking_server_that_is_down_costs_one_warning_line(tmp_path: Path,
     assert len(warnings) == 1, log
     assert f"MLflow at http://127.0.0.1:{closed} failed" in warnings[0]
     assert not (run_dir / "mlflow-run.json").exists()
+    # No run was ever created: `cephalo export --mlflow` says so before exporting anything.
+    exported = run_cephalo(tmp_path, "export", str(run_dir / "checkpoints"), "--output",
+                           str(tmp_path / "model.pt"), "--mlflow")
+    assert exported.returncode == 2, exported.stdout + exported.stderr
+    assert "--mlflow: no mlflow-run.json beside" in exported.stderr
+    assert not (tmp_path / "model.pt").exists()
 
 
 def test_mlflow_without_a_tracking_server_is_refused_before_anything_starts(
