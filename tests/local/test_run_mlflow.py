@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -41,7 +43,7 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
          f"sqlite:///{folder / 'mlflow.db'}", "--default-artifact-root",
          str(folder / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
          "--workers", "1"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        start_new_session=True)
+        cwd=folder, start_new_session=True)  # its own group: its uvicorn worker goes with it
     uri = f"http://127.0.0.1:{port}"
     try:
         if not _healthy(uri, server):
@@ -49,11 +51,12 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                         f"{(folder / 'server.log').read_text()[-500:]}")
         yield uri
     finally:
-        server.terminate()
+        os.killpg(server.pid, signal.SIGTERM)
         try:
             server.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            server.kill()
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
         log.close()
 
 
