@@ -14,6 +14,7 @@ and retried after RETRY_AFTER_SECONDS; `close` waits CLOSE_TIMEOUT_SECONDS at mo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -124,9 +125,11 @@ class _Run:
                                     self.identity.job, tags=self.identity.tags())
             run_id = run.info.run_id
             if self.identity.state_file is not None:
-                self.identity.state_file.write_text(json.dumps(
-                    {"tracking_uri": self.uri, "experiment_id": experiment_id,
-                     "run_id": run_id}) + "\n")
+                # A read-only folder: the uid tag still finds the run (never a second one).
+                with contextlib.suppress(OSError):
+                    self.identity.state_file.write_text(json.dumps(
+                        {"tracking_uri": self.uri, "experiment_id": experiment_id,
+                         "run_id": run_id}) + "\n")
         else:
             client.update_run(run_id, status="RUNNING")
         # The first attempt's params, in one request (all or none): a later attempt's plan
@@ -147,9 +150,16 @@ class _Run:
                 saved = {}
             if saved.get("tracking_uri") == self.uri and \
                     saved.get("experiment_id") == experiment_id:
-                run = self.client.get_run(saved["run_id"])
-                if run.info.lifecycle_stage == "active":
-                    return str(saved["run_id"])
+                from mlflow.exceptions import MlflowException
+
+                try:
+                    run = self.client.get_run(saved["run_id"])
+                except MlflowException as err:  # deleted for good: a new run; else retried
+                    if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+                        raise
+                else:
+                    if run.info.lifecycle_stage == "active":
+                        return str(saved["run_id"])
         uid = self.identity.uid
         if uid and all(c.isalnum() or c == "-" for c in uid):  # a Kubernetes uid
             runs = self.client.search_runs(

@@ -219,3 +219,28 @@ def test_mlflow_without_the_package_is_refused_before_anything_starts(tmp_path: 
     done = run_without_module(tmp_path, "mlflow", job)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "spec.tracking.mlflow: the mlflow package is not installed here" in done.stderr
+
+
+def test_an_id_file_naming_a_deleted_or_unknown_run_starts_a_new_run(
+        tmp_path: Path, mlflow_server: str) -> None:
+    from mlflow import MlflowClient
+
+    from cephalo.api.job import MlflowTracking
+    from cephalo.trainer.mlflow_log import MlflowLog, RunIdentity, _Run
+
+    client = MlflowClient(tracking_uri=mlflow_server)
+    experiment = client.create_experiment("cephalo-ids")
+    deleted = client.create_run(experiment).info.run_id
+    client.delete_run(deleted)
+    state = tmp_path / "mlflow-run.json"
+    for gone in (deleted, "0" * 32):  # in the trash; never there
+        state.write_text(json.dumps({"tracking_uri": mlflow_server,
+                                     "experiment_id": experiment, "run_id": gone}))
+        log = MlflowLog(_Run(uri=mlflow_server, settings=MlflowTracking(experiment="cephalo-ids"),
+                             identity=RunIdentity(job="j", state_file=state), params={},
+                             plan_json="{}"), predicted=None)
+        log.write({"step": 1, "time": 1.0, "loss": 1.0})
+        log.close()
+        assert log.failures == 0
+        new = json.loads(state.read_text())["run_id"]
+        assert new != gone and client.get_run(new).data.metrics == {"loss": 1.0}
