@@ -5,25 +5,19 @@ server that is not there costs the run one warning line and nothing else."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import signal
-import subprocess
-import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.mlflow_server import running_mlflow_server
 from tests.ports import free_listen_ports
 
 from .cli_helpers import run_cephalo, run_without_module
 
 pytestmark = pytest.mark.slow
 
-SERVER_START_SECONDS = 120  # a cold import of the server under a loaded 2-core machine: ~20 s
 PLAN = {"global_batch_size": 6, "world_size": 2, "predicted_step_seconds": 0.5,
         "predicted_samples_per_second": 12.0,
         "ranks": [{"rank": i, "batch_size": 3, "micro_batch_size": 3, "num_micro_batches": 1,
@@ -32,47 +26,8 @@ PLAN = {"global_batch_size": 6, "world_size": 2, "predicted_step_seconds": 0.5,
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if importlib.util.find_spec("mlflow.server") is None or \
-            importlib.util.find_spec("sqlalchemy") is None:
-        pytest.skip("no MLflow tracking server here: pip install 'cephalo[dev]' (mlflow)")
-    folder = tmp_path_factory.mktemp("mlflow")
-    port = free_listen_ports(1)
-    log = (folder / "server.log").open("w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
-         f"sqlite:///{folder / 'mlflow.db'}", "--default-artifact-root",
-         str(folder / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        cwd=folder, start_new_session=True)  # its own group: its uvicorn worker goes with it
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        if not _healthy(uri, server):
-            pytest.skip(f"mlflow server did not start: "
-                        f"{(folder / 'server.log').read_text()[-500:]}")
+    with running_mlflow_server(tmp_path_factory.mktemp("mlflow")) as uri:
         yield uri
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-        log.close()
-
-
-def _healthy(uri: str, server: subprocess.Popen) -> bool:
-    """Waits on the server's /health (not a sleep): True once it answers OK."""
-    import time
-
-    deadline = time.monotonic() + SERVER_START_SECONDS
-    while time.monotonic() < deadline and server.poll() is None:
-        try:
-            with urllib.request.urlopen(f"{uri}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return True
-        except OSError:
-            time.sleep(0.2)  # polling interval of the condition, not a wait for it
-    return False
 
 
 def _job(tiny_job, tracking: str) -> Path:
