@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
+from cephalo.api.job import MLFLOW_URI_PATTERN
 from cephalo.operator.lease import ElectionTiming
 from cephalo.operator.policy import (
     RESTRICTED_VOLUME_TYPES,
@@ -78,6 +80,10 @@ class OperatorConfig:
     # CEPHALO_PROBE_PORT: /healthz and /readyz of a replica under election (0: none).
     probe_port: int = 0
 
+    # CEPHALO_MLFLOW_URI (the chart's tracking.mlflowUri): the MLflow tracking server of jobs
+    # whose spec.tracking.mlflow gives no trackingUri (rank pods get MLFLOW_TRACKING_URI).
+    mlflow_uri: str = ""
+
     def job_policy(self) -> JobPolicy:
         """The job policy, parsed (checked at startup by `from_env`)."""
         return JobPolicy(parse_volume_types(self.allowed_volume_types),
@@ -121,6 +127,10 @@ class OperatorConfig:
                 parse_volume_types(values["allowed_volume_types"])
             except ValueError as err:
                 raise ValueError(f"CEPHALO_ALLOWED_VOLUME_TYPES: {err}") from None
+        uri = values.get("mlflow_uri", "")
+        if uri and not re.fullmatch(MLFLOW_URI_PATTERN, uri):
+            raise ValueError(f"CEPHALO_MLFLOW_URI={uri[:80]!r} must be an http(s) URL of an "
+                             "MLflow tracking server (or databricks), without user:password@")
         config = cls(**values)
         if config.leader_election_namespace and (problem := config.election_timing().problem()):
             raise ValueError(f"leader election: {problem}")

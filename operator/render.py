@@ -113,10 +113,23 @@ def profile_config_map_name(catalog_name: str, job: CephaloJob,
     return f"cephalo-profile-{key}"
 
 
+def _tracking_env(job: CephaloJob, config: OperatorConfig) -> list[dict[str, Any]]:
+    """MLFLOW_TRACKING_URI for a job tracked in MLflow without a trackingUri of its own: the
+    operator's default server (its credentials are the job's, from a Secret via podTemplate)."""
+    mlflow = job.spec.tracking.mlflow if job.spec.tracking is not None else None
+    if mlflow is None or mlflow.tracking_uri or not config.mlflow_uri:
+        return []
+    return [{"name": "MLFLOW_TRACKING_URI", "value": config.mlflow_uri}]
+
+
 def job_yaml(job: CephaloJob) -> str:
-    """The CephaloJob a trainer/profiler reads: only name, namespace and spec (stable bytes)."""
-    doc = {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
-           "metadata": {"name": job.metadata.name, "namespace": job.metadata.namespace},
+    """The CephaloJob a trainer/profiler reads: only name, namespace, uid (fixed for the
+    job's life: an experiment tracker finds the job's run by it) and spec (stable bytes)."""
+    meta = {"name": job.metadata.name, "namespace": job.metadata.namespace}
+    uid = (job.metadata.model_extra or {}).get("uid")
+    if uid:
+        meta["uid"] = str(uid)
+    doc = {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "metadata": meta,
            "spec": job.spec.to_wire()}
     return yaml.safe_dump(doc, sort_keys=True)
 
@@ -388,6 +401,7 @@ def render(job: CephaloJob, plan: Plan, config: OperatorConfig | None = None,
             ranks_per_pod=None if single else count, termination_log=TERMINATION_MESSAGE_PATH))
         # Known only once the API server has created the pod: the downward API gives it.
         env.append({"name": POD_UID, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}})
+        env += _tracking_env(job, config)
         labels = {LABEL_ROLE: "trainer", LABEL_RANK: str(r.rank), LABEL_ATTEMPT: str(attempt),
                   LABEL_PRODUCT: _dns_safe(pool, 63)}
         if not single:

@@ -49,6 +49,12 @@ class TrainerEnv:
     termination_log: str | None = None
     # CEPHALO_LINK_BYTES_PER_SECOND: an emulated slow network (collectives.py)
     link_bytes_per_second: float | None = None
+    # Who the job is (its CEPHALO_JOB file's metadata; uid: the operator's copy has it) and
+    # CEPHALO_RESTART_ATTEMPT: what an experiment tracker tags the run with.
+    job_name: str | None = None
+    job_namespace: str | None = None
+    job_uid: str | None = None
+    restart_attempt: int = 0
 
     @property
     def layout(self) -> Layout:
@@ -99,9 +105,10 @@ def read_env(env: Mapping[str, str] | None = None) -> TrainerEnv:
     except PlanError as err:
         raise EnvError(f"{names.PLAN} {err}") from None
     try:
-        job = load_job(raw.job).spec
+        resource = load_job(raw.job)
     except JobFileError as err:
         raise EnvError(f"{names.JOB} {err}") from None
+    job, meta = resource.spec, resource.metadata
     if plan.world_size != world_size:
         raise EnvError(f"the plan is for {plan.world_size} ranks (one batch size and shard "
                        f"ratio each) but {names.WORLD_SIZE}={world_size}; re-plan or launch "
@@ -142,7 +149,10 @@ def read_env(env: Mapping[str, str] | None = None) -> TrainerEnv:
         timeout_seconds=raw.collective_timeout_seconds or DEFAULT_COLLECTIVE_TIMEOUT_SECONDS,
         stop_after_step=raw.stop_after_step, pod_uid=raw.pod_uid,
         metrics_address=raw.metrics_address or "", termination_log=raw.termination_log,
-        link_bytes_per_second=raw.link_bytes_per_second)
+        link_bytes_per_second=raw.link_bytes_per_second,
+        job_name=meta.name, job_namespace=meta.namespace,
+        job_uid=str((meta.model_extra or {}).get("uid") or "") or None,
+        restart_attempt=raw.restart_attempt or 0)
 
 
 def _check_kept_blocks(plan: Plan, job: CephaloJobSpec) -> None:

@@ -8,7 +8,7 @@ import signal
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,10 +25,11 @@ from cephalo.trainer.env import EnvError, read_env
 from cephalo.trainer.eval import evaluator
 from cephalo.trainer.hf_weights import init_from_pretrained
 from cephalo.trainer.metrics import ProgressFile, TrainerMetrics, write_final_progress
+from cephalo.trainer.mlflow_log import RUN_ID_FILE, RunIdentity, open_mlflow
 from cephalo.trainer.precision import PrecisionError, check_precision
-from cephalo.trainer.step_log import StepLogger
+from cephalo.trainer.step_log import StepLogger, Tracker
 from cephalo.trainer.storage import CheckpointError, Store, check_shared
-from cephalo.trainer.tensorboard_log import TensorBoardLog, open_log
+from cephalo.trainer.tensorboard_log import open_log
 
 
 @dataclass
@@ -72,7 +73,7 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
           stop_requested: Callable[[], bool] | None = None,
           async_checkpoints: bool = True, recompute: bool | None = None,
           offload: bool | None = None,
-          tensorboard: TensorBoardLog | None = None,
+          trackers: Sequence[Tracker] = (),
           link_bytes_per_second: float | None = None) -> TrainOutcome:
     """Train `job` under `layout`, resuming from the newest intact checkpoint in
     `checkpoint_dir` (a shared folder or an fsspec URL; None or "" = no checkpoints at all);
@@ -86,8 +87,8 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
     `recompute`: the plan's job-wide choice (None: the engine's default, recompute).
     `offload`: this rank's plan choice for its boundary activations (None: the engine's
     default, offloaded to host on CUDA devices only). The block graph sizes the plan priced kept
-    blocks with travel in `layout` (the memory check uses this rank's). `tensorboard`: rank
-    0's event files (spec.tracking.tensorboard), written as steps are logged.
+    blocks with travel in `layout` (the memory check uses this rank's). `trackers`: rank
+    0's experiment trackers (spec.tracking: TensorBoard, MLflow), fed as steps are logged.
     `link_bytes_per_second`: emulate a network this slow (collectives.py)."""
     config = job.model.resolve()
     spec = job.training
@@ -141,7 +142,7 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
                             progress=progress, metrics=metrics,
                             wait_seconds=engine.comm.stats.wait_seconds,
                             local_rank=local_rank, verbose=verbose,
-                            tensorboard=tensorboard)
+                            trackers=trackers)
         votes = _votes(stop_requested, writer)
         while engine.step_count < last:
             step = engine.step_count
@@ -236,6 +237,11 @@ def main() -> int:
         metrics = TrainerMetrics(env.rank, port, env.plan.predicted_step_seconds,
                                  pod_uid=env.pod_uid, address=env.metrics_address)
         tensorboard = open_log(env.job.tracking, env.metrics_file, env.plan, env.rank)
+        mlflow = open_mlflow(env.job.tracking, env.job, env.plan, env.rank, RunIdentity(
+            job=env.job_name, namespace=env.job_namespace, uid=env.job_uid,
+            attempt=env.restart_attempt,
+            state_file=env.metrics_file.parent / RUN_ID_FILE if env.metrics_file else None))
+        outcome = None
         try:
             outcome = train(env.job, env.layout, env.checkpoint_dir, device=device,
                             stop_after_step=env.stop_after_step,
@@ -246,7 +252,7 @@ def main() -> int:
                             stop_requested=terminated.is_set,
                             recompute=env.plan.recompute,
                             offload=env.plan.ranks[env.rank].offload_activations,
-                            tensorboard=tensorboard,
+                            trackers=[t for t in (tensorboard, mlflow) if t is not None],
                             link_bytes_per_second=env.link_bytes_per_second)
         except MemoryLimitError as err:
             print(f"cephalo trainer (rank {env.rank}): error: {err}", file=sys.stderr,
@@ -259,6 +265,10 @@ def main() -> int:
         finally:
             if tensorboard is not None:
                 tensorboard.close()
+            if mlflow is not None:  # KILLED: stopped or failed (a later attempt resumes it)
+                mlflow.close("FINISHED" if outcome is not None and
+                             not outcome.stopped_by_signal and
+                             outcome.last_step >= env.job.training.steps else "KILLED")
         if env.rank == 0 and env.termination_log and not outcome.stopped_by_signal:
             # The operator reads it when the pod completes: its last scrape may be steps old.
             write_final_progress(env.termination_log, metrics.final_progress(outcome.last_step))

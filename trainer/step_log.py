@@ -1,7 +1,7 @@
 """What the trainer reports about its steps: a `StepLogger` that, every `interval_steps`
 steps (and at the last), turns a `StepResult` into throughput figures, Prometheus series,
-one JSON line of the progress file (and the same record as TensorBoard scalars, with
-spec.tracking.tensorboard) and a console line.
+one JSON line of the progress file (and the same record to each experiment tracker of
+spec.tracking: TensorBoard scalars, an MLflow run's metrics) and a console line.
 
 It runs no collective: every rank's timings arrive in the `StepResult`, carried by the
 engine's end-of-step all-reduce (engine.py). So logging costs a rank only its own
@@ -11,13 +11,18 @@ arithmetic and I/O, and a step that is not logged costs nothing at all.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from cephalo.trainer.engine import StepResult
 from cephalo.trainer.metrics import ProgressFile, TrainerMetrics
-from cephalo.trainer.tensorboard_log import TensorBoardLog
+
+
+class Tracker(Protocol):
+    """An experiment tracker fed rank 0's progress records (tensorboard_log, mlflow_log)."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -84,7 +89,7 @@ class StepLogger:
                  interval_steps: int = 1, progress: ProgressFile | None = None,
                  metrics: TrainerMetrics | None = None,
                  wait_seconds: Mapping[str, float] | None = None, local_rank: int = 0,
-                 verbose: bool = False, tensorboard: TensorBoardLog | None = None) -> None:
+                 verbose: bool = False, trackers: Sequence[Tracker] = ()) -> None:
         if interval_steps < 1:
             raise ValueError(f"interval_steps must be >= 1, got {interval_steps}")
         self.rank = rank
@@ -95,7 +100,7 @@ class StepLogger:
         self.total_steps = total_steps
         self.interval_steps = interval_steps
         self.progress = progress if rank == 0 else None
-        self.tensorboard = tensorboard if rank == 0 else None
+        self.trackers = list(trackers) if rank == 0 else []
         self.metrics = metrics
         self.local_rank = local_rank
         self.verbose = verbose and rank == 0
@@ -114,12 +119,12 @@ class StepLogger:
                           flops_per_sample=self.flops_per_sample)
         if self.metrics is not None:
             self.observe(result, rate, validation_loss)
-        if self.progress is not None or self.tensorboard is not None:
+        if self.progress is not None or self.trackers:
             record = progress_record(result, rate, validation_loss)
             if self.progress is not None:
                 self.progress.write(record)
-            if self.tensorboard is not None:
-                self.tensorboard.write(record)
+            for tracker in self.trackers:
+                tracker.write(record)
         if self.verbose:
             print(self.line(result, rate, validation_loss), flush=True)
 

@@ -245,13 +245,14 @@ def test_kopf_accepts_the_command_line(values: dict[str, Any]) -> None:
     assert ctx.params["clusterwide"] == (not values.get("watchNamespaces"))
 
 
-def _bumped(value: str) -> str:
+def _bumped(name: str, value: str) -> str:
     """Another valid value of the same type (a number moves towards 1, inside every range
     of cephalo.operator.config.BOUNDS that holds the value itself)."""
     if value in ("true", "false"):
         return {"true": "false", "false": "true"}[value]
-    if value == "":  # an empty list (jobPolicy.serviceAccountName.names): one name
-        return "other"
+    if value == "":  # an empty list (jobPolicy.serviceAccountName.names): one name; an
+        # optional URL left empty (tracking.mlflowUri): a valid one
+        return "http://mlflow.example:5000" if name == "CEPHALO_MLFLOW_URI" else "other"
     if "," in value:  # a list (jobPolicy.allowedVolumeTypes): one fewer
         return value.rsplit(",", 1)[0]
     if value.startswith("{"):  # a JSON object (gpuPricesPerHour): another valid one
@@ -276,7 +277,7 @@ def test_operator_env_is_exactly_its_config(values: dict[str, Any]) -> None:
     covered: set[str] = set()
     for name, value in env.items():
         changed = {f for f in fields if getattr(OperatorConfig.from_env(
-            {**env, name: _bumped(value)}), f) != getattr(base, f)}
+            {**env, name: _bumped(name, value)}), f) != getattr(base, f)}
         assert len(changed) == 1, f"{name}: OperatorConfig does not read it ({changed})"
         covered |= changed
     assert covered == fields, f"no chart value sets OperatorConfig {sorted(fields - covered)}"

@@ -36,6 +36,16 @@ def run_cephalo(cwd: Path, *args: str, timeout: float = 240) -> subprocess.Compl
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
+def run_without_module(cwd: Path, module: str, job: Path) -> subprocess.CompletedProcess:
+    """`cephalo run job` with `module` hidden from that one process (importlib finds no
+    spec for it), as on a machine without the package."""
+    code = ("import sys, importlib.util as u; real = u.find_spec; u.find_spec = lambda n, *a: "
+            f"None if n == {module!r} else real(n, *a); from cephalo.cli import main; "
+            f"sys.argv = ['cephalo', 'run', {str(job)!r}]; sys.exit(main())")
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+
+
 def trainer_pids(marker: str) -> list[int]:
     """PIDs of live trainer processes whose environment mentions `marker` (a tmp path)."""
     pids = []

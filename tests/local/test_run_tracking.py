@@ -15,7 +15,7 @@ import pytest
 
 from tests.ports import free_listen_ports
 
-from .cli_helpers import cephalo_cmd, run_cephalo
+from .cli_helpers import cephalo_cmd, run_cephalo, run_without_module
 
 pytestmark = pytest.mark.slow
 
@@ -95,17 +95,9 @@ def test_without_tracking_no_event_files_and_missing_package_is_refused(tmp_path
                                                                        tiny_job) -> None:
     """No tracking: nothing written (the same run as every other local test, which asserts
     its files); asked for without the package: one line before anything starts."""
-    import subprocess
-    import sys
-
     job = tiny_job(steps=1)
     job.write_text(job.read_text() + "  tracking: {tensorboard: true}\n")
-    # The `tensorboard` module hidden from this one process, as on a machine without it.
-    code = ("import sys, importlib.util as u; real = u.find_spec; u.find_spec = lambda n, *a: "
-            "None if n == 'tensorboard' else real(n, *a); from cephalo.cli import main; "
-            f"sys.argv = ['cephalo', 'run', {str(job)!r}]; sys.exit(main())")
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
+    done = run_without_module(tmp_path, "tensorboard", job)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "spec.tracking.tensorboard: the tensorboard package is not installed" in done.stderr
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("rank-*.log"))

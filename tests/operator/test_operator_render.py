@@ -528,3 +528,31 @@ def test_rank_and_profiler_pods_are_burstable_by_default_and_the_template_wins()
     assert _resources(pod)["limits"] == {"nvidia.com/gpu": 1, "memory": "64Gi"}
     for obj in (rank0, profiler, pod):
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_mlflow_tracking_gets_the_operators_default_server_and_the_job_uid() -> None:
+    """spec.tracking.mlflow without a trackingUri: the rank pods get the chart's
+    tracking.mlflowUri as MLFLOW_TRACKING_URI; one with its own gets none (the job's wins);
+    job.yaml carries the uid the trainer finds the job's MLflow run by across attempts."""
+    plan, config = _plan(), OperatorConfig(mlflow_uri="http://mlflow.mlflow.svc:5000")
+
+    def tracking_uris(job) -> list[str | None]:
+        _, _, *pods = render(job, plan, config)
+        return [{e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+                .get("MLFLOW_TRACKING_URI") for pod in pods]
+
+    assert tracking_uris(_job(tracking={"mlflow": {"experiment": "e"}})) == \
+        ["http://mlflow.mlflow.svc:5000"] * 3
+    assert tracking_uris(_job(tracking={"mlflow": {"experiment": "e",
+                                                   "trackingUri": "https://own:5000"}})) == \
+        [None] * 3
+    assert tracking_uris(_job()) == [None] * 3
+    cm = render(_job(), plan)[0]
+    assert yaml.safe_load(cm["data"]["job.yaml"])["metadata"]["uid"] == UID
+
+
+@pytest.mark.parametrize("uri", ["http://user:secret@mlflow:5000", "file:///mlruns", "mlflow"])
+def test_operator_refuses_an_mlflow_default_that_is_no_server_url(uri: str) -> None:
+    with pytest.raises(ValueError, match=r"CEPHALO_MLFLOW_URI=.* must be an http"):
+        OperatorConfig.from_env({"CEPHALO_MLFLOW_URI": uri})
+    assert OperatorConfig.from_env({"CEPHALO_MLFLOW_URI": ""}).mlflow_uri == ""

@@ -10,7 +10,7 @@ started from one), gpt as GPT-2; vit and bert have no Hugging Face counterpart h
 CKPT_DIR is a checkpoint root (its newest intact checkpoint is used) or one checkpoint
 folder, on local disk or object storage (an fsspec URL such as s3://bucket/prefix/ns/job,
 with the backend's usual credentials in the environment). torch is imported only when this
-command runs.
+command runs. `--mlflow` also logs the export to the job's MLflow run (spec.tracking.mlflow).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None, metavar="DIR",
                         help="--format hf: copy tokenizer files from this folder (default: "
                              "those of the pretrained model the job started from, if any)")
+    parser.add_argument("--mlflow", action="store_true",
+                        help="also log the export as the `model` artifact of the job's MLflow "
+                             "run (spec.tracking.mlflow): the run named by mlflow-run.json "
+                             "beside the checkpoint root (a `cephalo run` run directory, the "
+                             "job's folder on a checkpoint volume)")
     parser.add_argument("--force", action="store_true",
                         help="overwrite an existing --output (a file, or a folder that is not "
                              "empty)")
@@ -123,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
                 Path(store.root).resolve()):
             raise ExportError(f"--config-output {config_output} lies inside the checkpoint "
                               f"directory {root}; write it somewhere else")
+    mlflow_run = _mlflow_run_file(store.is_local, Path(store.root)) if args.mlflow else None
     try:
         info = find_latest(store)
     except OSError as err:  # credentials, missing bucket, network
@@ -135,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
         if hf and tokenizer is not None:
             check_tokenizer(tokenizer, args.tokenizer, info.config.vocab_size)
         if hf:
-            return _export_hf(info, output, max_shard_bytes, tokenizer, config_output)
+            _export_hf(info, output, max_shard_bytes, tokenizer, config_output)
+            return _log_to_mlflow(mlflow_run, output)
         state = full_state_dict(info)
     except CheckpointError as err:
         raise ExportError(str(err)) from None
@@ -147,6 +155,41 @@ def run(args: argparse.Namespace) -> int:
     numel = sum(t.numel() for t in state.values())
     print(f"exported step {info.step} of {info.path} ({len(state)} tensors, {numel:,} "
           f"parameters, {info.config.family}) to {output}")
+    return _log_to_mlflow(mlflow_run, output)
+
+
+def _mlflow_run_file(is_local: bool, root: Path) -> Path:
+    """--mlflow: the mlflow-run.json rank 0 left beside the checkpoint root (CKPT_DIR is the
+    root or one step-* folder in it); checked before anything is exported."""
+    import importlib.util
+
+    from cephalo.trainer.mlflow_log import RUN_ID_FILE
+
+    if importlib.util.find_spec("mlflow") is None:
+        raise ExportError("--mlflow: the mlflow package is not installed here; pip install "
+                          "'cephalo[tracking]'")
+    found = [folder / RUN_ID_FILE for folder in (root.parent, root.parent.parent)
+             if is_local and (folder / RUN_ID_FILE).is_file()]
+    if not found:
+        raise ExportError(f"--mlflow: no {RUN_ID_FILE} beside {root} (rank 0 writes it next "
+                          "to a local checkpoint root of a job with spec.tracking.mlflow); "
+                          "leave --mlflow out")
+    return found[0]
+
+
+def _log_to_mlflow(run_file: Path | None, output: Path) -> int:
+    if run_file is None:
+        return 0
+    from cephalo.trainer.mlflow_log import log_model
+
+    try:
+        where = log_model(run_file, output)
+    except Exception as err:  # the export is written: say why the upload failed, exit 1
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        print(f"cephalo export: error: --mlflow: logging {output} to the run of {run_file} "
+              f"failed: {first[:300]}", file=sys.stderr)
+        return 1
+    print(f"logged {output} to MLflow: {where}")
     return 0
 
 

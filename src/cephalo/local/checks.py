@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import re
 import shutil
 import socket
@@ -153,6 +154,15 @@ def check_inputs(spec: CephaloJobSpec, options: RunOptions) -> None:
             importlib.util.find_spec("tensorboard") is None:
         raise RunError("spec.tracking.tensorboard: the tensorboard package is not installed "
                        "here; pip install 'cephalo[tracking]', or drop tracking.tensorboard")
+    mlflow = spec.tracking.mlflow if spec.tracking is not None else None
+    if mlflow is not None and importlib.util.find_spec("mlflow") is None:
+        raise RunError("spec.tracking.mlflow: the mlflow package is not installed here; pip "
+                       "install 'cephalo[tracking]' (mlflow-skinny), or drop tracking.mlflow")
+    if mlflow is not None and not mlflow.tracking_uri and not os.environ.get(
+            "MLFLOW_TRACKING_URI"):
+        raise RunError("spec.tracking.mlflow: no tracking server: set "
+                       "tracking.mlflow.trackingUri (e.g. http://127.0.0.1:5000) or "
+                       "MLFLOW_TRACKING_URI")
     token = spec.data.token_file
     if token is not None and "://" in token.path:  # object storage: the ranks download it
         check_remote_file(token.path, "data.tokenFile.path")

@@ -2,11 +2,12 @@
 
 Everything lands in a run directory (default `runs/<job>/<timestamp>`): job.yaml, plan.json,
 profiles/, logs/rank-N.log, metrics.jsonl, checkpoints/, loss.png, time_breakdown.png,
-tensorboard/ (spec.tracking.tensorboard).
+tensorboard/ (spec.tracking.tensorboard), mlflow-run.json (spec.tracking.mlflow).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -215,6 +216,16 @@ def build_cluster(devices: list[LocalDevice], host_memory_bytes: int | None = No
                        if on_gpu else LOOPBACK_BANDWIDTH_BYTES_PER_SECOND)
 
 
+def _mlflow_run_url(state_file: Path) -> str | None:
+    """The MLflow UI's page of the run rank 0 logged to (trainer/mlflow_log.py's id file)."""
+    try:
+        saved = json.loads(state_file.read_text())
+        return (f"{saved['tracking_uri'].rstrip('/')}/#/experiments/"
+                f"{saved['experiment_id']}/runs/{saved['run_id']}")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def resume_command(options: RunOptions, run_dir: Path) -> str:
     """The command that continues this run: the same job, devices, plan and step override."""
     given = [("--devices", options.devices), ("--emulate", options.emulate),
@@ -403,6 +414,9 @@ def _run_in(run_dir: Path, job: CephaloJob, options: RunOptions, devices: list[L
         out("  plots       " + ", ".join(str(p) for p in plots))
     if (run_dir / "tensorboard").is_dir():  # spec.tracking.tensorboard (rank 0 wrote it)
         out(f"  tensorboard tensorboard --logdir {run_dir / 'tensorboard'}")
+    mlflow_run = _mlflow_run_url(run_dir / "mlflow-run.json")
+    if mlflow_run:  # spec.tracking.mlflow (rank 0 created or continued the run)
+        out(f"  mlflow      {mlflow_run}")
     if result.checkpoint_dir:
         out(f"  checkpoints {result.checkpoint_dir}  (export: cephalo export "
             f"{result.checkpoint_dir} --output model.pt)")
