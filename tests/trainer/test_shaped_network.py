@@ -2,7 +2,7 @@
 shaped with tc (bench/shaped_network.py), one gloo rank in each, the profiler's own
 collective measurement (trainer/profile_collectives.py) across them. The link rate the
 measurement implies is within 25 % of the rate tc shapes, at two rates: 100 and 300 Mbit/s
-(on this 2-core machine 800 Mbit/s measured 428 Mbit/s: CPU-bound, not the link)."""
+(on this 2-core machine 800 Mbit/s measured 211 Mbit/s: CPU-bound, not the link)."""
 
 from __future__ import annotations
 
