@@ -18,9 +18,10 @@ fp32 run: the largest and the mean relative per-step loss difference over all st
 fp16, the loss scale at the end and the steps the scale skipped (an overflow skips the
 optimizer step, so the curve lags fp32 by that many steps).
 
-Run: `python bench/precision_device.py --device cuda --preset gpt-1.3b --batch 8 --steps 10`
-(what `scripts/device-check.sh` runs on an H200); `--quick` is gpt-tiny for a few steps on
-CPU, in seconds (`tests/trainer/test_bench_precision_device.py`); `--json` for machines.
+Run: `python bench/precision_device.py --device cuda --preset gpt-1.3b --batch 8 --steps 8
+--output F.json` (what `scripts/device-check.sh` runs on an H200: three ~23 GB engines, the
+seeded weights drawn once); `--quick` is gpt-tiny for a few steps on CPU, in seconds
+(`tests/trainer/test_bench_precision_device.py`); `--json` prints the figures as JSON.
 """
 
 from __future__ import annotations
@@ -92,6 +93,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 seconds[p].append(time.perf_counter() - began)
             losses[p].append(result.loss)
             skipped[p] += result.skipped
+        # Progress on stderr, as it comes: a run cut short by a timeout still shows it.
+        print(f"[step {step + 1}/{args.steps}] " + ", ".join(
+            f"{p} loss {losses[p][-1]:.5f}" + (f" {seconds[p][-1]:.4f} s" if seconds[p] and
+                                               step >= args.warmup else "")
+            for p in PRECISIONS), file=sys.stderr, flush=True)
     flops_per_step = config.training_flops_per_sample() * args.batch
     median = {p: statistics.median(s) for p, s in seconds.items()}
     rows = {}
@@ -127,14 +133,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--learning-rate", type=float, default=None,
                         help="default 3e-3 with --quick (the tiny loss falls), else 3e-4")
     parser.add_argument("--quick", action="store_true",
-                        help="gpt-tiny, batch 8 in microbatches of 4, 8 steps")
+                        help="gpt-tiny, batch 8 in microbatches of 4, 8 steps, 1 warm-up "
+                        "(each where not given)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's; 1 on a shared machine)")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="also write the figures as JSON to this file")
     args = parser.parse_args(argv)
-    if args.quick:
+    if args.quick:  # its sizes, where the command line does not give its own
         for key, value in QUICK.items():
-            setattr(args, key, value)
+            if getattr(args, key) == parser.get_default(key):
+                setattr(args, key, value)
     args.micro_batch = args.micro_batch or args.batch
     args.learning_rate = args.learning_rate or (3e-3 if args.quick else 3e-4)
     for flag in ("batch", "micro_batch", "steps", "threads"):
@@ -184,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     summary = measure(args)
+    if args.output is not None:
+        args.output.write_text(json.dumps(summary, indent=1) + "\n")
     if args.json:
         print(json.dumps(summary, indent=1))
     else:
