@@ -15,9 +15,11 @@ import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "precision_device.py"
 # Largest relative per-step loss difference to fp32 allowed over the --quick run (gpt-tiny,
-# 8 steps, one device): measured 1.1e-4 for bf16 and 1.2e-5 for fp16 on CPU autocast.
-# (An fp16 rank that does not unscale its gradients measures 4.5e-2: test_precision.py.)
-LOSS_TOLERANCE = 1e-3
+# 8 steps, one device, one thread), per precision. Measured on CPU: bf16 1.1e-4, fp16
+# 1.2e-5. fp16's is tighter because AdamW and the norm clip hide a gradient scale: an fp16
+# engine that never unscales its gradients measures only 6.2e-4 here (one that does not
+# scale its loss, 1.4e-2). On a GPU (not yet measured) both are held to the looser bound.
+TOLERANCE = {"cpu": {"bf16": 1e-3, "fp16": 1e-4}, "cuda": {"bf16": 1e-3, "fp16": 1e-3}}
 
 
 def _quick(device: str) -> dict:
@@ -33,11 +35,12 @@ def _check_agreement(summary: dict) -> None:
     assert list(rows) == ["fp32", "bf16", "fp16"]
     steps = summary["steps"]
     ref = rows["fp32"]["losses"]
-    assert len(ref) == steps and min(ref[1:]) < ref[0] * (1 - 10 * LOSS_TOLERANCE)  # it learns
+    # It learns: the curve falls well beyond the tolerances.
+    assert len(ref) == steps and min(ref[1:]) < ref[0] * (1 - 1e-2)
     for p in ("bf16", "fp16"):
         r = rows[p]
         assert r["losses"] != ref  # 16-bit compute really ran
-        assert r["max_relative_loss_difference"] <= LOSS_TOLERANCE
+        assert r["max_relative_loss_difference"] <= TOLERANCE[summary["device"]][p], p
         assert 0 < r["mean_relative_loss_difference"] <= r["max_relative_loss_difference"]
     assert rows["fp32"]["max_relative_loss_difference"] == 0
     # Loss scaling is fp16's alone; the tiny model never overflows at GradScaler's 2^16.
