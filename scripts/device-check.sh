@@ -75,17 +75,42 @@ python3 -c "import json,sys; p=json.load(open(sys.argv[1])); print(p['product'],
 step "cephalo run on the GPU (NCCL)" 80 cephalo-run.log \
   cephalo run "$REPO/examples/quickstart.yaml" --devices cuda --steps 20
 
-# 5. Cephalo vs FSDP2 on one GPU, gpt-1.3b, 4 microbatches of 2 x 512 tokens: step time,
+# 5. fp32, bf16 and fp16 (dynamic loss scale) with the engine on this GPU (issue 36): gpt-1.3b,
+# batch 8 x 512 tokens, 8 steps alternated across the precisions: step time, TFLOP/s, MFU
+# against the catalog's peak per precision, loss agreement with fp32, fp16's scale and
+# skipped steps. Three ~23 GB engines; the seeded weights are drawn once (~30 s).
+step "fp32 / bf16 / fp16 on one GPU, gpt-1.3b (MFU, loss agreement)" 90 precisions.log \
+  python3 "$REPO/bench/precision_device.py" --device cuda --preset gpt-1.3b --batch 8 \
+  --steps 8 --output "$OUT/precisions-gpt-1.3b.json"
+
+# 6. Cephalo vs FSDP2 on one GPU, gpt-1.3b, 4 microbatches of 2 x 512 tokens: step time,
 # TFLOP/s, MFU and peak memory per contender. Each holds ~23 GB; the first draws the seeded
 # weights on one CPU core (~30 s).
 step "Cephalo vs FSDP2 on one GPU, gpt-1.3b, fp32" 130 fsdp2-gpt-1.3b-fp32.log \
   python3 "$REPO/bench/fsdp2.py" --device cuda --preset gpt-1.3b --rounds 3
 
-# What is left of the budget: bf16, the engine's overhead, the cost model on this GPU.
+# What is left of the budget: bf16, the engine's overhead, the cost model on this GPU, fp16
+# end to end.
 step "Cephalo vs FSDP2 on one GPU, gpt-1.3b, bf16 autocast" 90 fsdp2-gpt-1.3b-bf16.log \
   python3 "$REPO/bench/fsdp2.py" --device cuda --preset gpt-1.3b --precision bf16 --rounds 3
 step "engine overhead at GPT-1.3B scale (TFLOPS, MFU)" 90 engine-overhead.log \
   python3 "$REPO/bench/engine_overhead.py" --device cuda --preset gpt-1.3b --batch 8 --rounds 3
 step "cost-model accuracy on this GPU" 90 cost-model.log \
   python3 "$REPO/bench/cost_model.py" --device cuda --quick --presets gpt-small,llama-tiny
+# Last, as time allows: the job end to end in fp16 (its loss scale agreed over NCCL).
+cat > /tmp/quickstart-fp16.yaml <<'YAML'
+apiVersion: cephalo.dev/v1alpha1
+kind: CephaloJob
+metadata: {name: quickstart-fp16}
+spec:
+  model: {preset: gpt-small}
+  globalBatchSize: 24
+  precision: fp16
+  training: {steps: 20, learningRate: 3.0e-3, warmupSteps: 3}
+  data: {synthetic: {}}
+  planner: {profileMicroBatchSizes: [1, 2, 4, 8]}
+  checkpoint: {intervalSteps: 10}
+YAML
+step "cephalo run on the GPU in fp16 (NCCL, loss scaling)" 60 cephalo-run-fp16.log \
+  cephalo run /tmp/quickstart-fp16.yaml --devices cuda --steps 20
 log "done"
