@@ -144,9 +144,8 @@ async def _decide(ctx: JobContext, plan: Plan, offer: dict[str, int], cluster: A
         profiles.update(profiling.profiles)
         if profiling.waiting is not None:
             _record(ctx, elastic, Decision(
-                "Skip", PROFILING, f"profiling {profiling.waiting.product} before deciding: "
-                f"{_gpus(offer)} could be used, and {profiling.waiting.product} has no "
-                "profile for this model yet", 0.0, 0.0,
+                "Skip", PROFILING, f"profiling {profiling.waiting.product} before deciding "
+                "(no profile of it for this model yet; the job trains on meanwhile)", 0.0, 0.0,
                 retry_at=ctx.now + ctx.config.recheck_seconds), figures, post_event=False)
             return None
         missing = profiling.left_out

@@ -5,18 +5,16 @@ plane runs no GPU pods: the emulator is where a foreign pod can hold GPUs and en
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from cluster_sim import TrainingSim, operator_env
-from elastic_harness import ELASTIC, POOL, Sim, elastic_job, fast_nic, status_of
+from elastic_harness import ELASTIC, POOL, Sim, elastic_job, fast_nic, operated, status_of
 from kube_emulator import ApiEmulator
 from kube_fixtures import gpu_node
 from kubelet import (
     WAIT_SECONDS,
-    OperatorProcess,
     apply_job,
     apply_nodes,
     call,
@@ -43,22 +41,17 @@ async def sim_fixture(emulator: ApiEmulator, tmp_path: Path) -> AsyncIterator[Si
             "name": "main", "image": "other/train",
             "resources": {"limits": {"nvidia.com/gpu": "4"}}}]}}, "application/json")
     await set_pod(emulator, NS, FOREIGN, "Running")
-    sim = await TrainingSim(emulator, steps_per_tick=2, tick_seconds=0.05).start()
-    proc = OperatorProcess(emulator.kubeconfig, tmp_path / "operator.log",
-                           CEPHALO_NODE_DEBOUNCE_SECONDS="0.2", **operator_env(sim)).start()
-    try:
-        yield Sim(emulator, sim, proc)
-    finally:
-        await proc.stop()
-        await sim.stop()
-        print(proc.log()[-8000:])  # shown only when the test failed
+    async with operated(emulator, tmp_path) as sim:
+        yield sim
 
 
 def _decision(api: ApiEmulator) -> dict:
     return (status_of(api, "a").get("elastic") or {}).get("lastDecision") or {}
 
 
-async def test_a_pool_freed_after_planning_is_profiled_then_grown_onto(sim: Sim) -> None:
+async def _t4_freed(sim: Sim) -> None:
+    """Job a Running on the four A10Gs; then the foreign pod ends. T4 profilers run until
+    the test reads their log (or fails them)."""
     await apply_job(sim.api, elastic_job("a", 100_000, elastic=ELASTIC))
     status = await wait_for("a Running on the A10Gs with progress", lambda: (
         s if (s := status_of(sim.api, "a")).get("phase") == "Running"
@@ -66,12 +59,21 @@ async def test_a_pool_freed_after_planning_is_profiled_then_grown_onto(sim: Sim)
     assert status["plan"]["worldSize"] == 4 and not status.get("elastic")
     assert {p["spec"]["nodeSelector"]["nvidia.com/gpu.product"]
             for p in pods(sim.api, NS, "profiler", "a")} <= {POOL}
-    # The T4 profiler runs until the test has seen what the job says meanwhile.
     sim.sim.hold_profilers_until_read = True
     await set_pod(sim.api, NS, FOREIGN, "Succeeded")  # the other team's pod ends
-    profiler = await wait_for("a profiler pod on a Tesla-T4", lambda: next(
+
+
+async def _t4_profiler(sim: Sim, not_one_of: Collection[str] = ()) -> dict:
+    return await wait_for("a profiler pod running on a Tesla-T4", lambda: next(
         (p for p in pods(sim.api, NS, "profiler", "a")
-         if p["spec"]["nodeSelector"]["nvidia.com/gpu.product"] == T4), None), WAIT_SECONDS)
+         if p["spec"]["nodeSelector"]["nvidia.com/gpu.product"] == T4
+         and p["metadata"]["name"] not in not_one_of
+         and (p.get("status") or {}).get("phase") == "Running"), None), WAIT_SECONDS)
+
+
+async def test_a_pool_freed_after_planning_is_profiled_then_grown_onto(sim: Sim) -> None:
+    await _t4_freed(sim)
+    profiler = await _t4_profiler(sim)
     decision = await wait_for("a says it profiles the T4s", lambda: (
         d if "profiling Tesla-T4 before deciding" in ((d := _decision(sim.api)).get("reason")
                                                        or "") else None), WAIT_SECONDS)
@@ -96,3 +98,32 @@ async def test_a_pool_freed_after_planning_is_profiled_then_grown_onto(sim: Sim)
     assert status["plan"]["pools"] == {POOL: 4, T4: 4}, status["plan"]
     messages = [m for _, r, m in events(sim.api, "a") if r == "Profiled"]
     assert any(m.startswith(T4) for m in messages), messages
+
+
+async def test_a_pool_whose_profiler_fails_is_left_out_and_the_job_trains_on(sim: Sim) -> None:
+    await _t4_freed(sim)
+    failed: set[str] = set()
+    for _ in range(3):  # profileRetries 2: three attempts
+        name = (await _t4_profiler(sim, failed))["metadata"]["name"]
+        await set_pod(sim.api, NS, name, "Failed", exit_code=1, message="CUDA error: no device")
+        failed.add(name)
+    status = await wait_for("a leaves the T4s out", lambda: (
+        s if ((s := status_of(sim.api, "a")).get("elastic") or {}).get("lastDecision", {}).get(
+            "reasonCode") == "ProfilingFailed" else None), WAIT_SECONDS)
+    failure = status["elastic"]["profileFailures"][T4]
+    assert failure["failures"] == 1 and "CUDA error" in failure["reason"], failure
+    assert failure["retryTime"] > failure["time"], failure
+    # The job trains on, on its four A10Gs: not failed, not restarted, no new profiler.
+    assert status["phase"] == "Running" and status["plan"]["worldSize"] == 4
+    assert not status.get("restarts") and not status["elastic"].get("rescales")
+    assert all(p["metadata"]["name"] in failed or
+               p["spec"]["nodeSelector"]["nvidia.com/gpu.product"] != T4
+               for p in pods(sim.api, NS, "profiler", "a"))
+    warnings = await wait_for("the ElasticProfilingFailed event", lambda: [
+        m for t, r, m in events(sim.api, "a") if r == "ElasticProfilingFailed"], WAIT_SECONDS)
+    assert len(warnings) == 1 and "left out of elastic growth" in warnings[0], warnings
+    # The attempts are not counted against a later re-plan onto the T4s.
+    job = next(j for j in sim.api.list_objects("cephalojobs", NS, group="cephalo.dev")
+               if j["metadata"]["name"] == "a")
+    assert T4 not in (job["metadata"].get("annotations") or {}).get(
+        "cephalo.dev/profile-attempts", "{}"), job["metadata"].get("annotations")
