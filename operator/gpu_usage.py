@@ -104,6 +104,10 @@ class GpuClaims:
     """GPUs each active Cephalo job has chosen, per pool (see the module docstring)."""
 
     claims: dict[JobKey, Claim] = field(default_factory=dict)
+    # The GPU an elastic Running job's profiler measures a pool on before it decides to
+    # grow there (rescale.py): held apart from `claims`, which every pass of a planned job
+    # and every job event set to its plan's pools.
+    profilers: dict[JobKey, Claim] = field(default_factory=dict)
     namespaces: set[str] = field(default_factory=set)  # of every job seen (namespaced RBAC)
 
     def claim(self, key: JobKey, uid: str, pools: Mapping[str, int]) -> None:
@@ -112,8 +116,16 @@ class GpuClaims:
 
     def release(self, key: JobKey) -> bool:
         """Forget the job's reservation; True when it held GPUs (now free for others)."""
+        profiler = self.profilers.pop(key, None)
         claim = self.claims.pop(key, None)
-        return claim is not None and bool(claim.pools)
+        return profiler is not None or (claim is not None and bool(claim.pools))
+
+    def hold_profiler(self, key: JobKey, uid: str, pool: str) -> None:
+        """One GPU of `pool` for the job's profiler, until `release_profiler`."""
+        self.profilers[key] = Claim(uid, {pool: 1})
+
+    def release_profiler(self, key: JobKey) -> bool:
+        return self.profilers.pop(key, None) is not None
 
     def observe(self, key: JobKey, uid: str | None, status: Mapping[str, Any],
                 deleted: bool = False) -> bool:
@@ -139,7 +151,7 @@ class GpuClaims:
             p: n for p, n in sorted(pools.items()) if n > 0}
 
     def others(self, uid: str) -> list[Claim]:
-        return [c for c in self.claims.values() if c.uid != uid]
+        return [c for c in (*self.claims.values(), *self.profilers.values()) if c.uid != uid]
 
 
 def gpu_usage(pods: Iterable[dict[str, Any]], job_uid: str, claims: Iterable[Claim],
@@ -164,7 +176,11 @@ def gpu_usage(pods: Iterable[dict[str, Any]], job_uid: str, claims: Iterable[Cla
                 bound[(owner, pool)] = bound.get((owner, pool), 0) + gpus  # type: ignore[index]
         elif cephalo and (pool := (spec.get("nodeSelector") or {}).get(PRODUCT_LABEL)):
             pinned[(owner, pool)] = pinned.get((owner, pool), 0) + gpus  # type: ignore[index]
-    planned = {(c.uid, pool): n for c in claims if c.uid != job_uid for pool, n in c.pools.items()}
+    planned: dict[tuple[str, str], int] = {}  # a job's claim and its profiler's add up
+    for c in claims:
+        for pool, n in c.pools.items():
+            if c.uid != job_uid:
+                planned[(c.uid, pool)] = planned.get((c.uid, pool), 0) + n
     reserved: dict[str, int] = {}
     for owner, pool in sorted(set(planned) | set(pinned)):
         waiting = max(planned.get((owner, pool), 0) - bound.get((owner, pool), 0),

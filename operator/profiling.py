@@ -70,21 +70,11 @@ async def profile(ctx: JobContext, pools: list[Pool]) -> dict[str, GpuProfile] |
     profiles, missing = await cached_profiles(ctx, pools)
     if not missing:
         return profiles
-    job = ctx.job
-    spec_cm = render_spec_config_map(job)
-    existing, _ = await ctx.kube.create(core_path(ctx.namespace, "configmaps"), spec_cm)
-    if not owned_by(existing, ctx.uid):  # an older job's: deleted, created again next pass
-        await ctx.kube.delete(core_path(ctx.namespace, "configmaps", existing["metadata"]["name"]),
-                              existing["metadata"]["uid"])
-        raise not_owned(existing)
-    if existing.get("data") != spec_cm["data"]:  # the spec changed while profiling
-        await ctx.kube.patch(core_path(ctx.namespace, "configmaps", spec_cm["metadata"]["name"]),
-                             {"data": spec_cm["data"]})
-    attempts: dict[str, int] = json.loads(
-        (ctx.body["metadata"].get("annotations") or {}).get(ANNOTATION_PROFILE_ATTEMPTS, "{}"))
+    await ensure_spec_config_map(ctx)
+    attempts = profile_attempts(ctx)
     waiting: list[str] = []
     for pool in missing:
-        done = await _profile_one(ctx, pool, attempts)
+        done = await profile_one(ctx, pool, attempts)
         if done is None:
             waiting.append(f"{pool.product} (attempt {attempts.get(pool.product, 0) + 1}/"
                            f"{ctx.config.profile_retries + 1})")
@@ -97,7 +87,35 @@ async def profile(ctx: JobContext, pools: list[Pool]) -> dict[str, GpuProfile] |
     return profiles
 
 
-async def _profile_one(ctx: JobContext, pool: Pool, attempts: dict[str, int]) -> GpuProfile | None:
+async def ensure_spec_config_map(ctx: JobContext) -> None:
+    """The job's spec ConfigMap, which its profiler pods read, as the spec is now."""
+    spec_cm = render_spec_config_map(ctx.job)
+    existing, _ = await ctx.kube.create(core_path(ctx.namespace, "configmaps"), spec_cm)
+    if not owned_by(existing, ctx.uid):  # an older job's: deleted, created again next pass
+        await ctx.kube.delete(core_path(ctx.namespace, "configmaps", existing["metadata"]["name"]),
+                              existing["metadata"]["uid"])
+        raise not_owned(existing)
+    if existing.get("data") != spec_cm["data"]:  # the spec changed while profiling
+        await ctx.kube.patch(core_path(ctx.namespace, "configmaps", spec_cm["metadata"]["name"]),
+                             {"data": spec_cm["data"]})
+
+
+def profile_attempts(ctx: JobContext) -> dict[str, int]:
+    """Failed profiler attempts per product, as the job's annotation counts them."""
+    attempts: dict[str, int] = json.loads(
+        (ctx.body["metadata"].get("annotations") or {}).get(ANNOTATION_PROFILE_ATTEMPTS, "{}"))
+    return attempts
+
+
+async def save_attempts(ctx: JobContext, attempts: dict[str, int]) -> None:
+    await ctx.kube.patch(job_path(ctx.namespace, ctx.name), {"metadata": {"annotations": {
+        ANNOTATION_PROFILE_ATTEMPTS: json.dumps(attempts, sort_keys=True)}}})
+
+
+async def profile_one(ctx: JobContext, pool: Pool, attempts: dict[str, int]) -> GpuProfile | None:
+    """The pool's profile once its profiler pod succeeded; None while it runs (created
+    here when there is none). A failed attempt is counted in `attempts` (and the job's
+    annotation) and retried; raises ProfilingFailed after profile_retries retries."""
     job, product = ctx.job, pool.product
     attempt = attempts.get(product, 0)
     pods_path = core_path(ctx.namespace, "pods")
@@ -144,8 +162,7 @@ async def _profile_one(ctx: JobContext, pool: Pool, attempts: dict[str, int]) ->
     if problem is None:
         return None
     attempts[product] = attempt + 1
-    await ctx.kube.patch(job_path(ctx.namespace, ctx.name), {"metadata": {"annotations": {
-        ANNOTATION_PROFILE_ATTEMPTS: json.dumps(attempts, sort_keys=True)}}})
+    await save_attempts(ctx, attempts)
     await ctx.kube.delete(f"{pods_path}/{name}")
     if attempt + 1 > ctx.config.profile_retries:
         raise ProfilingFailed(f"profiling {product} failed {attempt + 1} time(s); last: {problem}")
@@ -182,4 +199,5 @@ async def delete_profilers(ctx: JobContext) -> int:
     return len(pods)
 
 
-__all__ = ["ProfilingFailed", "delete_profilers", "profile"]
+__all__ = ["ProfilingFailed", "delete_profilers", "ensure_spec_config_map", "profile",
+           "profile_attempts", "profile_one", "save_attempts"]

@@ -7,12 +7,13 @@ as its pools, spec.maxGpus and elastic.maxGpus allow. When some pool offers more
 plan uses and that offer was not decided on already, the job *claims* the whole offer
 (CLAIMS, before its first await: two elastic jobs, or an elastic job and a job waiting for
 GPUs, never both plan on the same free GPUs; the first pass to look wins, and jobs are woken
-oldest first), plans on it with the cached profiles (pools not profiled yet are left out:
-profiling would hold GPUs while the job runs) and decides. A rescale keeps the claim and
-returns the new plan, which reconcile adopts: the old ranks are stale, train() drains them
-through SIGTERM (a checkpoint at the next step boundary, exit 143; no restart, failure or
-preemption counted) and starts the new plan's ranks, which resume from that checkpoint
-under the new sharding. A skip gives the claim back.
+oldest first), plans on it with the cached profiles and decides. A pool without a cached
+profile (its GPUs were busy when the job planned) is profiled first, on one of its GPUs
+while the job trains on (elastic_profiling.py); the decision waits for it. A rescale keeps
+the claim and returns the new plan, which reconcile adopts: the old ranks are stale,
+train() drains them through SIGTERM (a checkpoint at the next step boundary, exit 143; no
+restart, failure or preemption counted) and starts the new plan's ranks, which resume from
+that checkpoint under the new sharding. A skip gives the claim back.
 
 Status (`status.elastic`): the last decision with its figures, rescales, the last rescale's
 time (the cooldown's start), and the restart cost as measured: from the drain (the rescale
@@ -41,6 +42,7 @@ from cephalo.operator.elastic import (
     restart_cost,
     should_evaluate,
 )
+from cephalo.operator.elastic_profiling import FAILURES, profile_missing
 from cephalo.operator.gang_timeout import unscheduled, unscheduled_reason
 from cephalo.operator.gpu_usage import CLAIMS, free_pools
 from cephalo.operator.kube import core_path
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cephalo.operator")
 NOT_ADMITTED = "NotAdmitted"
+PROFILING = "Profiling"  # a pool freed since the job planned is profiled before deciding
 # status.elastic fields of a rescale in progress, all cleared when it ends or rolls back
 IN_PROGRESS = ("rescaleStartedTime", "rescaleFromStep", "rescaleFromGpus",
                "rescaleLaunchedTime")
@@ -135,13 +138,32 @@ async def _decide(ctx: JobContext, plan: Plan, offer: dict[str, int], cluster: A
             f"restarts from the last checkpoint and {storage.message}", 0.0, 0.0), figures)
         return None
     profiles, missing = await cached_profiles(ctx, pools)
-    if missing:  # profiling would hold GPUs while the job runs: plan on the profiled ones
+    if missing:  # a pool freed since the job planned: profile it first (issue 39 item 1)
+        before = dict(elastic)
+        profiling = await profile_missing(ctx, missing, elastic)
+        profiles.update(profiling.profiles)
+        if profiling.waiting is not None:
+            _record(ctx, elastic, Decision(
+                "Skip", PROFILING, f"profiling {profiling.waiting.product} before deciding "
+                "(no profile of it for this model yet; the job trains on meanwhile)", 0.0, 0.0,
+                retry_at=ctx.now + ctx.config.recheck_seconds), figures, post_event=False)
+            return None
+        missing = profiling.left_out
+        if elastic != before:
+            ctx.record(elastic=elastic)  # a profiling failure recorded
+    if missing:  # profiling failed there: plan on the profiled pools, look again later
         names = {p.product for p in missing}
         cluster = cluster.model_copy(update={"groups": [
             g for g in cluster.groups if (g.pool or g.product) not in names]})
         pools = [p for p in pools if p.product not in names]
         offer = {g.pool or g.product: g.count for g in cluster.groups}
         if not offers_more(plan_pools(plan), offer):
+            retry = min(parse_time(((elastic.get(FAILURES) or {}).get(p.product) or {}).get(
+                "retryTime")) or ctx.now for p in missing)
+            _record(ctx, elastic, Decision(
+                "Skip", "ProfilingFailed", f"profiling {', '.join(sorted(names))} failed "
+                f"(status.elastic.{FAILURES}); it is tried again after a backoff", 0.0, 0.0,
+                retry_at=max(retry, ctx.now + ctx.config.recheck_seconds)), figures)
             return None
         figures["freeGpus"] = dict(sorted(offer.items()))
     try:
@@ -209,7 +231,7 @@ def _record(ctx: JobContext, elastic: dict[str, Any], decision: Decision,
                       "the next step boundary and resume from its checkpoint")
         else:
             ctx.event("Normal", "RescaleSkipped", f"not rescaling: {decision.reason}")
-    if decision.verdict != "Rescale":
+    if decision.verdict != "Rescale" and decision.code != PROFILING:  # counted once decided
         ctx.after_write(lambda: _count(metrics.RESCALE_SKIPS, ctx))
     ctx.record(elastic={**elastic, "lastDecision": entry})
 

@@ -209,6 +209,7 @@ async def _report(ctx: JobContext, plan: Plan, states: list[PodState]) -> None:
             SUCCEEDED: ("True", "Completed", message),
             RUNNING: ("False", "Completed", message)}, completionTime=now_iso(ctx.now),
             **last)
+        await stop_unfinished(ctx)  # a profiler of a pool the job might have grown onto
         return
     if all(s.phase in (PodPhase.RUNNING, PodPhase.SUCCEEDED) for s in states):
         fields: dict[str, Any] = {}
@@ -300,9 +301,12 @@ async def _count(counter: Any, ctx: JobContext) -> None:
 
 
 async def stop_unfinished(ctx: JobContext) -> None:
-    """Free the GPUs of ranks still waiting on a failed gang; keep finished pods for logs."""
+    """Free the GPUs of ranks still waiting on a failed gang, and of a profiler still
+    measuring a pool for elastic growth (elastic_profiling.py) when the job finished; keep
+    finished pods for logs."""
     pods_path = core_path(ctx.namespace, "pods")
-    for pod in await ctx.kube.list(pods_path, f"{LABEL_JOB}={ctx.name},{LABEL_ROLE}=trainer"):
+    for pod in await ctx.kube.list(pods_path, f"{LABEL_JOB}={ctx.name},"
+                                   f"{LABEL_ROLE} in (trainer,profiler)"):
         if (owned_by(pod, ctx.uid) and pod_state(pod).phase not in POD_DONE
                 and not pod["metadata"].get("deletionTimestamp")):
             await ctx.kube.delete(f"{pods_path}/{pod['metadata']['name']}",

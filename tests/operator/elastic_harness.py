@@ -6,6 +6,7 @@ of the jobs' status."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,14 @@ async def sim_fixture(emulator: ApiEmulator, tmp_path: Path) -> AsyncIterator[Si
     await apply_nodes(emulator, [fast_nic(gpu_node("a10g-0", POOL, 4, 23028)),
                                  fast_nic(gpu_node("a10g-1", POOL, 4, 23028, ready=False)),
                                  gpu_node("cpu-0", None, 0)])
+    async with operated(emulator, tmp_path) as sim:
+        yield sim
+
+
+@asynccontextmanager
+async def operated(emulator: ApiEmulator, tmp_path: Path) -> AsyncIterator[Sim]:
+    """The sim and the operator process on the emulator's nodes; the operator's RBAC checked
+    when they stop."""
     sim = await TrainingSim(emulator, steps_per_tick=2, tick_seconds=0.05).start()
     proc = OperatorProcess(emulator.kubeconfig, tmp_path / "operator.log",
                            CEPHALO_NODE_DEBOUNCE_SECONDS="0.2", **operator_env(sim)).start()

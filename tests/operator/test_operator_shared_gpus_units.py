@@ -87,6 +87,27 @@ def test_terminal_pods_and_own_pods_do_not_count() -> None:
 
 
 # ---- other Cephalo jobs' plans ----------------------------------------------------------------
+def test_a_growing_jobs_profiler_gpu_stays_held_whatever_its_claim_becomes() -> None:
+    """Issue 39 item 1: an elastic job profiling a freed pool holds one GPU of it for the
+    profiler, apart from its claim (which every pass and job event set to its plan)."""
+    nodes = [gpu_node("a", "NVIDIA-A10G", 4), gpu_node("t", "Tesla-T4", 4)]
+    claims = GpuClaims()
+    claims.claim(("ns", "b"), "uid-b", {"NVIDIA-A10G": 4})
+    claims.hold_profiler(("ns", "b"), "uid-b", "Tesla-T4")
+    claims.claim(("ns", "b"), "uid-b", {"NVIDIA-A10G": 4, "Tesla-T4": 2})  # b's offer claimed
+    usage = gpu_usage([], "uid-a", claims.others("uid-a"), nodes)
+    assert usage.reserved_by_pool == {"NVIDIA-A10G": 4, "Tesla-T4": 3}  # claim + profiler
+    claims.observe(("ns", "b"), "uid-b", {"phase": "Running", "plan": {"pools": {
+        "NVIDIA-A10G": 4}}, "conditions": [{"type": "Planned", "status": "True"}]})
+    usage = gpu_usage([], "uid-a", claims.others("uid-a"), nodes)
+    assert usage.reserved_by_pool == {"NVIDIA-A10G": 4, "Tesla-T4": 1}
+    assert gpu_usage([], "uid-b", claims.others("uid-b"), nodes).reserved_by_pool == {}
+    assert claims.release_profiler(("ns", "b")) and not claims.release_profiler(("ns", "b"))
+    claims.hold_profiler(("ns", "b"), "uid-b", "Tesla-T4")
+    assert claims.observe(("ns", "b"), "uid-b", {"phase": "Succeeded"})  # finished: all freed
+    assert claims.others("uid-a") == []
+
+
 def test_planned_but_unbound_gpus_of_other_jobs_are_reserved_once() -> None:
     nodes = [gpu_node("a", "NVIDIA-A10G", 4), gpu_node("t", "Tesla-T4", 4)]
     other = Claim("uid-b", {"NVIDIA-A10G": 3, "Tesla-T4": 1})

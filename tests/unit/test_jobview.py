@@ -103,6 +103,24 @@ def test_cephalo_status_counts_rolled_back_rescales() -> None:
                              "NVIDIA-A10G x8: the 8-GPU gang was not scheduled")
 
 
+def test_cephalo_status_says_a_freed_pool_is_profiled_and_a_failed_one_left_out() -> None:
+    from cephalo.commands.jobview import elastic_lines
+
+    body = _job(phase="Running", elastic={
+        "lastDecision": {"time": "2026-12-04T11:05:20Z", "verdict": "Skip",
+                         "reasonCode": "Profiling", "freeGpus": {"NVIDIA-A10G": 4,
+                                                                 "Tesla-T4": 4},
+                         "reason": "profiling Tesla-T4 before deciding"},
+        "profileFailures": {"NVIDIA-L4": {"failures": 2, "retryTime": "2026-12-04T11:25:20Z",
+                                          "reason": "profiler pod x failed"}}})
+    body["spec"]["elastic"] = {"enabled": True}
+    assert elastic_lines(job_from(body))[1:] == [
+        "  2026-12-04T11:05:20Z not decided yet; could use NVIDIA-A10G x4, Tesla-T4 x4: "
+        "profiling Tesla-T4 before deciding",
+        "  profiling NVIDIA-L4 failed 2 time(s) in a row; left out until 2026-12-04T11:25:20Z: "
+        "profiler pod x failed"]
+
+
 def test_cephalo_status_shows_the_last_calibration() -> None:
     from cephalo.commands.jobview import job_details, replan_lines
 

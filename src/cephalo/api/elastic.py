@@ -62,7 +62,8 @@ class RescaleDecision(StatusModel):
     reason: str | None = Field(default=None, description="Why, in one sentence.")
     reason_code: str | None = Field(default=None, description=(
         "Rescale, GainBelowMinimum, SavingBelowRestartCost, Cooldown, NotDurable, "
-        "PlanningFailed, NoProgress, NotAdmitted (a rescale rolled back)."))
+        "PlanningFailed, NoProgress, NotAdmitted (a rescale rolled back), Profiling (a "
+        "pool freed since the job planned is profiled before deciding), ProfilingFailed."))
     free_gpus: dict[str, int] | None = Field(default=None, description=(
         "GPUs per pool the job could use then (its own and the free ones)."))
     current_gpus: int | None = None
@@ -83,6 +84,18 @@ class RescaleDecision(StatusModel):
         "When the same offer is looked at again (after a cooldown)."))
 
 
+class PoolProfileFailure(StatusModel):
+    """A pool whose profiling for elastic growth failed every attempt: left out until
+    retryTime."""
+
+    failures: int | None = Field(default=None, description="Times in a row it failed.")
+    time: str | None = Field(default=None, description="When it last failed.")
+    retry_time: str | None = Field(default=None, description=(
+        "When the pool is profiled again (cooldownSeconds, doubled with each failure, at "
+        "most a day)."))
+    reason: str | None = Field(default=None, description="The last failure.")
+
+
 class ElasticStatus(StatusModel):
     """What elastic scaling did: rescales, the last decision, measured restart costs."""
 
@@ -93,6 +106,9 @@ class ElasticStatus(StatusModel):
         "rescaleTimeoutSeconds, and the job went back to the GPUs it had."))
     last_rescale_time: str | None = None
     last_decision: RescaleDecision | None = None
+    profile_failures: dict[str, PoolProfileFailure] | None = Field(default=None, description=(
+        "Pools (by product) whose profiling before a growth failed: left out of elastic "
+        "offers until their retryTime; the job trains on."))
     restart_seconds: list[float] | None = Field(default=None, max_length=16, description=(
         "Measured seconds from a rescale's drain to the first step of the new plan "
         "(newest last)."))

@@ -153,8 +153,12 @@ def elastic_lines(job: Job) -> list[str]:
     d = status.last_decision if status else None
     if d is not None and d.verdict:
         free = ", ".join(f"{p} x{n}" for p, n in sorted((d.free_gpus or {}).items())) or "-"
-        verdict = "rescaled" if d.verdict == "Rescale" else f"not rescaled ({d.reason_code})"
+        verdict = "rescaled" if d.verdict == "Rescale" else "not decided yet" if \
+            d.reason_code == "Profiling" else f"not rescaled ({d.reason_code})"
         lines.append(f"  {d.time or ''} {verdict}; could use {free}: {d.reason}")
+    for product, f in sorted(((status.profile_failures if status else None) or {}).items()):
+        lines.append(f"  profiling {product} failed {f.failures or 0} time(s) in a row; left "
+                     f"out until {f.retry_time or '-'}: {f.reason or ''}")
     return lines
 
 
