@@ -168,7 +168,10 @@ def test_validation_loss_reaches_the_progress_file_and_prometheus(tmp_path: Path
     assert 'cephalo_validation_loss{rank="0"} 2.75' in page
     # What the operator makes of this page: status.progress.validationLoss.
     found = parse_progress_checked(page)
-    assert found == {"step": 1, "loss": 3.0, "samplesPerSecond": 8.0, "validationLoss": 2.75}
+    # (the second logged step is the first timed one: the first is left out as a warm-up)
+    assert found == {"step": 1, "loss": 3.0, "samplesPerSecond": 8.0, "validationLoss": 2.75,
+                     "timing": {"steps": 1, "stepSeconds": 0.5, "computeSeconds": [0.4],
+                                "waitSeconds": [0.0]}}
     assert Progress.model_validate(found).validation_loss == 2.75
     assert "validationLoss" not in parse_progress_checked(
         page.replace("cephalo_validation_loss", "other_gauge"))
