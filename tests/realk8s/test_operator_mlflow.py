@@ -19,7 +19,8 @@ from .cluster import Cluster
 from .operator_run import JOB_SECONDS, JOBS, Operator, phases_until, tiny_job
 from .rest import wait_until
 
-STEPS = 400  # long enough that the kill lands mid-training on two shared cores
+STEPS = 200  # long enough that the kill lands mid-training on two shared cores (it lands
+# within seconds of the first logged step; 400 took 216 s of a 15-minute suite)
 
 
 @pytest.fixture(scope="module")
