@@ -10,8 +10,14 @@ for the collectives, is solved again on the GPUs the job holds. When that plan i
 least `minGain` faster than the current one under the same calibration, and the seconds it
 saves over the remaining steps exceed the restart cost, it is adopted through the rescale path
 (counted in status.elastic.rescales; the old ranks drain to a checkpoint and the new ones resume
-from it), with an Event `Replanned` naming the measured and predicted figures. Never in a loop:
-a plan is calibrated once, and a re-plan's new plan only after its own gang's timed steps.
+from it), with an Event `Replanned` naming the measured and predicted figures.
+
+Never in a loop: a plan is calibrated once; the first calibration after a re-plan checks what
+the re-plan delivered (the step measured now against the one measured before it), and a gain
+short of `minGain` stops re-planning for the job (status.replan.stopped, Event
+`ReplanStopped`): the corrected model did not hold, so nothing more is planned from it. A
+noisy or unmodelled cluster (ranks that are not the GPUs profiled) would otherwise re-plan on
+every calibration, each promising a gain that never comes. `maxReplans` bounds them all.
 
 A measured throughput under half the prediction that no re-plan fixes is reported: condition
 `PredictionOff` True and a Warning Event, with what the calibration found.
@@ -60,14 +66,26 @@ async def consider(ctx: JobContext, nodes: list[dict[str, Any]],
     state: dict[str, Any] = dict(ctx.decided("replan") or {})
     if (state.get("lastCalibration") or {}).get("planHash") == plan_hash:
         return None  # once per plan
-    held = await rescale.held_inputs(ctx, nodes, rescale.plan_pools(plan), "re-plan")
-    if held is None:
-        return None
     measured = Measured(float(timing["stepSeconds"]), compute, wait)
     entry: dict[str, Any] = {"time": now_iso(ctx.now), "planHash": plan_hash,
                              "step": int(step), "measuredStepSeconds": measured.step_seconds,
                              "predictedStepSeconds": plan.predicted_step_seconds,
                              "currentGpus": plan.world_size}
+    gain = delivered_gain(state, measured.step_seconds)
+    if gain is not None:
+        entry["measuredGain"] = round(gain, 4)
+    stop = replan_stop(state, gain, replan.min_gain, replan.max_replans)
+    if stop is not None:
+        code, why = stop
+        if code == "ReplanDidNotPay" and not state.get("stopped"):
+            state["stopped"] = why
+            ctx.event("Warning", "ReplanStopped", why)
+            log.info("%s/%s: re-planning stops: %s", ctx.namespace, ctx.name, why)
+        _finish(ctx, state, plan, measured, entry, "Keep", code, why)
+        return None
+    held = await rescale.held_inputs(ctx, nodes, rescale.plan_pools(plan), "re-plan")
+    if held is None:
+        return None
     try:  # pure numpy, bounded by one plan's size; off the event loop all the same
         cal = await asyncio.to_thread(recalibrate, spec, held.cluster, held.profiles, plan,
                                       measured)
@@ -125,6 +143,39 @@ async def consider(ctx: JobContext, nodes: list[dict[str, Any]],
     return rescale.Growth(candidate, [p for p in held.pools if p.product in used], storage)
 
 
+def delivered_gain(state: dict[str, Any], measured_step_seconds: float) -> float | None:
+    """What the last re-plan delivered, when this is the first calibration since it (the
+    last one re-planned): throughput now over throughput before, minus 1. Steps carry the
+    same global batch before and after, so step times compare directly."""
+    last = state.get("lastCalibration") or {}
+    before = last.get("measuredStepSeconds")
+    if last.get("verdict") != "Replan" or not before or measured_step_seconds <= 0:
+        return None
+    return float(before) / measured_step_seconds - 1.0
+
+
+def replan_stop(state: dict[str, Any], gain: float | None, min_gain: float,
+                max_replans: int) -> tuple[str, str] | None:
+    """(reason code, why) when this job must not re-plan again; None when it may."""
+    if state.get("stopped"):
+        return "ReplanStopped", str(state["stopped"])
+    if gain is not None and gain < min_gain:
+        last = state.get("lastCalibration") or {}
+        calibrated, candidate = last.get("calibratedStepSeconds"), last.get("candidateStepSeconds")
+        promised = (f"predicted {calibrated / candidate - 1:+.0%}, "
+                    if calibrated and candidate else "")
+        return "ReplanDidNotPay", (
+            f"the last re-plan was {promised}measured {gain:+.0%} ("
+            f"{last.get('measuredStepSeconds', 0.0):.3g} s per step before it), short of "
+            f"minGain {min_gain:.0%}: the corrected model does not hold on these GPUs, so "
+            "this job re-plans no more from it")
+    replans = int(state.get("replans") or 0)
+    if replans >= max_replans:
+        return "ReplanLimit", (f"{replans} re-plan(s) made, spec.planner.replan.maxReplans is "
+                               f"{max_replans}")
+    return None
+
+
 def _figures(cal: Calibration) -> dict[str, Any]:
     return {"calibratedStepSeconds": cal.calibrated_step_seconds,
             "computeScale": {k: round(v, 4) for k, v in sorted(cal.compute_scale.items())},
@@ -163,4 +214,4 @@ def _finish(ctx: JobContext, state: dict[str, Any], plan: Plan, measured: Measur
     ctx.condition(PREDICTION_OFF, *off)
 
 
-__all__ = ["PREDICTION_OFF", "consider"]
+__all__ = ["PREDICTION_OFF", "consider", "delivered_gain", "replan_stop"]

@@ -5,7 +5,9 @@ On by default. Once a plan's gang has logged `afterSteps` timed steps, the opera
 recalibrates the cost model from the measured step time and every rank's compute / waiting
 split (cephalo.planner.recalibrate), solves again on the GPUs the job holds, and re-plans
 through the rescale path when the new plan is predicted at least `minGain` faster and the
-seconds it saves over the remaining steps exceed the restart cost. One calibration per plan.
+seconds it saves over the remaining steps exceed the restart cost. One calibration per plan;
+a re-plan whose measured gain falls short of `minGain` stops re-planning for the job, and
+`maxReplans` bounds them all.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ class ReplanSpec(CamelModel):
         default=DEFAULT_RESTART_COST_SECONDS, ge=0, le=86_400, description=(
             "What a re-plan's restart is assumed to cost until this job measured one (then "
             "the largest of its measured restarts counts, as for spec.elastic)."))
+    max_replans: int = Field(default=3, ge=0, le=1000, description=(
+        "Re-plans from measurements a job makes at most (0: calibrate and report, never "
+        "re-plan). Re-planning also stops at the first re-plan whose measured gain falls "
+        "short of minGain."))
 
 
 class StepTiming(StatusModel):
@@ -80,6 +86,9 @@ class Calibration(StatusModel):
     network_latency_microseconds: float | None = None
     explained: bool | None = Field(default=None, description=(
         "The recalibrated model reproduces the measured step (within 10 %)."))
+    measured_gain: float | None = Field(default=None, description=(
+        "The first calibration after a re-plan: the throughput measured now over the one "
+        "measured before the re-plan, minus 1 (what the re-plan delivered)."))
     verdict: str | None = Field(default=None, description="Replan or Keep.")
     reason_code: str | None = None
     reason: str | None = Field(default=None, description="Why, in one sentence.")
@@ -94,3 +103,6 @@ class ReplanStatus(StatusModel):
         "The last calibration (of the current plan, once its gang has timed steps)."))
     last_replan: Calibration | None = Field(default=None, description=(
         "The calibration that caused the last re-plan."))
+    stopped: str | None = Field(default=None, description=(
+        "Why this job re-plans no more (a re-plan measured short of its gain); unset while "
+        "it may."))
