@@ -80,6 +80,16 @@ class OperatorConfig:
     # CEPHALO_PROBE_PORT: /healthz and /readyz of a replica under election (0: none).
     probe_port: int = 0
 
+    # The network probe (operator/netprobe.py; the chart's networkProbe): CEPHALO_NETWORK_
+    # PROBE measures the links between the job's GPUs before it is planned (off: plan with
+    # node labels or the default); a measurement is reused until CEPHALO_NETWORK_PROFILE_MAX_
+    # AGE_SECONDS old; a probe not done within CEPHALO_NETWORK_PROBE_TIMEOUT_SECONDS of its
+    # creation (pending, or a node that cannot reach the other) is given up: the job plans
+    # without it and says so.
+    network_probe: bool = True
+    network_profile_max_age_seconds: float = 7 * 86400.0
+    network_probe_timeout_seconds: float = 300.0
+
     # CEPHALO_MLFLOW_URI (the chart's tracking.mlflowUri): the MLflow tracking server of jobs
     # whose spec.tracking.mlflow gives no trackingUri (rank pods get MLFLOW_TRACKING_URI).
     mlflow_uri: str = ""
@@ -183,6 +193,8 @@ BOUNDS: dict[str, tuple[float, bool, float | None]] = {
     "renew_deadline_seconds": (0, False, 3600),
     "retry_period_seconds": (0, False, 3600),
     "probe_port": (0, True, 65535),
+    "network_profile_max_age_seconds": (0, False, None),
+    "network_probe_timeout_seconds": (0, False, None),
 }
 
 

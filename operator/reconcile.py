@@ -22,8 +22,9 @@ from typing import Any
 import kopf
 
 from cephalo.api import CephaloJob, ClusterSpec, JobFileError, Plan, parse_job
+from cephalo.api.network_profile import with_measured_network
 from cephalo.api.plan import PlanError, parse_plan
-from cephalo.operator import metrics, replan, rescale
+from cephalo.operator import metrics, netprobe, replan, rescale
 from cephalo.operator.config import OperatorConfig
 from cephalo.operator.context import JobContext, _replacing  # noqa: F401 (tests use it)
 from cephalo.operator.discovery import (
@@ -69,7 +70,8 @@ from cephalo.operator.status import (
     parse_time,
 )
 from cephalo.operator.training import stop_unfinished, train
-from cephalo.planner.report import plural
+from cephalo.planner.report import ASSUMED_NETWORK_HINT, plural
+from cephalo.planner.topology import ASSUMED
 
 log = logging.getLogger("cephalo.operator")
 
@@ -285,6 +287,12 @@ async def _plan(ctx: JobContext, nodes: list[dict[str, Any]]) -> Plan | None:
     if profiles is None:
         ctx.wake_in(ctx.config.recheck_seconds)
         return None
+    # The links between the GPUs, measured on the cluster (cached), after the profiles: a
+    # probe would share the GPUs with a profiler.
+    measured = await netprobe.measure(ctx, cluster, pools)
+    if measured is None:
+        return None  # a probe runs: measure() woke the job to look again soon
+    cluster = with_measured_network(cluster, measured)
     await ctx.write_status(JobPhase.PLANNING, f"planning on {found}", {
         GPUS_AVAILABLE: ("True", "GpusFound", found),
         "Profiled": ("True", "Profiled", f"profiles for {', '.join(sorted(profiles))}")})
@@ -302,6 +310,7 @@ async def _plan(ctx: JobContext, nodes: list[dict[str, Any]]) -> Plan | None:
     finally:
         metrics.PLANNING_SECONDS.observe(time.perf_counter() - started)
     await delete_profilers(ctx)
+    await netprobe.delete_probes(ctx)
     return await _adopt(ctx, plan, pools, storage)
 
 
@@ -334,6 +343,13 @@ async def _adopt(ctx: JobContext, plan: Plan, pools: list[Pool],
     message = f"{plural(plan.world_size, 'GPU')} ({used}), predicted {predicted:.1f} " \
         f"samples/s, {even}"
     ctx.event("Normal", "Planned", message)
+    if plan.world_size > 1 and summary.get("networkSource") == ASSUMED:
+        ctx.event("Warning", "NetworkAssumed", (
+            f"the plan prices its collectives over an assumed network "
+            f"({summary.get('networkGbps', 0):.3g} Gbit/s per GPU), not a measured one: "
+            f"{ASSUMED_NETWORK_HINT}; or let the operator measure it (the chart's "
+            "operator.networkProbe, on by default; condition NetworkMeasured says why it "
+            "did not)"))
     if not storage.durable:
         ctx.event("Warning", "CheckpointsNotDurable", storage.message)
     await ctx.write_status(JobPhase.PENDING, "plan ready; starting ranks", {
@@ -351,6 +367,12 @@ def _summary(ctx: JobContext, plan: Plan) -> dict[str, Any]:
                                "predictedSamplesPerSecond": plan.predicted_samples_per_second,
                                "configMap": plan_config_map_name(ctx.job),
                                "pools": dict(sorted(pools.items()))}
+    source = plan.assumptions.get("network_source")
+    bandwidth = plan.assumptions.get("network_bandwidth_bytes_per_second")
+    if isinstance(source, str) and plan.world_size > 1:
+        summary["networkSource"] = source[:256]
+        if isinstance(bandwidth, int | float):
+            summary["networkGbps"] = round(bandwidth * 8 / 1e9, 6)
     even = plan.baselines.get("even_fsdp")
     if even and even.predicted_samples_per_second and plan.predicted_samples_per_second:
         summary["speedupOverEvenFSDP"] = round(

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cephalo.api import ClusterSpec, GpuProfile, Plan
+from cephalo.api.network_profile import with_measured_network
 from cephalo.operator import metrics
 from cephalo.operator.discovery import NoGpusError, Pool, job_tolerations, select_cluster
 from cephalo.operator.elastic import (
@@ -46,6 +47,7 @@ from cephalo.operator.elastic_profiling import FAILURES, profile_missing
 from cephalo.operator.gang_timeout import unscheduled, unscheduled_reason
 from cephalo.operator.gpu_usage import CLAIMS, free_pools
 from cephalo.operator.kube import core_path
+from cephalo.operator.netprobe import cached_network
 from cephalo.operator.planning import PlanningFailed, plan_for
 from cephalo.operator.profiling import cached_profiles
 from cephalo.operator.render import LABEL_JOB, LABEL_ROLE, CheckpointTarget, checkpoint_target
@@ -166,6 +168,7 @@ async def _decide(ctx: JobContext, plan: Plan, offer: dict[str, int], cluster: A
                 retry_at=max(retry, ctx.now + ctx.config.recheck_seconds)), figures)
             return None
         figures["freeGpus"] = dict(sorted(offer.items()))
+    cluster = with_measured_network(cluster, await cached_network(ctx, cluster, pools))
     try:
         candidate = await plan_for(ctx.config, spec, cluster, profiles)
     except PlanningFailed as err:
@@ -331,6 +334,8 @@ async def held_inputs(ctx: JobContext, nodes: list[dict[str, Any]], gpus: dict[s
     except NoGpusError as err:
         log.info("%s/%s: no %s yet: %s", ctx.namespace, ctx.name, why, err)
         return None
+    # The links as measured when the job was first planned (cached; nothing probed now).
+    cluster = with_measured_network(cluster, await cached_network(ctx, cluster, pools))
     groups = [g.model_copy(update={"count": min(g.count, gpus.get(g.pool or g.product, 0))})
               for g in cluster.groups]
     groups = [g for g in groups if g.count > 0]

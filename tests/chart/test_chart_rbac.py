@@ -40,6 +40,7 @@ from kubelet import (
     OperatorProcess,
     apply_job,
     apply_nodes,
+    finish_netprobes,
     finish_profilers,
     job_status,
     pods,
@@ -136,11 +137,14 @@ class ChartOperator(OperatorProcess):
 
 
 async def _one_job_life(api: ApiEmulator) -> None:
-    """User and kubelet: a job profiles, plans, loses rank 0, restarts, succeeds, expires."""
+    """User and kubelet: a job profiles, measures the network, plans, loses rank 0, restarts,
+    succeeds, expires."""
     body = job_body(JOB, backoffLimit=1, ttlSecondsAfterFinished=0)
     await apply_job(api, body)
     await finish_profilers(api, NS, body, count=len({n[1] for n in NODES}),
                            timeout=WAIT_SECONDS)
+    # The chart's network probe: L4 <-> A6000 across nodes, then the L4 node's two GPUs.
+    await finish_netprobes(api, NS, JOB, count=2, timeout=WAIT_SECONDS)
     world_size = await wait_for("a plan", lambda: (
         job_status(api, NS, JOB).get("plan") or {}).get("worldSize"), WAIT_SECONDS)
     ranks = await wait_for("rank pods", lambda: (

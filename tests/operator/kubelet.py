@@ -24,6 +24,7 @@ from typing import Any
 from kube_emulator import ApiEmulator
 
 from cephalo.api import parse_job
+from cephalo.api.profile import CollectiveProfile
 from cephalo.planner import estimate_profile, lookup_gpu
 
 JOBS = "/apis/cephalo.dev/v1alpha1/namespaces/{ns}/cephalojobs"
@@ -139,6 +140,32 @@ async def finish_profilers(api: ApiEmulator, ns: str, job_body: dict[str, Any],
     return {p["spec"]["nodeSelector"]["nvidia.com/gpu.product"] for p in found}
 
 
+def probe_fit_json(gbps: float = 10.0, latency_us: float = 50.0) -> str:
+    """What a network probe's rank 0 would print: a two-rank ring fit (both collectives)."""
+    bandwidth, latency = gbps * 1e9 / 8, latency_us * 1e-6
+    return CollectiveProfile(bandwidth_bytes_per_second=bandwidth, latency_seconds=latency,
+                             reduce_scatter_bandwidth_bytes_per_second=bandwidth,
+                             reduce_scatter_latency_seconds=latency,
+                             world_size=2).model_dump_json(exclude_none=True)
+
+
+async def finish_netprobes(api: ApiEmulator, ns: str, job: str, count: int,
+                           timeout: float = WAIT_SECONDS) -> None:
+    """Let the job's next `count` network probes (one at a time, as the operator runs them)
+    succeed: rank 0's pod with a fit, the other pod of the gang with nothing."""
+    done: set[str] = set()
+    for _ in range(count):
+        found = await wait_for("a network probe's pods", lambda: [
+            p for p in pods(api, ns, "netprobe", job)
+            if p["metadata"]["labels"]["cephalo.dev/netprobe"] not in done
+            and not p["metadata"].get("deletionTimestamp")] or None, timeout)
+        done.add(found[0]["metadata"]["labels"]["cephalo.dev/netprobe"])
+        for pod in sorted(found, key=lambda p: p["metadata"]["name"], reverse=True):
+            first = pod["metadata"]["name"].endswith("-0")
+            await set_pod(api, ns, pod["metadata"]["name"], "Succeeded",
+                          message=probe_fit_json() if first else "")
+
+
 class OperatorProcess:
     """`kopf run -m cephalo.operator -A --standalone` against the emulator's kubeconfig."""
 
@@ -148,7 +175,10 @@ class OperatorProcess:
         self.env = {**os.environ, "KUBECONFIG": str(kubeconfig),
                     "CEPHALO_OPERATOR_METRICS_PORT": str(self.metrics_port),
                     "CEPHALO_RECHECK_SECONDS": "0.5", "CEPHALO_PROGRESS_INTERVAL_SECONDS": "0.5",
-                    "CEPHALO_WATCH_TIMEOUT_SECONDS": "60", **env}
+                    "CEPHALO_WATCH_TIMEOUT_SECONDS": "60",
+                    # The network probe is its own tests' (test_operator_netprobe*): elsewhere
+                    # a job is planned as soon as profiled, as these tests script it.
+                    "CEPHALO_NETWORK_PROBE": "false", **env}
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> OperatorProcess:

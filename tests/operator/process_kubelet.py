@@ -1,5 +1,6 @@
 """A process kubelet for the API emulator: the rank pods of chosen jobs run as real
-`python -m cephalo.trainer` processes (CPU, gloo), other pods bound to a node just run
+`python -m cephalo.trainer` processes (CPU, gloo), and so do their network probe pods
+(`python -m cephalo.trainer.netprobe`); other pods bound to a node just run
 (Running until the test ends them). Runs in the test's event loop (the emulator's), off
 `ApiEmulator.on_change`, writing status straight into the emulator's store as a kubelet's
 status updates would arrive.
@@ -43,6 +44,7 @@ from kubelet import free_port, pod_status
 
 ROLE, JOB, ATTEMPT = "cephalo.dev/role", "cephalo.dev/job", "cephalo.dev/attempt"
 HASH = "cephalo.dev/config-hash"
+RUN_ROLES = ("trainer", "netprobe")  # rank pods and network probe pods (a gang each)
 MAX_MESSAGE_BYTES = 4096  # the kubelet's termination-message limit
 CLUSTER_DNS = re.compile(r"^[a-z0-9.-]+\.svc(\.cluster\.local)?$")
 
@@ -109,11 +111,11 @@ class ProcessKubelet:
         if not spec.get("nodeName") or meta.get("deletionTimestamp") or (
                 pod.get("status") or {}).get("phase") != "Pending":
             return
-        if labels.get(ROLE) == "trainer" and labels.get(JOB) in self.jobs:
+        if labels.get(ROLE) in RUN_ROLES and labels.get(JOB) in self.jobs:
             c = self.containers[meta["uid"]] = Container(
                 key, meta["uid"], self.folder / "pods" / meta["uid"])
             self._spawn(self._run(c, copy.deepcopy(pod)))
-        elif labels.get(ROLE) == "trainer":
+        elif labels.get(ROLE) in RUN_ROLES:
             self._report(key, meta["uid"], pod_status("Running"))  # runs until ended
 
     def _spawn(self, coro: Any) -> None:

@@ -36,6 +36,9 @@ class Operator:
                "CEPHALO_TRAINER_METRICS_PORT": str(free_port()),
                "CEPHALO_RECHECK_SECONDS": "1", "CEPHALO_PROGRESS_INTERVAL_SECONDS": "1",
                "CEPHALO_WATCH_TIMEOUT_SECONDS": "60", "CEPHALO_NODE_DEBOUNCE_SECONDS": "0.2",
+               # The network probe is its own test's (test_operator_netprobe): elsewhere a
+               # job is planned as soon as profiled.
+               "CEPHALO_NETWORK_PROBE": "false",
                "KUBECONFIG": str(self.kubeconfig), **self.extra_env}
         with log_path.open("ab") as log:
             return subprocess.Popen(dies_with_its_starter(

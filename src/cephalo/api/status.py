@@ -36,6 +36,12 @@ class PlanSummary(StatusModel):
     config_map: str | None = Field(default=None,
                                    description="ConfigMap holding the full plan JSON.")
     pools: dict[str, int] | None = Field(default=None, description="GPUs used per pool.")
+    network_source: str | None = Field(default=None, max_length=256, description=(
+        "Where the network the plan priced its collectives over came from: measured (the "
+        "operator's network probe), the job spec, node labels, or assumed (a default)."))
+    network_gbps: float | None = Field(default=None, description=(
+        "Per-GPU bandwidth of the plan's collectives (the slowest link its ring crosses), "
+        "Gbit/s."))
 
 
 class Progress(StatusModel):

@@ -11,6 +11,8 @@ Every decision is the operator's own code, fed with what the operator reads:
 * profiles: the operator's cached ConfigMaps (`profile_config_map_name`) in the job's
   namespace; a product without one is estimated from the catalog and said so (the operator
   would profile it first, so its plan may then differ);
+* network: the operator's cached network measurements (`operator.netprobe`), each named in a
+  note, as is each the operator would measure first (its plan may then differ);
 * planning: the planner worker's own request path (`planner.worker.run_request`, what the
   operator's planning child runs), then the operator's pod packing.
 
@@ -28,6 +30,7 @@ from urllib.parse import quote
 from pydantic import ValidationError
 
 from cephalo.api import CephaloJob, ClusterSpec, GpuProfile, Plan, parse_plan
+from cephalo.api.network_profile import NETWORK_PROFILE_KEY, NetworkProfile, with_measured_network
 from cephalo.client.connection import RESOURCE, Session
 from cephalo.client.errors import Forbidden
 from cephalo.operator.config import OperatorConfig
@@ -47,6 +50,7 @@ from cephalo.operator.gpu_usage import (
     pod_gpu_request,
 )
 from cephalo.operator.kube import controller_uid, core_path, job_path
+from cephalo.operator.netprobe import probes_needed
 from cephalo.operator.podspec import pack_ranks, with_pod_ranks
 from cephalo.operator.render import (
     LABEL_JOB,
@@ -125,6 +129,8 @@ def plan_on_cluster(session: Session, job: CephaloJob, namespace: str,
         return result
     config = OperatorConfig(trainer_image=trainer_image) if trainer_image else OperatorConfig()
     profiles = _cached_profiles(session, job, namespace, pools, config, result.profiles)
+    cluster = _measured_network(session, job, namespace, cluster, pools, notes)
+    result.cluster = cluster
     outcome = run_request(encode_request(spec, cluster, profiles), MEMORY_BYTES)
     if outcome[0] != "ok":
         result.error, result.error_reason = str(outcome[2]), str(outcome[1])
@@ -197,6 +203,27 @@ def _taken(pods: list[dict[str, Any]], uid: str, claims: list[Any],
             taken.append(TakenGpus(f"pool {pool}", gpus, f"CephaloJob "
                                    f"{names.get(owner, owner)} (planned, not on a node yet)"))
     return sorted(taken, key=lambda t: (t.where, t.by))
+
+
+def _measured_network(session: Session, job: CephaloJob, namespace: str, cluster: ClusterSpec,
+                      pools: list[Pool], notes: list[str]) -> ClusterSpec:
+    """The cluster with the operator's cached network measurements (any age: the operator
+    would measure a stale one again first), each said in a note, as are the missing ones."""
+    found = []
+    for probe in probes_needed(job.spec, cluster, pools):
+        try:
+            cm = session.call("get", "configmaps", namespace, session.kube.get,
+                              core_path(namespace, "configmaps", probe.config_map_name))
+        except Forbidden:
+            cm = None
+        try:
+            found.append(NetworkProfile.model_validate_json(
+                ((cm or {}).get("data") or {}).get(NETWORK_PROFILE_KEY, "")))
+            notes.append(f"network: {found[-1].describe()} (ConfigMap {probe.config_map_name})")
+        except ValidationError:
+            notes.append(f"network: {probe.describe()} not measured yet (the operator's probe "
+                         "would measure it first, so its plan may differ)")
+    return with_measured_network(cluster, found)
 
 
 def _cached_profiles(session: Session, job: CephaloJob, namespace: str, pools: list[Pool],
