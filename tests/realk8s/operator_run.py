@@ -83,7 +83,14 @@ def phases_until(cluster: Cluster, ns: str, name: str, since: str, until: set[st
     version = since
     while time.monotonic() < deadline:
         for event in cluster.rest.watch(JOBS.format(ns=ns), version, lambda: False):
-            obj = event["object"]
+            obj = event.get("object") or {}
+            if event.get("type") == "ERROR" or "metadata" not in obj:
+                # The watch ended with an error (e.g. 410 Gone: `version` compacted away on
+                # a busy server): watch again from now (the job's status still carries the
+                # phase it reached; a phase passed in the gap is not seen).
+                version = cluster.rest.must("GET", JOBS.format(ns=ns))["metadata"][
+                    "resourceVersion"]
+                break
             version = obj["metadata"].get("resourceVersion", version)
             if event["type"] not in ("ADDED", "MODIFIED") or obj["metadata"]["name"] != name:
                 continue

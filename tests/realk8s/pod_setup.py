@@ -163,7 +163,8 @@ class PodSetup:
             labels, notes = meta.get("labels") or {}, meta.get("annotations") or {}
             gang = ((ns, labels.get("cephalo.dev/job", ""), labels.get("cephalo.dev/attempt", ""),
                      notes.get("cephalo.dev/config-hash", ""))
-                    if labels.get("cephalo.dev/role") == "trainer" else (meta["uid"],))
+                    if labels.get("cephalo.dev/role") in ("trainer", "netprobe")  # gangs
+                    else (meta["uid"],))
             with self._lock:
                 env["MASTER_PORT"] = str(self._master_ports.setdefault(gang, free_port()))
         return env
