@@ -1,0 +1,49 @@
+"""Issue 35 item 3 under the real control plane: a job told its network is 100 Gbit/s per
+GPU runs its two real gloo ranks over an emulated 10 Mbit/s link (its own podTemplate sets
+CEPHALO_LINK_BYTES_PER_SECOND, the trainer's link emulation); after its first timed steps
+the operator (the chart's RBAC) recalibrates, re-plans on one GPU through the rescale path
+(counted as a rescale, Event `Replanned` with the reason), and the job finishes there."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .cluster import Cluster
+from .operator_run import JOB_SECONDS, JOBS, Operator, phases_until, tiny_job
+
+LINK_BYTES_PER_SECOND = 1.25e6  # 10 Mbit/s
+
+
+def _events(cluster: Cluster, ns: str, name: str) -> list[dict[str, Any]]:
+    return [e for e in cluster.rest.must("GET", f"/api/v1/namespaces/{ns}/events")["items"]
+            if (e.get("involvedObject") or {}).get("name") == name]
+
+
+def test_a_too_optimistic_network_is_replanned_under_the_real_api_server(
+        cluster: Cluster, operator: Operator, job_namespace: str) -> None:
+    ns = job_namespace
+    log_from = operator.log_size()
+    body = tiny_job(
+        "slowlink", ns, training={"steps": 30, "learningRate": 1.0e-3, "schedule": "constant",
+                                  "seed": 1},
+        planner={"profileMicroBatchSizes": [1, 2], "chooseGpus": True,
+                 "networkBandwidthGbps": 100.0, "networkLatencyMicroseconds": 0.0,
+                 "replan": {"afterSteps": 3, "restartCostSeconds": 0.0}},
+        podTemplate={"env": [{"name": "CEPHALO_LINK_BYTES_PER_SECOND",
+                              "value": str(LINK_BYTES_PER_SECOND)}]},
+        checkpoint={"claimName": "ckpt", "intervalSteps": 1000})
+    created = cluster.rest.create(JOBS.format(ns=ns), body, fieldValidation="Strict")
+    phases, status = phases_until(cluster, ns, "slowlink", created["metadata"]["resourceVersion"],
+                                  {"Succeeded", "Failed"}, JOB_SECONDS)
+    assert phases[-1] == "Succeeded", f"{phases}: {status.get('message')}"
+    replan, elastic = status["replan"], status["elastic"]
+    cal = replan["lastReplan"]
+    assert replan["replans"] == 1 and (cal["currentGpus"], cal["candidateGpus"]) == (2, 1), replan
+    assert elastic["rescales"] == 1 and not status.get("restarts"), status  # a rescale
+    assert status["plan"]["worldSize"] == 1, status["plan"]
+    # The collectives it measured are the emulated link's, not the 100 Gbit/s it was told.
+    assert cal["networkBandwidthGbps"] < 1.0, cal
+    reasons = {e["reason"]: e for e in _events(cluster, ns, "slowlink")}
+    assert "measured" in reasons["Replanned"]["message"], reasons["Replanned"]
+    assert "forbidden" not in operator.log_text(log_from).lower(), operator.log()
+    cluster.rest.request("DELETE", f"{JOBS.format(ns=ns)}/slowlink")
