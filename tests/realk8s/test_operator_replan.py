@@ -47,3 +47,30 @@ def test_a_too_optimistic_network_is_replanned_under_the_real_api_server(
     assert "measured" in reasons["Replanned"]["message"], reasons["Replanned"]
     assert "forbidden" not in operator.log_text(log_from).lower(), operator.log()
     cluster.rest.request("DELETE", f"{JOBS.format(ns=ns)}/slowlink")
+
+
+def test_a_prediction_no_replan_can_fix_is_reported_under_the_real_api_server(
+        cluster: Cluster, operator: Operator, job_namespace: str) -> None:
+    """One GPU whose rank computes 30 times slower than its profile (the trainer's
+    CEPHALO_TIME_DILATION, set by the job's podTemplate; the profiler measures undilated):
+    no plan on one GPU fixes that, so condition PredictionOff and a Warning Event."""
+    ns = job_namespace
+    body = tiny_job(
+        "slowgpu", ns, maxGpus=1,
+        training={"steps": 12, "learningRate": 1.0e-3, "schedule": "constant", "seed": 1},
+        planner={"profileMicroBatchSizes": [1, 2], "chooseGpus": True,
+                 "replan": {"afterSteps": 3, "restartCostSeconds": 0.0}},
+        podTemplate={"env": [{"name": "CEPHALO_TIME_DILATION", "value": "30"}]},
+        checkpoint={"claimName": "ckpt", "intervalSteps": 1000})
+    created = cluster.rest.create(JOBS.format(ns=ns), body, fieldValidation="Strict")
+    phases, status = phases_until(cluster, ns, "slowgpu", created["metadata"]["resourceVersion"],
+                                  {"Succeeded", "Failed"}, JOB_SECONDS)
+    assert phases[-1] == "Succeeded", f"{phases}: {status.get('message')}"
+    off = {c["type"]: c for c in status["conditions"]}["PredictionOff"]
+    assert off["status"] == "True" and "no re-plan" in off["message"], off
+    cal = status["replan"]["lastCalibration"]
+    assert cal["verdict"] == "Keep" and cal["currentGpus"] == cal["candidateGpus"] == 1, cal
+    assert not (status.get("elastic") or {}).get("rescales"), status
+    warned = [e for e in _events(cluster, ns, "slowgpu") if e["reason"] == "PredictionOff"]
+    assert warned and all(e["type"] == "Warning" for e in warned), warned
+    cluster.rest.request("DELETE", f"{JOBS.format(ns=ns)}/slowgpu")
