@@ -129,8 +129,8 @@ RUN --mount=type=secret,id=pip-ca \
     { [ ! -s /run/secrets/pip-ca ] || export PIP_CERT=/run/secrets/pip-ca; } \
  && { [ -n "${PIP_INDEX_URL}" ] || unset PIP_INDEX_URL; } \
  && PIP_CONSTRAINT="/src/constraints/trainer.txt /tmp/torch.txt" \
-    python -I -m pip --python /opt/cephalo/bin/python install --no-deps ".[trainer]" \
- && /opt/cephalo/bin/python -I -c "import cephalo.trainer, torch"
+    python -I -m pip --python /opt/cephalo/bin/python install --no-deps ".[trainer,tracking]" \
+ && /opt/cephalo/bin/python -I -c "import cephalo.trainer, torch, mlflow, tensorboard"
 
 # ---------------------------------------------------------------- trainer: final image
 FROM ${PYTORCH_IMAGE} AS trainer

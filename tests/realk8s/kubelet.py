@@ -22,7 +22,9 @@ What it emulates, and how:
 * status: Running with a running containerStatus, then Succeeded or Failed with the exit
   code (128 + N for a process ended by signal N, as container runtimes report it); a pod
   being deleted gets SIGTERM, SIGKILL after its grace period, then the final delete (grace
-  0, uid precondition), as the real kubelet does.
+  0, uid precondition), as the real kubelet does;
+* a test may hold pods it picks (hold/release): bound, Pending, their process not started
+  until it releases them (as a slow image pull would keep them).
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ class ProcessKubelet:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch_loop, name="kubelet", daemon=True)
+        self._hold: Callable[[dict[str, Any]], bool] | None = None  # see hold()
+        self._held: list[Container] = []
         # Each node's log endpoint: its port goes into the node's status (daemonEndpoints).
         self.log_servers = {node: LogServer(functools.partial(self._log_of, node),
                                             pki.kubelet_cert, pki.kubelet_key, pki.ca_cert)
@@ -123,13 +127,39 @@ class ProcessKubelet:
             if known is None and not deleted and not pod["metadata"].get("deletionTimestamp") \
                     and (pod.get("status") or {}).get("phase", "Pending") == "Pending":
                 known = self.containers[uid] = Container(pod, self.folder / "pods" / uid)
-                threading.Thread(target=self._run, args=(known,), daemon=True,
-                                 name=f"pod-{pod['metadata']['name']}").start()
+                if self._hold is not None and self._hold(pod):
+                    self._held.append(known)
+                else:
+                    self._start_container(known)
                 return
         if known is not None and (deleted or pod["metadata"].get("deletionTimestamp")):
             self._terminate(known, pod, final=not deleted)
         elif known is None and pod["metadata"].get("deletionTimestamp") and not deleted:
             self._final_delete(pod)  # never started here (e.g. terminal): just let it go
+
+    def _start_container(self, c: Container) -> None:
+        threading.Thread(target=self._run, args=(c,), daemon=True,
+                         name=f"pod-{c.pod['metadata']['name']}").start()
+
+    def hold(self, which: Callable[[dict[str, Any]], bool]) -> None:
+        """Pods `which` picks, bound here from now on, are not started (they stay Pending)
+        until release(): a test's say in when a pod's process runs, where it must observe
+        what comes before (a real kubelet may take as long pulling an image)."""
+        with self._lock:
+            self._hold = which
+
+    def held(self) -> list[str]:
+        """namespace/name of the pods held now."""
+        with self._lock:
+            return [c.key for c in self._held if not c.deleting]
+
+    def release(self) -> None:
+        """Start the held pods (those not deleted meanwhile); hold no more."""
+        with self._lock:
+            self._hold, held, self._held = None, self._held, []
+            for c in held:
+                if not c.deleting:
+                    self._start_container(c)
 
     # ---- one pod -----------------------------------------------------------------------------
     def _run(self, c: Container) -> None:

@@ -26,13 +26,17 @@ class Operator:
     def __init__(self, kubeconfig: Path, log_path: Path,
                  extra_env: dict[str, str] | None = None) -> None:
         self.kubeconfig, self.log_path, self.extra_env = kubeconfig, log_path, extra_env or {}
+        # Its /metrics (what the chart's ServiceMonitor scrapes), on a port free on this
+        # machine, the same across restart().
+        self.metrics_port = int(self.extra_env.get("CEPHALO_OPERATOR_METRICS_PORT")
+                                or free_port())
         self.proc = self._start()
 
     def _start(self) -> subprocess.Popen[bytes]:
         log_path = self.log_path
         # The ranks' /metrics port, free on this machine: every pod shares its loopback here,
         # and another session's rank 0 may hold the default 9400 (the scrape would read it).
-        env = {"CEPHALO_OPERATOR_METRICS_PORT": "0",
+        env = {"CEPHALO_OPERATOR_METRICS_PORT": str(self.metrics_port),
                "CEPHALO_TRAINER_METRICS_PORT": str(free_port()),
                "CEPHALO_RECHECK_SECONDS": "1", "CEPHALO_PROGRESS_INTERVAL_SECONDS": "1",
                "CEPHALO_WATCH_TIMEOUT_SECONDS": "60", "CEPHALO_NODE_DEBOUNCE_SECONDS": "0.2",

@@ -1,7 +1,8 @@
 """Smoke tests inside the trainer image (scripts/build-images.sh builds it), as the image's user
 (uid 1000, the chart's trainerRunAsUser): the profiler on CPU writes a valid GpuProfile, and
 `python -m cephalo.trainer` under torchrun trains a 2-rank gloo job from a given plan, writes
-a checkpoint to a volume and exits 0; the user writes nothing else but /work and /tmp."""
+a checkpoint to a volume, logs the run to a real MLflow server (the image carries the
+`tracking` extra) and exits 0; the user writes nothing else but /work and /tmp."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import yaml
 from cephalo.api.profile import GpuProfile
 from cephalo.trainer import checkpoint
 from tests.image_helpers import CACHE, container, image_config, image_name, run, writable_paths
+from tests.mlflow_server import running_mlflow_server
 
 pytestmark = pytest.mark.images
 UID = 1000
@@ -71,7 +73,9 @@ def test_trainer_user_writes_only_work_and_tmp(image: str, ctr: str) -> None:
 def test_sbom_lists_torch_and_the_trainer_stack(image: str) -> None:
     sbom = json.loads((CACHE / "out" / "trainer.cdx.json").read_text())
     names = {c["name"].lower() for c in sbom["components"]}
-    assert {"torch", "cephalo", "safetensors", "datasets"} <= names
+    # and the light experiment-tracking clients (the `tracking` extra: spec.tracking)
+    assert {"torch", "cephalo", "safetensors", "datasets", "mlflow-skinny", "tensorboard"} \
+        <= names
 
 
 @pytest.mark.slow
@@ -89,18 +93,36 @@ def test_profiler_on_cpu_writes_a_gpu_profile(ctr: str, inputs: Path, tmp_path: 
 
 
 @pytest.mark.slow
-def test_two_rank_gloo_job_trains_checkpoints_and_exits_0(ctr: str, inputs: Path,
-                                                          tmp_path: Path) -> None:
+def test_two_rank_gloo_job_trains_checkpoints_is_tracked_and_exits_0(ctr: str, inputs: Path,
+                                                                     tmp_path: Path) -> None:
+    """...and rank 0 logs the run to a real MLflow tracking server on this machine's
+    loopback (spec.tracking.mlflow) with the image's own client, read back with MLflow's."""
+    from mlflow import MlflowClient
+
     ckpt = _volume(tmp_path, "checkpoints")
-    done = run(ctr, ["python", "-m", "torch.distributed.run", "--standalone",
-                     "--nproc-per-node", "2", "-m", "cephalo.trainer"],
-               user=USER, volumes=[f"{inputs}:/in:ro", f"{ckpt}:/checkpoints"],
-               env={"CEPHALO_JOB": "/in/job.yaml", "CEPHALO_PLAN": "/in/plan.json",
-                    "CEPHALO_CHECKPOINT_DIR": "/checkpoints/img", "CEPHALO_NUM_THREADS": "1",
-                    "CEPHALO_METRICS_PORT": "0", "OMP_NUM_THREADS": "1"}, timeout=600)
-    print(done.stdout[-3000:], done.stderr[-3000:])
+    (tmp_path / "mlflow").mkdir()
+    with running_mlflow_server(tmp_path / "mlflow") as uri:
+        tracked = {**JOB, "spec": {**JOB["spec"], "tracking": {"mlflow": {
+            "trackingUri": uri, "experiment": "image"}}}}
+        (inputs / "tracked.yaml").write_text(yaml.safe_dump(tracked))
+        os.chmod(inputs / "tracked.yaml", 0o644)
+        done = run(ctr, ["python", "-m", "torch.distributed.run", "--standalone",
+                         "--nproc-per-node", "2", "-m", "cephalo.trainer"],
+                   user=USER, volumes=[f"{inputs}:/in:ro", f"{ckpt}:/checkpoints"],
+                   env={"CEPHALO_JOB": "/in/tracked.yaml", "CEPHALO_PLAN": "/in/plan.json",
+                        "CEPHALO_CHECKPOINT_DIR": "/checkpoints/img",
+                        "CEPHALO_NUM_THREADS": "1", "CEPHALO_METRICS_PORT": "0",
+                        "OMP_NUM_THREADS": "1"}, timeout=600)
+        print(done.stdout[-3000:], done.stderr[-3000:])
+        client = MlflowClient(tracking_uri=uri)
+        experiment = client.get_experiment_by_name("image")
+        runs = client.search_runs([experiment.experiment_id]) if experiment else []
+        steps = [m.step for r in runs for m in client.get_metric_history(r.info.run_id, "loss")]
     assert done.returncode == 0, done.stderr[-3000:]
     latest = checkpoint.find_latest(ckpt / "img")
     assert latest is not None and latest.step == 4, latest
     owners = {p.stat().st_uid for p in (ckpt / "img").rglob("*")}
     assert owners == {UID}, f"checkpoint files owned by {owners}"
+    assert len(runs) == 1 and sorted(steps) == [1, 2, 3, 4], (runs, steps)
+    assert runs[0].info.status == "FINISHED" and runs[0].data.params["world_size"] == "2"
+

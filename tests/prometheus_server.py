@@ -1,4 +1,5 @@
-"""A real Prometheus (Debian's `prometheus` package) for the tests, on loopback.
+"""A real Prometheus (Debian's `prometheus` package) for the tests, on loopback (used by
+tests/operator/test_operator_prometheus.py and tests/realk8s/test_operator_prometheus.py).
 
 It scrapes what the chart's monitors would have it scrape, the way the Prometheus Operator
 turns them into scrape configs: the operator's /metrics (the ServiceMonitor) and every trainer
@@ -17,6 +18,7 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +39,27 @@ def meta_label(label: str) -> str:
     return "__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", label)
 
 
-def pod_target(pod: dict[str, Any], port: int) -> dict[str, Any]:
-    """One file_sd target group: what Kubernetes pod discovery says of this pod."""
+def pod_target(pod: dict[str, Any], address: str) -> dict[str, Any]:
+    """One file_sd target group: what Kubernetes pod discovery says of this pod, scraped at
+    `address` (host:port)."""
     meta = pod["metadata"]
     labels = {meta_label(k): v for k, v in (meta.get("labels") or {}).items()}
     labels.update({"__meta_kubernetes_namespace": meta["namespace"],
                    "__meta_kubernetes_pod_name": meta["name"],
                    "__meta_kubernetes_pod_node_name": pod["spec"].get("nodeName", "")})
-    return {"targets": [f"127.0.0.1:{port}"], "labels": labels}
+    return {"targets": [address], "labels": labels}
+
+
+def discovered_target(pod: dict[str, Any], port_name: str = "metrics") -> dict[str, Any] | None:
+    """A pod as Kubernetes pod discovery gives it to a PodMonitor's `port: <port_name>`
+    endpoint: its pod IP and the container port of that name; None while it has no IP (not
+    started) or is not Running (discovery lists it, but nothing answers there)."""
+    status = pod.get("status") or {}
+    if status.get("phase") != "Running" or not status.get("podIP"):
+        return None
+    ports = [p["containerPort"] for c in pod["spec"]["containers"]
+             for p in c.get("ports", []) if p.get("name") == port_name]
+    return pod_target(pod, f"{status['podIP']}:{ports[0]}") if ports else None
 
 
 def podmonitor_relabel_configs(podmonitor: dict[str, Any]) -> list[dict[str, Any]]:
@@ -128,6 +143,26 @@ class PrometheusServer:
 
     async def query(self, expr: str) -> list[dict[str, Any]]:
         return list((await self.get("/api/v1/query", query=expr))["result"])
+
+    async def wait_result(self, expr: str, timeout: float = 60) -> None:
+        """Until an instant query of `expr` returns something."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if await self.query(expr):
+                return
+            await asyncio.sleep(0.2)
+        raise AssertionError(f"no result for {expr} in {timeout} s: {self.log_tail()}")
+
+    async def until(self, path: str, ready: Callable[[Any], bool], timeout: float = 60) -> Any:
+        """An API answer once `ready` says it is."""
+        deadline = time.monotonic() + timeout
+        while True:
+            data = await self.get(path)
+            if ready(data):
+                return data
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{path} not ready in {timeout} s: {data}")
+            await asyncio.sleep(0.2)
 
     async def query_range(self, expr: str, start: float, end: float) -> list[dict[str, Any]]:
         """Series of a range query (what a Grafana panel sends), each with its (time, value)
