@@ -142,6 +142,10 @@ def tiny_job(name: str, ns: str, **spec: Any) -> dict[str, Any]:
                      "globalBatchSize": 8, "training": {"steps": 6, "learningRate": 1.0e-3,
                                                         "schedule": "constant", "seed": 1},
                      "data": {"synthetic": {}},
-                     "planner": {"profileMicroBatchSizes": [1, 2], "chooseGpus": False},
+                     # CPU ranks planned as GPUs: calibrated and reported, never re-planned
+                     # (a re-plan restarts both trainers; tests/realk8s/test_operator_replan
+                     # is re-planning's test)
+                     "planner": {"profileMicroBatchSizes": [1, 2], "chooseGpus": False,
+                                 "replan": {"maxReplans": 0}},
                      "ranksPerPod": 1, "checkpoint": {"claimName": "ckpt", "intervalSteps": 3},
                      "backoffLimit": 1, **spec}}
