@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
-from cephalo.api.job import MLFLOW_URI_PATTERN
+from cephalo.api.tracking import MLFLOW_URI_PATTERN
 from cephalo.operator.lease import ElectionTiming
 from cephalo.operator.policy import (
     RESTRICTED_VOLUME_TYPES,

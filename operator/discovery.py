@@ -29,7 +29,7 @@ PRODUCT_LABEL = "nvidia.com/gpu.product"
 MEMORY_LABEL = "nvidia.com/gpu.memory"
 GPU_RESOURCE = "nvidia.com/gpu"
 MIB = 1024 * 1024
-# What every rendered GPU pod tolerates (render._gpu_pod): the taint GPU operators put on
+# What every rendered GPU pod tolerates (render.gpu_pod): the taint GPU operators put on
 # GPU nodes to keep CPU-only pods off them.
 GPU_TOLERATION: dict[str, Any] = {"key": GPU_RESOURCE, "operator": "Exists",
                                   "effect": "NoSchedule"}

@@ -6,7 +6,7 @@ Which probes (`probes_needed`, pure): for a job that may use two GPUs or more, o
 alone on two nodes or more: A-A on two of its nodes) and one **intra-node** probe per pool
 whose nodes hold two free GPUs or more. What the job pins by hand (spec.planner.network
 interNodeGbps / intraNodeGbps, or the flat networkBandwidthGbps) is not probed. Each probe is
-a gang of the job's trainer image (render.render_netprobe): two pods on two nodes, or one pod
+a gang of the job's trainer image (netprobe_render.py): two pods on two nodes, or one pod
 with two GPUs, running `python -m cephalo.trainer.netprobe`; rank 0's termination message
 is the fitted CollectiveProfile.
 
@@ -40,13 +40,8 @@ from cephalo.api.profile import CollectiveProfile
 from cephalo.operator.discovery import Pool
 from cephalo.operator.gang import pod_group_api, pod_groups_path, render_pod_group
 from cephalo.operator.kube import core_path, job_path
-from cephalo.operator.render import (
-    LABEL_JOB,
-    LABEL_ROLE,
-    netprobe_service_name,
-    owner_reference,
-    render_netprobe,
-)
+from cephalo.operator.netprobe_render import netprobe_service_name, render_netprobe
+from cephalo.operator.render import LABEL_JOB, LABEL_ROLE, owner_reference
 from cephalo.operator.status import JobPhase, PodPhase, pod_state, tail
 
 if TYPE_CHECKING:

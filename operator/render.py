@@ -50,7 +50,7 @@ CHECKPOINTS_DURABLE = "CheckpointsDurable"  # status condition type
 PROFILE_KEY = "profile.json"
 
 
-def _dns_safe(text: str, limit: int = 40) -> str:
+def dns_safe(text: str, limit: int = 40) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:limit].strip("-")
 
 
@@ -97,7 +97,7 @@ def rank_pod_names(job: CephaloJob, plan: Plan) -> dict[int, str]:
 
 
 def profiler_pod_name(job: CephaloJob, product: str, attempt: int) -> str:
-    return f"{job_name(job)}-profile-{_dns_safe(product, 30)}-{attempt}"
+    return f"{job_name(job)}-profile-{dns_safe(product, 30)}-{attempt}"
 
 
 def profile_config_map_name(catalog_name: str, job: CephaloJob,
@@ -164,7 +164,7 @@ def owner_reference(job: CephaloJob) -> dict[str, Any]:
             "uid": uid, "controller": True, "blockOwnerDeletion": True}
 
 
-def _meta(job: CephaloJob, name: str, labels: dict[str, str] | None = None,
+def object_meta(job: CephaloJob, name: str, labels: dict[str, str] | None = None,
           annotations: dict[str, str] | None = None) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": name, "namespace": job.metadata.namespace,
                             "labels": {LABEL_JOB: job_name(job), **(labels or {})},
@@ -183,7 +183,7 @@ def _security(config: OperatorConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     return pod, container
 
 
-def _gpu_pod(job: CephaloJob, config: OperatorConfig, *, name: str, labels: dict[str, str],
+def gpu_pod(job: CephaloJob, config: OperatorConfig, *, name: str, labels: dict[str, str],
              annotations: dict[str, str] | None, product: str, command: list[str],
              env: list[dict[str, Any]], config_map: str, ports: list[dict[str, Any]],
              extra_volumes: list[dict[str, Any]], extra_mounts: list[dict[str, Any]],
@@ -210,7 +210,7 @@ def _gpu_pod(job: CephaloJob, config: OperatorConfig, *, name: str, labels: dict
     }
     return {
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": _meta(job, name, labels, annotations),
+        "metadata": object_meta(job, name, labels, annotations),
         "spec": {
             "restartPolicy": "Never",  # the operator restarts the whole gang, never one rank
             "terminationGracePeriodSeconds": job.spec.termination_grace_period_seconds,
@@ -315,11 +315,11 @@ def _data_volume(job: CephaloJob) -> tuple[list[dict[str, Any]], list[dict[str, 
 def render_spec_config_map(job: CephaloJob) -> dict[str, Any]:
     """The job YAML for profiler pods (before a plan exists)."""
     return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": _meta(job, spec_config_map_name(job), {LABEL_ROLE: "spec"}),
+            "metadata": object_meta(job, spec_config_map_name(job), {LABEL_ROLE: "spec"}),
             "data": {"job.yaml": job_yaml(job)}}
 
 
-def _pod_env(values: TrainerVars) -> list[dict[str, Any]]:
+def pod_env(values: TrainerVars) -> list[dict[str, Any]]:
     """The trainer environment contract's one writer, as a container's `env` list."""
     return [{"name": name, "value": value} for name, value in to_environ(values).items()]
 
@@ -328,76 +328,23 @@ def render_profiler_pod(job: CephaloJob, product: str, attempt: int,
                         config: OperatorConfig | None = None) -> dict[str, Any]:
     """One pod measuring `product` (a pool's label value) for this job's model."""
     config = config or OperatorConfig()
-    pod = _gpu_pod(
+    pod = gpu_pod(
         job, config, name=profiler_pod_name(job, product, attempt),
-        labels={LABEL_ROLE: "profiler", LABEL_PRODUCT: _dns_safe(product, 63),
+        labels={LABEL_ROLE: "profiler", LABEL_PRODUCT: dns_safe(product, 63),
                 LABEL_ATTEMPT: str(attempt)},
         annotations=None, product=product,
         command=["python", "-m", "cephalo.trainer.profile", "--job", f"{CONFIG_DIR}/job.yaml",
                  "--output", TERMINATION_MESSAGE_PATH],
-        env=_pod_env(TrainerVars(job=f"{CONFIG_DIR}/job.yaml")),
+        env=pod_env(TrainerVars(job=f"{CONFIG_DIR}/job.yaml")),
         config_map=spec_config_map_name(job), ports=[], extra_volumes=[], extra_mounts=[],
-        node_selector=_pool_selector(job, product))
+        node_selector=pool_selector(job, product))
     # a profiler holds a whole small model's state on the GPU only: the process alone
     pod = apply_default_resources(apply_pod_template(pod, job.spec.pod_template),
                                   host_memory_bytes(None, [1.0]), CPUS_PER_RANK)
     return apply_scheduling(pod, job)
 
 
-def netprobe_service_name(job: CephaloJob) -> str:
-    return f"{job_name(job)}-netprobe"  # at most 47 + 9 characters: a DNS label
-
-
-def render_netprobe(job: CephaloJob, probe: str, pools: list[str], join_timeout_seconds: float,
-                    config: OperatorConfig | None = None) -> list[dict[str, Any]]:
-    """The network probe `probe` (a short digest) of this job (operator/netprobe.py): its
-    headless Service, then its pods. Two pools: one pod on a node of each (different nodes:
-    anti-affinity on the probe's label), a gang of two; one pool: one pod with two GPUs of
-    one node, running both ranks."""
-    config = config or OperatorConfig()
-    intra = len(pools) == 1
-    service = {"apiVersion": "v1", "kind": "Service",
-               "metadata": _meta(job, netprobe_service_name(job), {LABEL_ROLE: "netprobe"}),
-               "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
-                        "selector": {LABEL_JOB: job_name(job), LABEL_ROLE: "netprobe"},
-                        "ports": [{"name": "rendezvous", "port": config.master_port,
-                                   "targetPort": config.master_port}]}}
-    master = f"netprobe-{probe}-0.{netprobe_service_name(job)}.{job.metadata.namespace}.svc"
-    pods = []
-    for index, pool in enumerate(pools):
-        env = _pod_env(TrainerVars(
-            rank=index, world_size=2, local_rank=0, master_addr=master,
-            master_port=config.master_port, job=f"{CONFIG_DIR}/job.yaml",
-            collective_timeout_seconds=join_timeout_seconds,
-            ranks_per_pod=2 if intra else None, termination_log=TERMINATION_MESSAGE_PATH))
-        pod = _gpu_pod(
-            job, config, name=f"{job_name(job)}-netprobe-{probe}-{index}",
-            labels={LABEL_ROLE: "netprobe", LABEL_NETPROBE: probe, LABEL_ATTEMPT: "0",
-                    LABEL_PRODUCT: _dns_safe(pool, 63)},
-            annotations={ANNOTATION_CONFIG_HASH: probe}, product=pool,
-            command=["python", "-m", "cephalo.trainer.netprobe"], env=env,  # output: the
-            # termination log CEPHALO_TERMINATION_LOG names, as a rank pod's
-            config_map=spec_config_map_name(job),
-            ports=[{"name": "rendezvous", "containerPort": config.master_port}],
-            extra_volumes=[], extra_mounts=[], node_selector=_pool_selector(job, pool),
-            gpus=2 if intra else 1)
-        pod["spec"]["hostname"] = f"netprobe-{probe}-{index}"
-        pod["spec"]["subdomain"] = netprobe_service_name(job)
-        pod = apply_default_resources(apply_pod_template(pod, job.spec.pod_template),
-                                      host_memory_bytes(None, [1.0]),
-                                      CPUS_PER_RANK * (2 if intra else 1))
-        if not intra:  # the two ranks on two nodes, whatever their pools (after the
-            # template: its node affinity is kept, this anti-affinity is the probe's own)
-            pod["spec"].setdefault("affinity", {})["podAntiAffinity"] = {
-                "requiredDuringSchedulingIgnoredDuringExecution": [{
-                    "labelSelector": {"matchLabels": {LABEL_NETPROBE: probe}},
-                    "topologyKey": "kubernetes.io/hostname"}]}
-        pods.append(apply_gang(pod, job, group=f"{job_name(job)}-np-{probe}",
-                               group_size=len(pools), task=_dns_safe(pool, 63)))
-    return [service, *pods]
-
-
-def _pool_selector(job: CephaloJob, product: str) -> dict[str, str] | None:
+def pool_selector(job: CephaloJob, product: str) -> dict[str, str] | None:
     """Extra node labels the job's pool selection asks for on this product's pool."""
     for want in job.spec.gpu_pools or []:
         if want.node_selector and (want.product is None or product_matches(product, want.product)):
@@ -414,12 +361,12 @@ def render(job: CephaloJob, plan: Plan, config: OperatorConfig | None = None,
     name, namespace = job_name(job), job.metadata.namespace
     digest = config_hash(job, plan)
     cm = {"apiVersion": "v1", "kind": "ConfigMap",
-          "metadata": _meta(job, plan_config_map_name(job), {LABEL_ROLE: "plan"},
+          "metadata": object_meta(job, plan_config_map_name(job), {LABEL_ROLE: "plan"},
                             {ANNOTATION_CONFIG_HASH: digest}),
           "data": {"job.yaml": job_yaml(job), "plan.json": plan.to_json()}}
     selector = {LABEL_JOB: name, LABEL_ROLE: "trainer"}
     service = {"apiVersion": "v1", "kind": "Service",
-               "metadata": _meta(job, service_name(job), {LABEL_ROLE: "trainer"}),
+               "metadata": object_meta(job, service_name(job), {LABEL_ROLE: "trainer"}),
                "spec": {"clusterIP": "None", "selector": selector,
                         # ranks resolve each other before any is Ready (rendezvous first)
                         "publishNotReadyAddresses": True,
@@ -444,7 +391,7 @@ def render(job: CephaloJob, plan: Plan, config: OperatorConfig | None = None,
         # launcher; the per-rank batch values would be the first rank's only, so they are
         # left to the plan file (the processes check nothing against them).
         single = count == 1
-        env = _pod_env(TrainerVars(
+        env = pod_env(TrainerVars(
             rank=r.rank, world_size=plan.world_size, local_rank=0, master_addr=master,
             master_port=config.master_port, job=f"{CONFIG_DIR}/job.yaml",
             plan=f"{CONFIG_DIR}/plan.json", batch_size=r.batch_size if single else None,
@@ -457,10 +404,10 @@ def render(job: CephaloJob, plan: Plan, config: OperatorConfig | None = None,
         env.append({"name": POD_UID, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}})
         env += _tracking_env(job, config)
         labels = {LABEL_ROLE: "trainer", LABEL_RANK: str(r.rank), LABEL_ATTEMPT: str(attempt),
-                  LABEL_PRODUCT: _dns_safe(pool, 63)}
+                  LABEL_PRODUCT: dns_safe(pool, 63)}
         if not single:
             labels[LABEL_RANKS_PER_POD] = str(count)
-        pod = _gpu_pod(
+        pod = gpu_pod(
             job, config, name=rank_pod_name(job, r.rank), labels=labels,
             annotations={ANNOTATION_CONFIG_HASH: digest, "prometheus.io/scrape": "true",
                          "prometheus.io/port": str(config.trainer_metrics_port),
@@ -473,7 +420,7 @@ def render(job: CephaloJob, plan: Plan, config: OperatorConfig | None = None,
                    *({"name": f"metrics-{i}", "containerPort": config.trainer_metrics_port + i}
                      for i in range(1, count))],
             extra_volumes=volumes, extra_mounts=mounts,
-            node_selector=_pool_selector(job, pool), gpus=count)
+            node_selector=pool_selector(job, pool), gpus=count)
         pod["spec"]["hostname"] = rank_pod_name(job, r.rank)
         pod["spec"]["subdomain"] = service_name(job)
         # Gang membership last: Kueue's, Volcano's and coscheduling's keys win over the
@@ -484,5 +431,5 @@ def render(job: CephaloJob, plan: Plan, config: OperatorConfig | None = None,
             CPUS_PER_RANK * count)
         objects.append(apply_gang(pod, job,
                                   group=group_name(name, attempt, digest),
-                                  group_size=len(groups), task=_dns_safe(pool, 63)))
+                                  group_size=len(groups), task=dns_safe(pool, 63)))
     return objects

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cephalo.api.job import CephaloJobSpec, MlflowTracking, TrackingSpec
+from cephalo.api.job import CephaloJobSpec
 from cephalo.api.plan import Plan
+from cephalo.api.tracking import MlflowTracking, TrackingSpec
 
 # Bounds on what a down or slow server can cost (see the module docstring).
 REQUEST_TIMEOUT_SECONDS = 5

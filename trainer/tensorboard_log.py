@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cephalo.api.job import TrackingSpec
 from cephalo.api.plan import Plan
+from cephalo.api.tracking import TrackingSpec
 
 FOLDER = "tensorboard"
 # progress-record key -> TensorBoard tag (grouped as TensorBoard shows them: by prefix)

@@ -22,7 +22,7 @@ from cephalo.api.network_profile import (
 from cephalo.api.profile import CollectiveProfile
 from cephalo.operator.discovery import Pool
 from cephalo.operator.netprobe import Probe, probes_needed
-from cephalo.operator.render import render_netprobe
+from cephalo.operator.netprobe_render import render_netprobe
 from cephalo.planner.comm_model import CommModel
 from cephalo.planner.topology import topology_network
 

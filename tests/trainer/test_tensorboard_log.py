@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from cephalo.api.job import TrackingSpec
 from cephalo.api.plan import Plan
+from cephalo.api.tracking import TrackingSpec
 from cephalo.trainer.tensorboard_log import FOLDER, open_log
 
 PLAN = Plan.model_validate({

@@ -31,7 +31,7 @@ from cephalo.operator.render import (
     LABEL_ROLE,
 )
 
-CONTAINER = "trainer"  # the one container of rank and profiler pods (render._gpu_pod)
+CONTAINER = "trainer"  # the one container of rank and profiler pods (render.gpu_pod)
 
 
 @dataclass(frozen=True)

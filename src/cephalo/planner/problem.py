@@ -131,7 +131,7 @@ def build_problem(spec: CephaloJobSpec, cluster: ClusterSpec,
                   profiles: Mapping[str, GpuProfile] | None = None) -> Problem:
     model = spec.model.resolve()
     profiles = dict(profiles or {})
-    network = _network(spec, cluster, profiles)
+    network = calibrated_network(spec, cluster, profiles)
     # The bytes each collective moves per parameter: what the engine sends under the job's
     # gatherPrecision / reducePrecision (every subset's ring is rebuilt from this base).
     network = dataclasses.replace(network, base=dataclasses.replace(
@@ -219,7 +219,7 @@ def _probed_collectives(profiles: Mapping[str, GpuProfile]) -> CollectiveProfile
     return max(probed, key=lambda c: c.probe_step_seconds or 0.0, default=None)
 
 
-def _network(spec: CephaloJobSpec, cluster: ClusterSpec,
+def calibrated_network(spec: CephaloJobSpec, cluster: ClusterSpec,
              profiles: Mapping[str, GpuProfile]) -> Network:
     """`network_of`, slowed by the cluster's calibrated collective_scale."""
     return network_of(spec, cluster, profiles).scaled(cluster.collective_scale)

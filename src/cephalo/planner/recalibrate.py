@@ -33,7 +33,7 @@ from cephalo.api.profile import GpuProfile
 from cephalo.planner.catalog import resolve_gpu, resolve_precision
 from cephalo.planner.costmodel import estimate_profile
 from cephalo.planner.evaluate import evaluate
-from cephalo.planner.problem import _network as planner_network
+from cephalo.planner.problem import calibrated_network as planner_network
 
 # The range searched for the collective factor c, and how close the calibrated prediction
 # of the current plan must come to the measured step to count as explained.
