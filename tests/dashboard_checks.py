@@ -1,7 +1,8 @@
 """What a real Prometheus must answer for the chart's Grafana dashboard and alerting rules
 (issue 38), once it has scraped the operator and the ranks of a running two-GPU job; shared by
-tests/operator/test_operator_prometheus.py (the API emulator) and
-tests/realk8s/test_operator_prometheus.py (the real control plane).
+tests/operator/test_operator_prometheus.py (the API emulator),
+tests/realk8s/test_operator_prometheus.py (the real control plane) and
+tests/local/test_run_prometheus.py (the ranks of a local `cephalo run`, no operator).
 
 Every panel query is sent as Grafana sends it (a range query, $namespace/$job set to the job,
 $__rate_interval 4 x the scrape interval) and must return a series with a number in it,
@@ -26,11 +27,14 @@ CHART_DIR = Path(__file__).resolve().parents[1] / "charts" / "cephalo-operator"
 DASHBOARD = CHART_DIR / "dashboards" / "cephalo.json"
 RULES = CHART_DIR / "alerts" / "cephalo.rules.yaml"
 RULE_COUNT = 10
-# Panel queries that have no series in these runs, and why. Each is checked to be empty.
+# Panel queries that have no series in these runs (those naming a key), and why. Each is
+# checked to be empty, and each key to be in some panel query.
 EMPTY_HERE = {
     "cephalo_memory_used_bytes": "GPU memory comes from NVML; these ranks run on the CPU",
     "cephalo_memory_capacity_bytes": "GPU memory comes from NVML; these ranks run on the CPU",
 }
+# A local `cephalo run` (no operator): its ranks' series only.
+EMPTY_LOCAL = {**EMPTY_HERE, "cephalo_operator_": "the operator's series: a local run has none"}
 # Alerts that must be inactive in a healthy run (the others may be pending: the plan's
 # prediction is for the GPUs, the steps run on this CPU; `for` keeps them from firing).
 HEALTHY = {"CephaloJobNotProgressing", "CephaloOperatorDown", "CephaloOperatorNotReconciling",
@@ -64,15 +68,15 @@ def shown_labels(expr: str, legend: str) -> set[str]:
     return (by - {"le"}) | set(re.findall(r"\{\{\s*(\w+)\s*\}\}", legend))
 
 
-def expected_empty(expr: str) -> bool:
-    return any(metric in expr for metric in EMPTY_HERE)
+def expected_empty(expr: str, empty: dict[str, str] = EMPTY_HERE) -> bool:
+    return any(metric in expr for metric in empty)
 
 
 async def wait_for_panel_data(prometheus: PrometheusServer, ns: str, job: str, since: float,
-                              timeout: float = 60) -> None:
+                              timeout: float = 60, empty: dict[str, str] = EMPTY_HERE) -> None:
     """Until every panel that should have data has it (waits on the data, not a clock)."""
     deadline = time.monotonic() + timeout
-    missing = [(t, q) for t, q, _ in panel_queries(ns, job) if not expected_empty(q)]
+    missing = [(t, q) for t, q, _ in panel_queries(ns, job) if not expected_empty(q, empty)]
     while missing:
         missing = [(t, q) for t, q in missing
                    if not await prometheus.query_range(q, since, time.time())]
@@ -83,15 +87,18 @@ async def wait_for_panel_data(prometheus: PrometheusServer, ns: str, job: str, s
 
 
 async def check_panels(prometheus: PrometheusServer, ns: str, job: str, since: float,
-                       until: float) -> tuple[int, int]:
+                       until: float, empty: dict[str, str] = EMPTY_HERE) -> tuple[int, int]:
     """Every panel's series between `since` and `until` carry the labels it shows; the ones
-    in EMPTY_HERE have none. (panel queries with series, all panel queries)"""
+    `empty` names have none. (panel queries with series, all panel queries)"""
     queries = panel_queries(ns, job)
+    unused = [m for m in empty if not any(m in expr for _, expr, _ in queries)]
+    assert not unused, f"no panel query reads {unused}: drop them from the empty list"
     with_data = 0
     for title, expr, legend in queries:
         series = await prometheus.query_range(expr, since, until)
-        if expected_empty(expr):
-            assert not series, f"panel {title!r} has data now: drop it from EMPTY_HERE"
+        if expected_empty(expr, empty):
+            assert not series, f"panel {title!r} has data now: drop it from the empty list " \
+                f"({expr})"
             continue
         assert series, f"panel {title!r} lost its data: {expr}"
         with_data += 1

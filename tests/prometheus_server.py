@@ -1,5 +1,6 @@
 """A real Prometheus (Debian's `prometheus` package) for the tests, on loopback (used by
-tests/operator/test_operator_prometheus.py and tests/realk8s/test_operator_prometheus.py).
+tests/operator/test_operator_prometheus.py, tests/realk8s/test_operator_prometheus.py and,
+scraping a local `cephalo run`, tests/local/test_run_prometheus.py).
 
 It scrapes what the chart's monitors would have it scrape, the way the Prometheus Operator
 turns them into scrape configs: the operator's /metrics (the ServiceMonitor) and every trainer
@@ -79,27 +80,38 @@ def podmonitor_relabel_configs(podmonitor: dict[str, Any]) -> list[dict[str, Any
 
 
 class PrometheusServer:
-    def __init__(self, folder: Path, port: int, operator_port: int,
-                 podmonitor: dict[str, Any], rule_files: list[Path]) -> None:
+    """Scraping the operator (at `operator_port`) and the trainer pods (set_targets) as the
+    chart's monitors would have it; or, with `static_configs` ({job name: static_configs}),
+    only those targets, as a user's hand-written scrape config would (a local `cephalo run`)."""
+
+    def __init__(self, folder: Path, port: int, operator_port: int | None,
+                 podmonitor: dict[str, Any] | None, rule_files: list[Path], *,
+                 static_configs: dict[str, list[dict[str, Any]]] | None = None) -> None:
         self.folder, self.port = folder, port
         self.url = f"http://127.0.0.1:{port}"
         folder.mkdir(parents=True, exist_ok=True)
         self.targets_file = folder / "trainers.json"
         self.targets_file.write_text("[]")
         self._targets: list[dict[str, Any]] = []
+        scrape_configs: list[dict[str, Any]] = [
+            {"job_name": name, "static_configs": configs}
+            for name, configs in (static_configs or {}).items()]
+        if operator_port is not None:
+            scrape_configs.append({"job_name": OPERATOR_JOB, "static_configs": [{
+                "targets": [f"127.0.0.1:{operator_port}"],
+                "labels": {"namespace": "cephalo-system", "endpoint": "metrics"}}]})
+        if podmonitor is not None:
+            scrape_configs.append({
+                "job_name": TRAINERS_JOB,
+                "file_sd_configs": [{"files": [str(self.targets_file)],
+                                     "refresh_interval": "1s"}],
+                "relabel_configs": podmonitor_relabel_configs(podmonitor)})
         config = {
             "global": {"scrape_interval": f"{SCRAPE_SECONDS}s",
                        "scrape_timeout": f"{SCRAPE_SECONDS}s",
                        "evaluation_interval": f"{SCRAPE_SECONDS}s"},
             "rule_files": [str(p) for p in rule_files],
-            "scrape_configs": [
-                {"job_name": OPERATOR_JOB, "static_configs": [{
-                    "targets": [f"127.0.0.1:{operator_port}"],
-                    "labels": {"namespace": "cephalo-system", "endpoint": "metrics"}}]},
-                {"job_name": TRAINERS_JOB,
-                 "file_sd_configs": [{"files": [str(self.targets_file)],
-                                      "refresh_interval": "1s"}],
-                 "relabel_configs": podmonitor_relabel_configs(podmonitor)}]}
+            "scrape_configs": scrape_configs}
         self.config_file = folder / "prometheus.yml"
         self.config_file.write_text(yaml.safe_dump(config))
         self.proc: subprocess.Popen[bytes] | None = None
