@@ -7,8 +7,8 @@ alone on two nodes or more: A-A on two of its nodes) and one **intra-node** prob
 whose nodes hold two free GPUs or more. What the job pins by hand (spec.planner.network
 interNodeGbps / intraNodeGbps, or the flat networkBandwidthGbps) is not probed. Each probe is
 a gang of the job's trainer image (netprobe_render.py): two pods on two nodes, or one pod
-with two GPUs, running `python -m cephalo.trainer.netprobe`; rank 0's termination message
-is the fitted CollectiveProfile.
+with two GPUs, running `python -m cephalo.trainer.netprobe` (seconds: the large transfer
+shrinks on a slow link); rank 0's termination message is the fitted CollectiveProfile.
 
 Polite and bounded: probes run one at a time (they would share NICs and GPUs), after the
 job's GPU profiles; each is a gang like the job's ranks (Kueue, Volcano, coscheduling); the

@@ -4,10 +4,12 @@ item 1; docs/network.md).
 Two ranks, each in a pod of its own on two nodes (inter-node) or both in one pod on one node
 (intra-node: CEPHALO_RANKS_PER_POD=2, this process then launches the two as a rank pod does),
 join one process group (NCCL on GPUs, gloo on the CPU) through the environment the operator
-sets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, CEPHALO_JOB) and measure the engine's own
-all-gather and reduce-scatter at the job's unit size and at 16 MiB
-(`profile_collectives.measure_in_group`). Rank 0 writes the fitted `CollectiveProfile` as
-JSON to --output (the pod's termination message: how the operator receives it).
+sets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and measure the engine's own all-gather
+and reduce-scatter at 256 KiB and at up to 16 MiB (`profile_collectives.measure_link`: the
+large size shrinks on a slow link so that one operation takes at most a quarter second,
+and the whole probe seconds). Rank 0 writes the fitted `CollectiveProfile` as JSON to
+--output (default the termination log CEPHALO_TERMINATION_LOG names: how the operator
+receives it).
 
 Bounded: joining the group gives up after CEPHALO_COLLECTIVE_TIMEOUT_SECONDS (the operator
 sets it), so a node that cannot reach the other ends the probe with an error rather than
@@ -23,7 +25,6 @@ import time
 from datetime import timedelta
 
 from cephalo.api import trainer_env
-from cephalo.api.job import CephaloJobSpec, load_job
 from cephalo.api.profile import TERMINATION_MESSAGE_LIMIT_BYTES
 
 DEFAULT_JOIN_TIMEOUT_SECONDS = 120.0
@@ -37,8 +38,6 @@ def main(argv: list[str] | None = None) -> int:
     except trainer_env.EnvError as err:
         print(f"netprobe: error: {err}", file=sys.stderr)
         return 2
-    parser.add_argument("--job", default=env.job,
-                        help=f"CephaloJob YAML (default: ${trainer_env.JOB})")
     parser.add_argument("--output", "-o", default=env.termination_log or "-",
                         help="file for rank 0's CollectiveProfile JSON ('-' = stdout)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per size (1-50)")
@@ -48,8 +47,6 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_pod(os.environ, env.ranks_per_pod or 1, [
             sys.executable, "-m", "cephalo.trainer.netprobe", *(argv or sys.argv[1:])])
-    if not args.job:
-        parser.error(f"--job is required (or set {trainer_env.JOB})")
     if env.rank is None or env.world_size is None or env.world_size < 2:
         print(f"netprobe: error: needs {trainer_env.RANK} and {trainer_env.WORLD_SIZE} >= 2 "
               "(the operator sets them)", file=sys.stderr)
@@ -57,19 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.repeats <= 50:
         print(f"netprobe: error: --repeats {args.repeats}: give 1 to 50", file=sys.stderr)
         return 2
-    try:
-        spec = load_job(args.job).spec
-    except (OSError, ValueError) as err:
-        print(f"netprobe: error: {err}", file=sys.stderr)
-        return 2
-    return _measure(spec, env, args.output, args.repeats)
+    return _measure(env, args.output, args.repeats)
 
 
-def _measure(spec: CephaloJobSpec, env: trainer_env.TrainerVars, output: str, repeats: int) -> int:
+def _measure(env: trainer_env.TrainerVars, output: str, repeats: int) -> int:
     import torch
     import torch.distributed as dist
 
-    from cephalo.trainer.profile_collectives import measure_in_group
+    from cephalo.trainer.profile_collectives import measure_link
 
     use_cuda = torch.cuda.is_available()
     device = torch.device("cuda", env.local_rank or 0) if use_cuda else torch.device("cpu")
@@ -82,7 +74,7 @@ def _measure(spec: CephaloJobSpec, env: trainer_env.TrainerVars, output: str, re
     started = time.monotonic()
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     try:
-        fit = measure_in_group(spec.model.resolve(), device, repeats, precision=spec.precision)
+        fit = measure_link(device, repeats, link_bytes_per_second=env.link_bytes_per_second)
     finally:
         dist.destroy_process_group()
     if fit is None:  # not rank 0: rank 0 reports

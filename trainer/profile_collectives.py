@@ -181,6 +181,46 @@ def measure_collectives(config: ModelConfig, repeats: int = 5,
         dist.destroy_process_group()
 
 
+LINK_SMALL_ELEMENTS = 64 * 1024  # 256 KiB of fp32: latency shows
+
+
+def measure_link(device: torch.device, repeats: int = 5,
+                 group: dist.ProcessGroup | None = None, max_op_seconds: float = 0.25,
+                 link_bytes_per_second: float | None = None) -> CollectiveProfile | None:
+    """The network probe's measurement (trainer/netprobe.py): the engine's all-gather and
+    reduce-scatter at 256 KiB and at up to 16 MiB, fitted to the ring model, and the small
+    all-reduce — of the link alone, whatever the job's model. Bounded: the large size shrinks
+    until one operation takes at most `max_op_seconds` (a slow link is measured with fewer
+    bytes, never for minutes). `link_bytes_per_second`: an emulated link (tests; as the
+    engine's, collectives.py). The fit on the group's rank 0, None elsewhere."""
+    coll = UnevenCollectives(group)
+    coll.link_bytes_per_second = link_bytes_per_second
+    n = coll.world_size
+    if n < 2:
+        raise ValueError("a link is measured between at least 2 ranks")
+    even = [1.0 / n] * n
+    small = LINK_SMALL_ELEMENTS
+    big = BANDWIDTH_PROBE_ELEMENTS
+    # One timed run of the large size (its first operation warms the connection): shrink it
+    # in proportion when it is too slow for the budget, by the same factor on every rank.
+    seconds = _per_op_seconds(coll, "all_gather", big, even, device, repeats=1, ops=1)
+    if seconds > max_op_seconds:
+        big = max(4 * small, int(big * max_op_seconds / seconds))
+    fits = {}
+    for kind in ("all_gather", "reduce_scatter"):
+        t_small = _per_op_seconds(coll, kind, small, even, device, repeats, ops=8)
+        t_big = _per_op_seconds(coll, kind, big, even, device, repeats, ops=2)
+        fits[kind] = _ring_fit(t_small, small, t_big, big, n)
+    all_reduce = _per_op_seconds(coll, "all_reduce", 2, even, device, repeats, 16)
+    if coll.rank != 0:
+        return None
+    return CollectiveProfile(
+        bandwidth_bytes_per_second=fits["all_gather"][0], latency_seconds=fits["all_gather"][1],
+        reduce_scatter_bandwidth_bytes_per_second=fits["reduce_scatter"][0],
+        reduce_scatter_latency_seconds=fits["reduce_scatter"][1], all_reduce_seconds=all_reduce,
+        world_size=n)
+
+
 def measure_in_group(config: ModelConfig, device: torch.device, repeats: int = 5,
                      group: dist.ProcessGroup | None = None,
                      precision: str = "fp32") -> CollectiveProfile | None:
