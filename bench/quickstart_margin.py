@@ -86,13 +86,16 @@ def best_one_gpu(run_dir: Path, emulate: str) -> tuple[float, str]:
     return best, name
 
 
-def run_once(job: Path, load: int, emulate: str, cached: bool, steps: int | None) -> Outcome:
+def run_once(job: Path, load: int, emulate: str, cached: bool, steps: int | None,
+             keep: Path | None) -> Outcome:
     hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(load)]
     try:
         time.sleep(1.0 if hogs else 0.0)  # let the hogs take their cores
         before = loadavg()
         with tempfile.TemporaryDirectory(prefix="quickstart-margin-") as tmp:
             run_dir = Path(tmp) / "run"
+            if keep is not None:  # each run's directory and console output, to look into
+                run_dir = keep / f"{time.strftime('%H%M%S')}-load{load}"
             env = dict(os.environ)
             if not cached:
                 env["XDG_CACHE_HOME"] = str(Path(tmp) / "cache")
@@ -104,6 +107,8 @@ def run_once(job: Path, load: int, emulate: str, cached: bool, steps: int | None
             done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=tmp)
             wall = time.perf_counter() - began
             after = loadavg()
+            if keep is not None and run_dir.exists():
+                (run_dir / "console.txt").write_text(done.stdout + done.stderr)
             if done.returncode != 0:
                 raise SystemExit(f"cephalo run failed ({done.returncode}):\n"
                                  f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
@@ -143,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="training steps per run (default: the job's)")
     parser.add_argument("--cached", action="store_true",
                         help="reuse the profile cache (default: profile compute afresh)")
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="keep each run's directory and console output under this folder")
     args = parser.parse_args(argv)
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
     loads = [int(x) for x in args.loads.split(",")]
     annotations = (load_job(str(args.job)).metadata.model_extra or {}).get("annotations") or {}
     emulate = annotations[EMULATE_ANNOTATION]
@@ -155,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     outcomes: list[Outcome] = []
     for round_ in range(args.repeats):
         for load in (loads if round_ % 2 == 0 else loads[::-1]):
-            outcomes.append(run_once(args.job, load, emulate, args.cached, args.steps))
+            outcomes.append(run_once(args.job, load, emulate, args.cached, args.steps,
+                                     args.keep))
             print(row(outcomes[-1]), flush=True)
     print("\nper load: runs using both GPUs, margin min / median / max, wall median")
     every = len(emulate.split(","))
