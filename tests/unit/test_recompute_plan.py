@@ -56,7 +56,7 @@ def test_ample_memory_keeps_activations_and_the_plan_says_so() -> None:
     assert recomputing is not None and kept is not None
     # No recompute drops a block forward (≈ a quarter of a block's compute) per microbatch
     # and the backward's second gather of every unit: never slower. The recompute mode can
-    # only tie it by recomputing nothing, as here (the quickstart's batch 32: one microbatch
+    # only tie it by recomputing nothing, as here (the quickstart's batch 40: one microbatch
     # per rank with every block graph kept, the same work), and the tie goes to keeping
     # everything; gpt-small at batch 24 (the quickstart before) was strictly faster kept.
     assert kept <= recomputing
