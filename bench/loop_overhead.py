@@ -37,9 +37,11 @@ def _worker(rank: int, world_size: int, job_path: str, steps: int, log_interval:
     from cephalo.trainer.run import train
 
     spec = load_job(job_path).spec
-    spec = spec.model_copy(update={"training": spec.training.model_copy(
-        update={"steps": steps, "log_interval_steps": log_interval})})
     layout = Layout(batch_sizes=[19, 5], micro_batch_sizes=[19, 1], shard_ratios=[0.5, 0.5])
+    # The layout's batch of 24 (the quickstart's until it went to 32 samples, issue 39).
+    spec = spec.model_copy(update={"global_batch_size": sum(layout.batch_sizes),
+                                   "training": spec.training.model_copy(
+        update={"steps": steps, "log_interval_steps": log_interval})})
     spans: list[tuple[float, float]] = []
     original = engine_module.Engine.step
 
