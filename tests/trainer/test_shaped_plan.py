@@ -1,0 +1,47 @@
+"""Issue 35, "a real network, shaped": the plan's predicted step time against real trainer
+ranks across two network namespaces joined by a tc-shaped veth pair (bench/shaped_plan.py).
+At each of three link rates the CPU is profiled and the profiler measures the collectives
+across the link; the planner plans gpt-small (global batch 32) on one or two CPU ranks from
+them, and the two-rank plan (the one that crosses the link) trains across the namespaces.
+
+Its predicted step, with compute as the ranks measured it in the same steps (the planner's
+recalibration; collectives as modelled), is within 25 % of the measured step: on this
+shared 2-core machine the load moves compute by ±35 % from minute to minute (measured),
+the raw prediction with it, so the raw ratio is the bench's figure (docs/network.md), not a
+verdict. The planner's choice moves the right way: both ranks on the fast link, the one
+rank (nothing across the link) on the slow one, predicted steps that grow as it slows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.load_file import load_file
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "shaped_plan.py"
+shaped = load_file(BENCH, "shaped_plan")
+
+
+@pytest.mark.slow  # per shape: a profile, the collective measurement, a 5-step run
+@pytest.mark.skipif(shaped.unavailable() is not None, reason=str(shaped.unavailable()))
+def test_plan_predicts_the_step_and_moves_as_the_shaped_link_slows(tmp_path: Path) -> None:
+    # 5 steps, the first 2 left out: 3 timed steps per shape keep the test short.
+    spec, job_file = shaped.prepare(tmp_path, "gpt-small", batch=32, steps=5)
+    shapes = [shaped.shape(rate, spec, job_file, tmp_path, "gpt-small", run="two", repeats=2)
+              for rate in (300, 100, 50)]
+    table = "\n".join(shaped.table(shapes))
+    runs = [s.runs[0] for s in shapes]
+    for run in runs:
+        assert run.ranks == 2, table
+        assert 0.75 <= run.normalised_ratio <= 1.25, table
+    # The link slows: the two-rank plan is predicted, and measured, slower.
+    assert runs[0].predicted_seconds < runs[1].predicted_seconds < runs[2].predicted_seconds, \
+        table
+    assert runs[0].measured_seconds < runs[2].measured_seconds, table
+    # The chosen plan: never predicted faster on a slower link, never more ranks on it;
+    # both ranks on the fast link, the one alone on the slow.
+    predicted = [s.chosen_predicted_seconds for s in shapes]
+    assert predicted == sorted(predicted), table
+    used = [s.chosen_ranks for s in shapes]
+    assert used == sorted(used, reverse=True) and used[0] == 2 and used[-1] == 1, table
