@@ -8,8 +8,8 @@ Its predicted step, with compute as the ranks measured it in the same steps (the
 recalibration; collectives as modelled), is within 25 % of the measured step: on this
 shared 2-core machine the load moves compute by ±35 % from minute to minute (measured),
 the raw prediction with it, so the raw ratio is the bench's figure (docs/network.md), not a
-verdict. The planner's choice moves the right way: both ranks on the fast link, the one
-rank (nothing across the link) on the slow one, predicted steps that grow as it slows."""
+verdict. The planner's choice moves the right way: never more ranks on a slower link, the
+one rank (nothing across the link) on the slowest, predicted steps that grow as it slows."""
 
 from __future__ import annotations
 
@@ -39,9 +39,11 @@ def test_plan_predicts_the_step_and_moves_as_the_shaped_link_slows(tmp_path: Pat
     assert runs[0].predicted_seconds < runs[1].predicted_seconds < runs[2].predicted_seconds, \
         table
     assert runs[0].measured_seconds < runs[2].measured_seconds, table
-    # The chosen plan: never predicted faster on a slower link, never more ranks on it;
-    # both ranks on the fast link, the one alone on the slow.
+    # The chosen plan: never predicted faster on a slower link, never more ranks on it, and
+    # the one rank alone on the slowest (its collectives alone outlast a one-rank step).
+    # Whether 300 Mbit/s gets both ranks depends on how fast the CPU profiled that minute
+    # (both happened, docs/network.md): not asserted.
     predicted = [s.chosen_predicted_seconds for s in shapes]
     assert predicted == sorted(predicted), table
     used = [s.chosen_ranks for s in shapes]
-    assert used == sorted(used, reverse=True) and used[0] == 2 and used[-1] == 1, table
+    assert used == sorted(used, reverse=True) and used[-1] == 1, table
