@@ -196,6 +196,8 @@ class Shape:
     chosen_batches: list[int]
     chosen_predicted_seconds: float
     runs: list[Outcome]  # the plans run, the chosen one first where it ran
+    fit: dict[str, float]  # the measured collectives (CollectiveProfile fields)
+    cpu: GpuProfile  # the CPU's profile, measured for this shape
 
 
 RUNS = ("chosen", "both", "two")  # the chosen plan; it and the other; the two-rank plan
@@ -218,7 +220,8 @@ def shape(rate_mbit: float, spec: CephaloJobSpec, job_file: Path, work: Path, pr
     assert plan.predicted_step_seconds is not None  # plan_with checked
     return Shape(rate_mbit, fit["bandwidth_bytes_per_second"] * 8e-6,
                  fit["reduce_scatter_bandwidth_bytes_per_second"] * 8e-6, plan.world_size,
-                 [r.batch_size for r in plan.ranks], plan.predicted_step_seconds, outcomes)
+                 [r.batch_size for r in plan.ranks], plan.predicted_step_seconds, outcomes,
+                 fit, cpu)
 
 
 def prepare(work: Path, preset: str, batch: int, steps: int) -> tuple[CephaloJobSpec, Path]:
@@ -269,7 +272,8 @@ def main() -> int:
         for rate in (float(r) for r in args.rates.split(",")):
             shapes.append(shape(rate, spec, job_file, Path(tmp), args.model, args.run,
                                 args.quick))
-            print(json.dumps(asdict(shapes[-1])), flush=True)
+            print(json.dumps({k: v for k, v in asdict(shapes[-1]).items() if k != "cpu"}),
+                  flush=True)
     print("\n".join(table(shapes)))
     print(f"loadavg {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
