@@ -31,6 +31,11 @@ DEVICE_A, DEVICE_B = "vsa", "vsb"
 # through 5 % faster than the rate).
 BURST_BYTES = 32_000
 QUEUE_LATENCY = "20ms"
+# Niceness of what a timed measurement starts: on a machine shared with other builds their
+# bursts otherwise move a 1-core rank's step by ±35 % (measured: one rank alone, the same
+# work, 0.38–0.76 s per step at load 11); above them, the profile and the run both see
+# cores as the planner assumes they have.
+TIMED_NICENESS = -20
 
 
 def unavailable() -> str | None:
@@ -83,6 +88,18 @@ def shaped_nodes(rate_mbit: float) -> Iterator[Nodes]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
 
 
+@contextmanager
+def priority(niceness: int = TIMED_NICENESS) -> Iterator[None]:
+    """Processes started inside run at `niceness` (they inherit it; root only); this
+    process returns to its own niceness on exit."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    os.setpriority(os.PRIO_PROCESS, 0, niceness)
+    try:
+        yield
+    finally:
+        os.setpriority(os.PRIO_PROCESS, 0, before)
+
+
 # Each rank: the profiler's measurement (`cephalo profile --collectives` runs the same
 # function under torchrun), its fit printed as JSON by rank 0. The bandwidth probe is cut
 # from 16 MiB to BIG_ELEMENTS so a slow shape finishes in seconds.
@@ -94,17 +111,18 @@ from cephalo.api.models import preset
 pc.BANDWIDTH_PROBE_ELEMENTS = int(sys.argv[1])
 if sys.argv[3] == "quick":  # without the one-sample training-step probe (seconds of CPU)
     pc._probe_fits = lambda *args: False
-fit = pc.measure_collectives(preset("gpt-tiny"), repeats=int(sys.argv[2]))
+fit = pc.measure_collectives(preset(sys.argv[4]), repeats=int(sys.argv[2]))
 if fit is not None:
     print("FIT " + json.dumps(fit.model_dump()))
 """
 
 
 def measure(nodes: Nodes, ranks_per_node: int = 2, big_elements: int = 1024**2,
-            repeats: int = 3, timeout_seconds: float = 120.0, quick: bool = False
-            ) -> dict[str, float]:
+            repeats: int = 3, timeout_seconds: float = 120.0, quick: bool = False,
+            model: str = "gpt-tiny") -> dict[str, float]:
     """Run the profiler's collective measurement over 2 x ranks_per_node gloo ranks, the
-    first half in A, the rest in B; rank 0's fit (CollectiveProfile fields)."""
+    first half in A, the rest in B; rank 0's fit (CollectiveProfile fields). `model` (a
+    preset) sets the small probe's size (one unit) and the training-step probe's model."""
     world = 2 * ranks_per_node
     procs = []
     for rank in range(world):
@@ -115,7 +133,7 @@ def measure(nodes: Nodes, ranks_per_node: int = 2, big_elements: int = 1024**2,
                "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
         procs.append(subprocess.Popen(
             ["ip", "netns", "exec", nodes.a if in_a else nodes.b, sys.executable, "-c", _RANK,
-             str(big_elements), str(repeats), "quick" if quick else "full"],
+             str(big_elements), str(repeats), "quick" if quick else "full", model],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
     outputs = []
     try:

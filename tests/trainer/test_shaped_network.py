@@ -6,27 +6,17 @@ measurement implies is within 25 % of the rate tc shapes, at two rates: 100 and 
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from tests.load_file import load_file
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "shaped_network.py"
 
 
-def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("shaped_network", BENCH)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up
-    spec.loader.exec_module(module)
-    return module
-
-
-shaped = _bench()
+shaped = load_file(BENCH, "shaped_network")
 
 
 @pytest.mark.slow  # two gloo processes per shape, ~25 s in all

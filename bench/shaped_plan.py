@@ -1,0 +1,283 @@
+"""The plan on a real, shaped network (issue 35): for each link rate, measure the collectives
+across two network namespaces joined by a tc-shaped veth pair (bench/shaped_network.py, the
+profiler's own measurement), plan a small GPT on two CPU "GPUs" (one rank in each namespace)
+from that measurement and a CPU compute profile measured here (the real profiler, one
+thread), run the plan's real trainer ranks across the namespaces, and compare the predicted
+step time with the measured one. Run by hand as root:
+`python bench/shaped_plan.py [--rates 50,100,300] [--steps 12]`.
+
+Each rank computes with one thread (CEPHALO_NUM_THREADS=1), as the profile measured: two
+ranks on this 2-core machine then each have a core. A one-rank plan runs in namespace A
+alone (no link). `--run both` (default) also runs the other choice (the two-rank plan where
+the planner chose one rank, and the reverse) to check the choice against a measurement.
+The bench's processes run at niceness TIMED_NICENESS (root), above other builds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+
+from cephalo.api.cluster import ClusterSpec
+from cephalo.api.job import CephaloJobSpec, load_job
+from cephalo.api.plan import Plan
+from cephalo.api.profile import CollectiveProfile, GpuProfile
+from cephalo.api.trainer_env import TrainerVars, to_environ
+from cephalo.local.devices import select_devices
+from cephalo.local.ranks import RankEnv, rank_environment
+from cephalo.local.runner import build_cluster
+from cephalo.planner import evaluate, solve
+from cephalo.planner.recalibrate import Measured, recalibrate, scale_profile
+
+# The namespaces machinery lives beside this file (run as a script or loaded from its path).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shaped_network import (
+    ADDRESS_A,
+    DEVICE_A,
+    DEVICE_B,
+    Nodes,
+    measure,
+    priority,
+    shaped_nodes,
+    unavailable,
+)
+
+WARMUP_STEPS = 2  # left out of the measured median: allocator, connections, first gathers
+THREADS = 1
+MASTER_PORT = 29512
+
+
+def job_data(preset: str, batch: int, steps: int) -> dict:
+    return {"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
+            "metadata": {"name": "shaped-plan"},
+            "spec": {"model": {"preset": preset}, "globalBatchSize": batch,
+                     "training": {"steps": steps, "learningRate": 1e-3},
+                     "data": {"synthetic": {}},
+                     "planner": {"profileMicroBatchSizes": [1, 2, 4, 8, 16, 32]},
+                     "checkpoint": {"ephemeral": True}}}
+
+
+def _one_thread_env() -> dict[str, str]:
+    return dict(os.environ, **to_environ(TrainerVars(num_threads=THREADS)),
+                OMP_NUM_THREADS=str(THREADS), CUDA_VISIBLE_DEVICES="")
+
+
+def cpu_profile(job_file: Path, work: Path) -> GpuProfile:
+    """The real profiler on this machine's CPU with one thread, measured now (a fresh
+    cache): on a shared machine the prediction then sees the load the run will see."""
+    output = Path(tempfile.mkdtemp(prefix="profile-", dir=work))
+    done = subprocess.run([sys.executable, "-m", "cephalo.trainer.profile", "--job",
+                           str(job_file), "--output", str(output / "cpu.json"), "--cache-dir",
+                           str(output / "cache")], env=_one_thread_env(),
+                          capture_output=True, text=True, timeout=600, cwd=work)
+    if done.returncode != 0:
+        raise RuntimeError(f"profiling the CPU failed: {done.stderr[-2000:]}")
+    return GpuProfile.model_validate_json((output / "cpu.json").read_text())
+
+
+@dataclass
+class Planned:
+    plan: Plan
+    cluster: ClusterSpec
+    profile: GpuProfile  # the CPU's, with the measured collectives
+
+
+def plan_with(spec: CephaloJobSpec, cpu: GpuProfile, fit: dict[str, float],
+              ranks: int | None = None) -> Planned:
+    """The planner's plan with the measured collectives: on two CPU ranks, using one or
+    both as it chooses (`ranks` None), or on exactly `ranks` of them."""
+    devices = select_devices(f"cpu:{ranks or 2}", None)
+    cluster = build_cluster(devices, cpu.memory_capacity_bytes)
+    profile = cpu.model_copy(update={"collectives": CollectiveProfile(**fit)})
+    plan = solve(spec, cluster, {"cpu": profile}, choose_gpus=ranks is None)
+    if plan.predicted_step_seconds is None:
+        raise RuntimeError("the plan carries no predicted step time")
+    return Planned(plan, cluster, profile)
+
+
+def run_plan(plan: Plan, nodes: Nodes, job_file: Path, work: Path,
+             timeout_seconds: float = 300.0) -> list[dict]:
+    """Run the plan's trainer ranks (rank 0 in A, rank 1 in B); rank 0's step records,
+    warm-up steps left out."""
+    run_dir = Path(tempfile.mkdtemp(prefix=f"run-{plan.world_size}-", dir=work))
+    plan_file = run_dir / "plan.json"
+    plan_file.write_text(plan.to_json())
+    devices = select_devices(f"cpu:{plan.world_size}", None)
+    ranks = [RankEnv(d) for d in devices]
+    procs = []
+    try:
+        for rank in range(plan.world_size):
+            env = rank_environment(rank, plan, ranks, run_dir, job_file, plan_file,
+                                   MASTER_PORT, THREADS, checkpoint_dir="")
+            env.update(MASTER_ADDR=ADDRESS_A, GLOO_SOCKET_IFNAME=DEVICE_A if rank == 0
+                       else DEVICE_B)
+            log = open(run_dir / f"rank-{rank}.log", "wb")  # noqa: SIM115 (closed below)
+            procs.append((subprocess.Popen(
+                ["ip", "netns", "exec", nodes.a if rank == 0 else nodes.b, sys.executable,
+                 "-m", "cephalo.trainer"], env=env, stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, cwd=run_dir), log))
+        for proc, _ in procs:
+            proc.wait(timeout=timeout_seconds)
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    for rank, (proc, _) in enumerate(procs):
+        if proc.returncode != 0:
+            tail = (run_dir / f"rank-{rank}.log").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"rank {rank} failed (exit {proc.returncode}): {tail}")
+    records = [json.loads(line) for line in
+               (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return records[WARMUP_STEPS:]
+
+
+@dataclass
+class Outcome:
+    """One plan run across the link: predicted and measured step seconds (medians over
+    the timed steps), and the prediction with its compute made what the ranks measured
+    in the same steps (the planner's recalibration, compute only: collectives as modelled):
+    on a shared machine the load moves compute by ±35 % from minute to minute, which says
+    nothing about the model of the link."""
+
+    ranks: int
+    batches: list[int]
+    predicted_seconds: float
+    measured_seconds: float
+    compute_scale: float  # measured compute / the profile's
+    normalised_seconds: float  # predicted, compute as measured
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted_seconds / self.measured_seconds
+
+    @property
+    def normalised_ratio(self) -> float:
+        return self.normalised_seconds / self.measured_seconds
+
+
+def run_and_score(spec: CephaloJobSpec, planned: Planned, nodes: Nodes, job_file: Path,
+                  work: Path) -> Outcome:
+    plan = planned.plan
+    steps = run_plan(plan, nodes, job_file, work)
+    measured = Measured(
+        step_seconds=statistics.median(r["step_seconds"] for r in steps),
+        compute_seconds=[statistics.median(r["ranks"][i]["compute_seconds"] for r in steps)
+                         for i in range(plan.world_size)])
+    profiles = {"cpu": planned.profile}
+    scale = recalibrate(spec, planned.cluster, profiles, plan, measured).compute_scale["cpu"]
+    assignment: list[tuple[int, int] | None] = [
+        (r.micro_batch_size, r.num_micro_batches) for r in plan.ranks]
+    assignment += [None] * (sum(g.count for g in planned.cluster.groups) - plan.world_size)
+    normalised = evaluate(spec, planned.cluster, {"cpu": scale_profile(planned.profile, scale)},
+                          assignment, recompute=plan.recompute is not False)
+    assert plan.predicted_step_seconds is not None  # plan_with checked
+    return Outcome(plan.world_size, [r.batch_size for r in plan.ranks],
+                   plan.predicted_step_seconds, measured.step_seconds, scale,
+                   normalised.step_seconds)
+
+
+@dataclass
+class Shape:
+    rate_mbit: float
+    all_gather_mbit: float  # the profiler's fits across the link
+    reduce_scatter_mbit: float
+    chosen_ranks: int  # the planner's choice: one or both ranks, per-rank batch, step
+    chosen_batches: list[int]
+    chosen_predicted_seconds: float
+    runs: list[Outcome]  # the plans run, the chosen one first where it ran
+    fit: dict[str, float]  # the measured collectives (CollectiveProfile fields)
+    cpu: GpuProfile  # the CPU's profile, measured for this shape
+
+
+RUNS = ("chosen", "both", "two")  # the chosen plan; it and the other; the two-rank plan
+
+
+def shape(rate_mbit: float, spec: CephaloJobSpec, job_file: Path, work: Path, preset: str,
+          run: str = "chosen", quick: bool = False, repeats: int = 3) -> Shape:
+    """Profile the CPU, measure the link shaped to `rate_mbit`, plan from both, run the
+    plans `run` names (RUNS) across the link."""
+    with priority(), shaped_nodes(rate_mbit) as nodes:
+        cpu = cpu_profile(job_file, work)
+        fit = measure(nodes, ranks_per_node=1, big_elements=256 * 1024, quick=quick,
+                      repeats=repeats, model=preset, timeout_seconds=300)
+        chosen = plan_with(spec, cpu, fit)
+        plans = {"chosen": [chosen], "two": [plan_with(spec, cpu, fit, ranks=2)],
+                 "both": [chosen, plan_with(spec, cpu, fit, ranks=3 - chosen.plan.world_size)]
+                 }[run]
+        outcomes = [run_and_score(spec, p, nodes, job_file, work) for p in plans]
+    plan = chosen.plan
+    assert plan.predicted_step_seconds is not None  # plan_with checked
+    return Shape(rate_mbit, fit["bandwidth_bytes_per_second"] * 8e-6,
+                 fit["reduce_scatter_bandwidth_bytes_per_second"] * 8e-6, plan.world_size,
+                 [r.batch_size for r in plan.ranks], plan.predicted_step_seconds, outcomes,
+                 fit, cpu)
+
+
+def prepare(work: Path, preset: str, batch: int, steps: int) -> tuple[CephaloJobSpec, Path]:
+    job_file = work / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job_data(preset, batch, steps), sort_keys=False))
+    return load_job(str(job_file)).spec, job_file
+
+
+def _row(o: Outcome) -> str:
+    return (f"{o.ranks} ({'+'.join(map(str, o.batches))}) | {o.predicted_seconds:.3f} | "
+            f"{o.measured_seconds:.3f} | {o.ratio:.2f} | {o.compute_scale:.2f} | "
+            f"{o.normalised_ratio:.2f}")
+
+
+def table(shapes: list[Shape]) -> list[str]:
+    rows = ["| shaped | AG / RS fit (Mbit/s) | plan | ranks (batch) | predicted s | "
+            "measured s | predicted / measured | compute measured / profile | "
+            "same, compute as measured |", "|---|---|---|---|---|---|---|---|---|"]
+    for s in shapes:
+        fits = f"{s.all_gather_mbit:.0f} / {s.reduce_scatter_mbit:.0f}"
+        for i, o in enumerate(s.runs):
+            which = "chosen" if (o.ranks, o.batches) == (s.chosen_ranks, s.chosen_batches) \
+                else "other"
+            rows.append(f"| {s.rate_mbit:g} Mbit/s | {fits} | {which} | {_row(o)} |" if i == 0
+                        else f"| | | {which} | {_row(o)} |")
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default="300,100,50", help="Mbit/s, comma-separated")
+    parser.add_argument("--model", default="gpt-small", help="a preset")
+    parser.add_argument("--batch", type=int, default=32, help="global batch size")
+    parser.add_argument("--steps", type=int, default=12, help="training steps per run")
+    parser.add_argument("--run", choices=RUNS, default="both",
+                        help="which plans run: the chosen one, it and the other choice, "
+                             "or the two-rank plan")
+    parser.add_argument("--quick", action="store_true",
+                        help="measure without the training-step probe")
+    args = parser.parse_args()
+    reason = unavailable()
+    if reason:
+        print(f"shaped_plan: {reason}", file=sys.stderr)
+        return 2
+    shapes = []
+    with tempfile.TemporaryDirectory(prefix="shaped-plan-") as tmp:
+        spec, job_file = prepare(Path(tmp), args.model, args.batch, args.steps)
+        for rate in (float(r) for r in args.rates.split(",")):
+            shapes.append(shape(rate, spec, job_file, Path(tmp), args.model, args.run,
+                                args.quick))
+            print(json.dumps({k: v for k, v in asdict(shapes[-1]).items() if k != "cpu"}),
+                  flush=True)
+    print("\n".join(table(shapes)))
+    print(f"loadavg {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
