@@ -10,6 +10,7 @@ this shared machine they depend on the load, so they are printed, not asserted."
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,10 @@ shaped = load_file(BENCH, "shaped_plan")
 
 @pytest.mark.slow  # per shape: a profile, the collective measurement, a 5-step run
 @pytest.mark.skipif(shaped.unavailable() is not None, reason=str(shaped.unavailable()))
+@pytest.mark.skipif(os.environ.get("CEPHALO_SHAPED_PLAN") != "1", reason=(
+    "the shaped-link plan check takes 2-5 minutes of both cores (269 s at load 10), more "
+    "than the default suite's budget: CEPHALO_SHAPED_PLAN=1 runs it (bench/shaped_plan.py "
+    "has the figures)"))
 def test_plan_predicts_the_step_and_moves_as_the_shaped_link_slows(tmp_path: Path) -> None:
     # 5 steps, the first 2 left out: 3 timed steps per shape keep the test short.
     spec, job_file = shaped.prepare(tmp_path, "gpt-small", batch=32, steps=5)
