@@ -214,11 +214,17 @@ def measure_link(device: torch.device, repeats: int = 5,
     all_reduce = _per_op_seconds(coll, "all_reduce", 2, even, device, repeats, 16)
     if coll.rank != 0:
         return None
+    return _fitted(fits, all_reduce, n)
+
+
+def _fitted(fits: dict[str, tuple[float, float]], all_reduce: float, n: int,
+            **extra: float | None) -> CollectiveProfile:
+    """The profile of the two ring fits (bandwidth, latency per kind) and the all-reduce."""
     return CollectiveProfile(
         bandwidth_bytes_per_second=fits["all_gather"][0], latency_seconds=fits["all_gather"][1],
         reduce_scatter_bandwidth_bytes_per_second=fits["reduce_scatter"][0],
         reduce_scatter_latency_seconds=fits["reduce_scatter"][1], all_reduce_seconds=all_reduce,
-        world_size=n)
+        world_size=n, **extra)
 
 
 def measure_in_group(config: ModelConfig, device: torch.device, repeats: int = 5,
@@ -256,9 +262,5 @@ def measure_in_group(config: ModelConfig, device: torch.device, repeats: int = 5
         probe = _engine_probe(config, device, group, precision, steps=max(12, 2 * repeats))
     if coll.rank != 0:
         return None
-    return CollectiveProfile(
-        bandwidth_bytes_per_second=fits["all_gather"][0], latency_seconds=fits["all_gather"][1],
-        reduce_scatter_bandwidth_bytes_per_second=fits["reduce_scatter"][0],
-        reduce_scatter_latency_seconds=fits["reduce_scatter"][1], all_reduce_seconds=all_reduce,
-        world_size=n, uneven_overhead=max(0.0, statistics.mean(uneven)),
-        overlap_fraction=overlap, probe_step_seconds=probe)
+    return _fitted(fits, all_reduce, n, uneven_overhead=max(0.0, statistics.mean(uneven)),
+                   overlap_fraction=overlap, probe_step_seconds=probe)
