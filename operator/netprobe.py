@@ -41,6 +41,7 @@ from cephalo.operator.discovery import Pool
 from cephalo.operator.gang import pod_group_api, pod_groups_path, render_pod_group
 from cephalo.operator.kube import core_path, job_path
 from cephalo.operator.netprobe_render import netprobe_service_name, render_netprobe
+from cephalo.operator.profiling import ANNOTATION_STARTED, ensure_spec_config_map
 from cephalo.operator.render import LABEL_JOB, LABEL_ROLE, owner_reference
 from cephalo.operator.status import JobPhase, PodPhase, pod_state, tail
 
@@ -50,7 +51,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("cephalo.operator")
 NETWORK_MEASURED = "NetworkMeasured"  # condition type
 ANNOTATION_PROBES_FAILED = "cephalo.dev/network-probes-failed"  # probe key -> why, JSON
-ANNOTATION_STARTED = "cephalo.dev/created-at-seconds"  # the operator's clock (profiling's)
 LABEL_NETWORK_PROFILE = "cephalo.dev/network-profile"
 JOIN_TIMEOUT_SECONDS = 60.0  # the ranks' rendezvous (a node that cannot reach the other)
 
@@ -110,10 +110,6 @@ def _free_nodes(pool: Pool) -> list[int]:
     return [g for g in pool.node_gpus if g > 0] if pool.node_gpus else [1] * len(pool.nodes)
 
 
-def fresh(profile: NetworkProfile, now: float, max_age_seconds: float) -> bool:
-    return profile.age_seconds(now) <= max_age_seconds
-
-
 async def cached(ctx: JobContext, probe: Probe, max_age_seconds: float | None = None
                  ) -> NetworkProfile | None:
     """The probe's cached measurement when it is there, readable and young enough."""
@@ -125,7 +121,7 @@ async def cached(ctx: JobContext, probe: Probe, max_age_seconds: float | None = 
         return None
     limit = ctx.config.network_profile_max_age_seconds if max_age_seconds is None \
         else max_age_seconds
-    return profile if fresh(profile, ctx.now, limit) else None
+    return profile if profile.age_seconds(ctx.now) <= limit else None
 
 
 async def cached_network(ctx: JobContext, cluster: ClusterSpec,
@@ -202,16 +198,13 @@ async def _run(ctx: JobContext, probe: Probe) -> NetworkProfile | str | None:
     pods_path = core_path(ctx.namespace, "pods")
     pods = [await ctx.kube.get(f"{pods_path}/{p['metadata']['name']}") for p in pods_wanted]
     if all(p is None for p in pods):
-        from cephalo.operator.profiling import ensure_spec_config_map
-
-        await ensure_spec_config_map(ctx)  # the probe reads the job's model from it
+        await ensure_spec_config_map(ctx)  # mounted by every GPU pod of the job (its config)
         await ctx.kube.create(core_path(ctx.namespace, "services"), service)
-        if pod_group_api(ctx.job) is not None:
+        api = pod_group_api(ctx.job)
+        if api is not None:
             group = render_pod_group(ctx.job, pods_wanted, group=f"{ctx.name}-np-{probe.digest}",
                                      owner=owner_reference(ctx.job))
             assert group is not None
-            api = pod_group_api(ctx.job)
-            assert api is not None
             await ctx.kube.create(pod_groups_path(api, ctx.namespace), group)
         for pod in pods_wanted:
             pod["metadata"].setdefault("annotations", {})[ANNOTATION_STARTED] = f"{ctx.now:.3f}"
