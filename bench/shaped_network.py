@@ -12,6 +12,7 @@ inside the namespaces made here; they are removed on the way out, also on failur
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 ADDRESS_A, ADDRESS_B = "10.231.0.1", "10.231.0.2"
@@ -34,7 +36,11 @@ QUEUE_LATENCY = "20ms"
 # Niceness of what a timed measurement starts: on a machine shared with other builds their
 # bursts otherwise move a 1-core rank's step by ±35 % (measured: one rank alone, the same
 # work, 0.38–0.76 s per step at load 11); above them, the profile and the run both see
-# cores as the planner assumes they have.
+# cores as the planner assumes they have. With the kernel's autogroups (Linux's default,
+# /proc/sys/kernel/sched_autogroup_enabled) a process's niceness ranks it only inside its
+# session: each other session (a control plane, another build) gets an equal share of the
+# cores whatever its niceness, so each timed process starts a session of its own and that
+# session's autogroup gets TIMED_NICENESS too (`start_timed`).
 TIMED_NICENESS = -20
 
 
@@ -88,19 +94,22 @@ def shaped_nodes(rate_mbit: float) -> Iterator[Nodes]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
 
 
-@contextmanager
-def priority(niceness: int = TIMED_NICENESS) -> Iterator[None]:
-    """Processes started inside run at `niceness` (they inherit it; root only); this
-    process returns to its own niceness on exit."""
-    before = os.getpriority(os.PRIO_PROCESS, 0)
-    os.setpriority(os.PRIO_PROCESS, 0, niceness)
-    try:
-        yield
-    finally:
-        os.setpriority(os.PRIO_PROCESS, 0, before)
+def start_timed(args: list[str], niceness: int = TIMED_NICENESS,
+                **popen: Any) -> subprocess.Popen[Any]:
+    """Popen for a timed process (root only): at `niceness` (through `nice`, so every thread
+    it starts inherits it), in a session of its own whose autogroup runs at `niceness` too
+    (sched(7), "The autogroup feature"). Where the kernel has no autogroups (no
+    /proc/PID/autogroup) niceness alone applies."""
+    adjustment = niceness - os.getpriority(os.PRIO_PROCESS, 0)
+    proc = subprocess.Popen(["nice", "-n", str(adjustment), *args], start_new_session=True,
+                            **popen)
+    # No autogroups here (or the process already gone): niceness alone.
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{proc.pid}/autogroup").write_text(f"{niceness}\n")
+    return proc
 
 
-# Each rank: the profiler's measurement (`cephalo profile --collectives` runs the same
+# Each rank of the profiler's measurement (`cephalo profile --collectives` runs the same
 # function under torchrun), its fit printed as JSON by rank 0. The bandwidth probe is cut
 # from 16 MiB to BIG_ELEMENTS so a slow shape finishes in seconds.
 _RANK = """
@@ -115,26 +124,36 @@ fit = pc.measure_collectives(preset(sys.argv[4]), repeats=int(sys.argv[2]))
 if fit is not None:
     print("FIT " + json.dumps(fit.model_dump()))
 """
+# What `measure` runs: the profiler's measurement with its one-sample training-step probe
+# ("full") or without it ("quick"), both of the model's unit sizes; or the operator's
+# network probe (`python -m cephalo.trainer.netprobe`, "netprobe": the link alone, 256 KiB
+# and a large size that shrinks to a quarter second per operation on a slow link).
+PROBES = ("full", "quick", "netprobe")
 
 
 def measure(nodes: Nodes, ranks_per_node: int = 2, big_elements: int = 1024**2,
-            repeats: int = 3, timeout_seconds: float = 120.0, quick: bool = False,
+            repeats: int = 3, timeout_seconds: float = 120.0, probe: str = "full",
             model: str = "gpt-tiny") -> dict[str, float]:
-    """Run the profiler's collective measurement over 2 x ranks_per_node gloo ranks, the
-    first half in A, the rest in B; rank 0's fit (CollectiveProfile fields). `model` (a
-    preset) sets the small probe's size (one unit) and the training-step probe's model."""
+    """Run a collective measurement (`probe`, one of PROBES) over 2 x ranks_per_node gloo
+    ranks, the first half in A, the rest in B; rank 0's fit (CollectiveProfile fields).
+    `model` (a preset) sets the profiler's small probe's size (one unit) and its
+    training-step probe's model; `big_elements` its bandwidth probe's."""
+    if probe not in PROBES:
+        raise ValueError(f"probe {probe!r}: one of {', '.join(PROBES)}")
     world = 2 * ranks_per_node
+    command = ([sys.executable, "-m", "cephalo.trainer.netprobe", "--output", "-",
+                "--repeats", str(repeats)] if probe == "netprobe" else
+               [sys.executable, "-c", _RANK, str(big_elements), str(repeats), probe, model])
     procs = []
     for rank in range(world):
         in_a = rank < ranks_per_node
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world),
                "LOCAL_RANK": str(rank % ranks_per_node), "MASTER_ADDR": ADDRESS_A,
                "MASTER_PORT": "29511", "GLOO_SOCKET_IFNAME": DEVICE_A if in_a else DEVICE_B,
-               "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-        procs.append(subprocess.Popen(
-            ["ip", "netns", "exec", nodes.a if in_a else nodes.b, sys.executable, "-c", _RANK,
-             str(big_elements), str(repeats), "quick" if quick else "full", model],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
+               "OMP_NUM_THREADS": "1", "CEPHALO_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+        procs.append(start_timed(
+            ["ip", "netns", "exec", nodes.a if in_a else nodes.b, *command], env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
     outputs = []
     try:
         for p in procs:
@@ -148,8 +167,8 @@ def measure(nodes: Nodes, ranks_per_node: int = 2, big_elements: int = 1024**2,
         if p.returncode != 0:
             raise RuntimeError(f"a rank failed (exit {p.returncode}): {err[-2000:]}")
     for line in outputs[0][0].splitlines():
-        if line.startswith("FIT "):
-            return dict(json.loads(line[4:]))
+        if line.startswith(("FIT ", "{")):
+            return dict(json.loads(line.removeprefix("FIT ")))
     raise RuntimeError(f"rank 0 printed no fit: {outputs[0][0][-2000:]}")
 
 
@@ -174,7 +193,9 @@ def main() -> int:
     parser.add_argument("--rates", default="100,400", help="Mbit/s, comma-separated")
     parser.add_argument("--ranks-per-node", type=int, default=1)
     parser.add_argument("--big-elements", type=int, default=256 * 1024)
-    parser.add_argument("--quick", action="store_true", help="skip the training-step probe")
+    parser.add_argument("--probe", choices=PROBES, default="full",
+                        help="the profiler's measurement with or without its training-step "
+                             "probe, or the operator's network probe")
     args = parser.parse_args()
     reason = unavailable()
     if reason:
@@ -182,7 +203,7 @@ def main() -> int:
         return 2
     for rate in (float(r) for r in args.rates.split(",")):
         with shaped_nodes(rate) as nodes:
-            fit = measure(nodes, args.ranks_per_node, args.big_elements, quick=args.quick)
+            fit = measure(nodes, args.ranks_per_node, args.big_elements, probe=args.probe)
         print(json.dumps({"rate_mbit": rate, "ranks_per_node": args.ranks_per_node,
                           **{k: round(v, 3) for k, v in link_figures(fit, rate).items()},
                           "latency_us": round(fit["latency_seconds"] * 1e6, 1),

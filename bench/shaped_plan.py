@@ -44,10 +44,12 @@ from shaped_network import (
     ADDRESS_A,
     DEVICE_A,
     DEVICE_B,
+    PROBES,
     Nodes,
+    link_figures,
     measure,
-    priority,
     shaped_nodes,
+    start_timed,
     unavailable,
 )
 
@@ -75,12 +77,18 @@ def cpu_profile(job_file: Path, work: Path) -> GpuProfile:
     """The real profiler on this machine's CPU with one thread, measured now (a fresh
     cache): on a shared machine the prediction then sees the load the run will see."""
     output = Path(tempfile.mkdtemp(prefix="profile-", dir=work))
-    done = subprocess.run([sys.executable, "-m", "cephalo.trainer.profile", "--job",
-                           str(job_file), "--output", str(output / "cpu.json"), "--cache-dir",
-                           str(output / "cache")], env=_one_thread_env(),
-                          capture_output=True, text=True, timeout=600, cwd=work)
-    if done.returncode != 0:
-        raise RuntimeError(f"profiling the CPU failed: {done.stderr[-2000:]}")
+    proc = start_timed([sys.executable, "-m", "cephalo.trainer.profile", "--job",
+                        str(job_file), "--output", str(output / "cpu.json"), "--cache-dir",
+                        str(output / "cache")], env=_one_thread_env(),
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=work)
+    try:
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0:
+        raise RuntimeError(f"profiling the CPU failed: {err[-2000:]}")
     return GpuProfile.model_validate_json((output / "cpu.json").read_text())
 
 
@@ -121,7 +129,7 @@ def run_plan(plan: Plan, nodes: Nodes, job_file: Path, work: Path,
             env.update(MASTER_ADDR=ADDRESS_A, GLOO_SOCKET_IFNAME=DEVICE_A if rank == 0
                        else DEVICE_B)
             log = open(run_dir / f"rank-{rank}.log", "wb")  # noqa: SIM115 (closed below)
-            procs.append((subprocess.Popen(
+            procs.append((start_timed(
                 ["ip", "netns", "exec", nodes.a if rank == 0 else nodes.b, sys.executable,
                  "-m", "cephalo.trainer"], env=env, stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, cwd=run_dir), log))
@@ -204,12 +212,13 @@ RUNS = ("chosen", "both", "two")  # the chosen plan; it and the other; the two-r
 
 
 def shape(rate_mbit: float, spec: CephaloJobSpec, job_file: Path, work: Path, preset: str,
-          run: str = "chosen", quick: bool = False, repeats: int = 3) -> Shape:
-    """Profile the CPU, measure the link shaped to `rate_mbit`, plan from both, run the
-    plans `run` names (RUNS) across the link."""
-    with priority(), shaped_nodes(rate_mbit) as nodes:
-        cpu = cpu_profile(job_file, work)
-        fit = measure(nodes, ranks_per_node=1, big_elements=256 * 1024, quick=quick,
+          run: str = "chosen", probe: str = "full", repeats: int = 3,
+          cpu: GpuProfile | None = None) -> Shape:
+    """Profile the CPU (unless given its profile), measure the link shaped to `rate_mbit`,
+    plan from both, run the plans `run` names (RUNS) across the link."""
+    with shaped_nodes(rate_mbit) as nodes:
+        cpu = cpu or cpu_profile(job_file, work)
+        fit = measure(nodes, ranks_per_node=1, big_elements=256 * 1024, probe=probe,
                       repeats=repeats, model=preset, timeout_seconds=300)
         chosen = plan_with(spec, cpu, fit)
         plans = {"chosen": [chosen], "two": [plan_with(spec, cpu, fit, ranks=2)],
@@ -237,11 +246,12 @@ def _row(o: Outcome) -> str:
 
 
 def table(shapes: list[Shape]) -> list[str]:
-    rows = ["| shaped | AG / RS fit (Mbit/s) | plan | ranks (batch) | predicted s | "
-            "measured s | predicted / measured | compute measured / profile | "
+    rows = ["| shaped | AG / RS fit, Mbit/s (link implied / shaped) | plan | ranks (batch) | "
+            "predicted s | measured s | predicted / measured | compute measured / profile | "
             "same, compute as measured |", "|---|---|---|---|---|---|---|---|---|"]
     for s in shapes:
-        fits = f"{s.all_gather_mbit:.0f} / {s.reduce_scatter_mbit:.0f}"
+        link = link_figures(s.fit, s.rate_mbit)["link_vs_shaped"]
+        fits = f"{s.all_gather_mbit:.0f} / {s.reduce_scatter_mbit:.0f} (link {link:.2f}x)"
         for i, o in enumerate(s.runs):
             which = "chosen" if (o.ranks, o.batches) == (s.chosen_ranks, s.chosen_batches) \
                 else "other"
@@ -252,15 +262,17 @@ def table(shapes: list[Shape]) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", default="300,100,50", help="Mbit/s, comma-separated")
+    parser.add_argument("--rates", default="300,100,40", help="Mbit/s, comma-separated")
     parser.add_argument("--model", default="gpt-small", help="a preset")
-    parser.add_argument("--batch", type=int, default=32, help="global batch size")
+    parser.add_argument("--batch", type=int, default=128, help="global batch size")
     parser.add_argument("--steps", type=int, default=12, help="training steps per run")
     parser.add_argument("--run", choices=RUNS, default="both",
                         help="which plans run: the chosen one, it and the other choice, "
                              "or the two-rank plan")
-    parser.add_argument("--quick", action="store_true",
-                        help="measure without the training-step probe")
+    parser.add_argument("--probe", choices=PROBES, default="netprobe",
+                        help="how the link is measured: the operator's network probe, or the "
+                             "profiler's measurement with (full) or without (quick) its "
+                             "training-step probe")
     args = parser.parse_args()
     reason = unavailable()
     if reason:
@@ -269,9 +281,10 @@ def main() -> int:
     shapes = []
     with tempfile.TemporaryDirectory(prefix="shaped-plan-") as tmp:
         spec, job_file = prepare(Path(tmp), args.model, args.batch, args.steps)
+        cpu = cpu_profile(job_file, Path(tmp))  # once: start_timed keeps the load out
         for rate in (float(r) for r in args.rates.split(",")):
             shapes.append(shape(rate, spec, job_file, Path(tmp), args.model, args.run,
-                                args.quick))
+                                args.probe, cpu=cpu))
             print(json.dumps({k: v for k, v in asdict(shapes[-1]).items() if k != "cpu"}),
                   flush=True)
     print("\n".join(table(shapes)))

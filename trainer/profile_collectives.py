@@ -27,6 +27,22 @@ from cephalo.trainer.collectives import UnevenCollectives
 
 FP32_BYTES = 4
 BANDWIDTH_PROBE_ELEMENTS = 4 * 1024**2  # 16 MiB of fp32
+# A timed run of back-to-back operations lasts about this long at most: on a slow link
+# (tens of Mbit/s) an operation of one unit takes a tenth of a second or more, and sixteen
+# of them per run, per repeat, per kind made a profile of minutes (measured: 74 s at
+# 40 Mbit/s); one such operation already dwarfs the ranks' skew leaving a barrier.
+RUN_SECONDS = 0.1
+
+
+def _ops_within(seconds_one: float, ops: int, group: dist.ProcessGroup | None) -> int:
+    """How many of `ops` back-to-back operations of `seconds_one` each fit RUN_SECONDS, but
+    at least 2 (or `ops` where fewer): one operation alone after the barrier would pay the
+    transport's restart after idle (TCP's slow start) as bandwidth. Every rank must issue as
+    many, so the slowest rank's figure decides."""
+    value = torch.tensor([seconds_one], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    fit = int(RUN_SECONDS / max(float(value.item()), 1e-9))
+    return min(ops, max(2, fit))
 
 
 def _per_op_seconds(coll: UnevenCollectives, kind: str, numel: int, ratios: list[float],
@@ -48,6 +64,11 @@ def _per_op_seconds(coll: UnevenCollectives, kind: str, numel: int, ratios: list
             coll.all_reduce_sum(full)
 
     issue()  # warms up connections and buffers
+    began = time.perf_counter()
+    issue()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    ops = _ops_within(time.perf_counter() - began, ops, coll.group)
     times = []
     for _ in range(repeats):
         dist.barrier(group=coll.group)
@@ -91,14 +112,18 @@ def _overlap_fraction(coll: UnevenCollectives, numel: int, device: torch.device,
             torch.cuda.synchronize(device)
 
     def timed(fn, ops: int = 8) -> float:
-        # Runs of back-to-back operations, as in `_per_op_seconds`.
-        times = []
-        for _ in range(repeats + 1):
+        # Runs of back-to-back operations, as in `_per_op_seconds`; a first run of one
+        # operation, left out, warms up and sizes them.
+        times: list[float] = []
+        count = 1
+        for run in range(repeats + 1):
+            if run == 1:
+                count = _ops_within(times[0], ops, coll.group)
             dist.barrier(group=coll.group)
             began = time.perf_counter()
-            for _ in range(ops):
+            for _ in range(count):
                 fn()
-            times.append((time.perf_counter() - began) / ops)
+            times.append((time.perf_counter() - began) / count)
         return statistics.median(times[1:])
 
     t_comm = timed(lambda: coll.all_gather(shard, bounds, unit=0).wait())

@@ -1,16 +1,22 @@
 """Issue 35, "a real network, shaped": the plan on a real, shaped link (bench/shaped_plan.py).
-At each of three link rates the CPU is profiled and the profiler measures the collectives
-across two network namespaces joined by a tc-shaped veth pair; the planner plans gpt-small
-(global batch 32) on one or two CPU ranks from them, and the two-rank plan (the one that
-crosses the link) trains across the namespaces. The planner's choice moves the right way:
-never more ranks on a slower link, the one rank (nothing across the link) on the slowest,
-predicted steps that grow as it slows; the two-rank plan is measured slower on the slow
-link too. The predicted / measured ratios are the bench's figures (docs/network.md): on
-this shared machine they depend on the load, so they are printed, not asserted."""
+The real profiler measures this machine's CPU (one thread) once; at each of three link
+rates the profiler's collective measurement runs across two network namespaces joined by
+a tc-shaped veth pair; the planner plans gpt-small (global batch 128) on one or two CPU
+ranks from both, and the chosen plan's real trainer ranks train across the namespaces.
+
+Asserted: the link rate the measurement implies is within 25 % of the shaped rate; the
+chosen plan's predicted step is within 25 % of the measured one at every shape; the plan
+moves the right way (both ranks on the fastest link, never more ranks nor a faster
+prediction on a slower one, one rank alone on the slowest); and on the slowest link the
+two-rank plan the planner turned down is measured slower than the one it chose.
+
+Every timed process runs at niceness -20 in a session (autogroup) of its own
+(`shaped_network.start_timed`): with the kernel's autogroups the other sessions' load
+(the suite's other worker, a control plane) otherwise moved the predicted / measured ratio
+from 1.02 to 1.34 (four busy loops in other sessions; 1.07 with start_timed)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -20,37 +26,41 @@ from tests.load_file import load_file
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "shaped_plan.py"
 shaped = load_file(BENCH, "shaped_plan")
 
+# 128 samples: two ranks beat one by 1.5x on the fastest link (measured here: 0.50 s
+# predicted against 0.78 s) and lose on the slowest (their collectives alone outlast the
+# one rank's whole step).
+RATES_MBIT = (300, 100, 50)
+BATCH = 128
+STEPS = 5  # the first 2 left out (shaped.WARMUP_STEPS): 3 timed steps per run
 
-@pytest.mark.slow  # per shape: a profile, the collective measurement, a 5-step run
+
+@pytest.mark.slow  # a profile, 3 link measurements and 4 short runs: about 90 s
 @pytest.mark.skipif(shaped.unavailable() is not None, reason=str(shaped.unavailable()))
-@pytest.mark.skipif(os.environ.get("CEPHALO_SHAPED_PLAN") != "1", reason=(
-    "the shaped-link plan check takes 2-5 minutes of both cores (269 s at load 10), more "
-    "than the default suite's budget: CEPHALO_SHAPED_PLAN=1 runs it (bench/shaped_plan.py "
-    "has the figures)"))
-def test_plan_predicts_the_step_and_moves_as_the_shaped_link_slows(tmp_path: Path) -> None:
-    # 5 steps, the first 2 left out: 3 timed steps per shape keep the test short.
-    spec, job_file = shaped.prepare(tmp_path, "gpt-small", batch=32, steps=5)
-    shapes = [shaped.shape(rate, spec, job_file, tmp_path, "gpt-small", run="two", repeats=2)
-              for rate in (300, 100, 50)]
+def test_chosen_plan_predicts_its_step_and_moves_as_the_shaped_link_slows(
+        tmp_path: Path) -> None:
+    spec, job_file = shaped.prepare(tmp_path, "gpt-small", batch=BATCH, steps=STEPS)
+    cpu = shaped.cpu_profile(job_file, tmp_path)
+    shapes = [shaped.shape(rate, spec, job_file, tmp_path, "gpt-small",
+                           run="both" if rate == RATES_MBIT[-1] else "chosen",
+                           probe="quick", repeats=3, cpu=cpu)
+              for rate in RATES_MBIT]
     table = "\n".join(shaped.table(shapes))
-    runs = [s.runs[0] for s in shapes]
-    # No bound on predicted / measured here: on this shared 2-core machine both the raw
-    # ratio and the compute-normalised one strayed past 25 % in some runs (docs/network.md);
-    # the bench reports them.
-    assert all(run.ranks == 2 for run in runs), table
-    # The link slows: the two-rank plan is measured slower.
-    assert runs[0].measured_seconds < runs[2].measured_seconds, table
-    # The planner on the three measured links with one CPU profile (each shape profiled
-    # the CPU afresh, and the load moves it): never predicted faster on a slower link,
-    # never more ranks on it, the one rank alone on the slowest (its collectives alone
-    # outlast a one-rank step). Whether 300 Mbit/s gets both ranks depends on how fast
-    # the CPU profiled (both happened, docs/network.md): not asserted.
-    cpu = shapes[0].cpu
-    two = [shaped.plan_with(spec, cpu, s.fit, ranks=2).plan for s in shapes]
-    chosen = [shaped.plan_with(spec, cpu, s.fit).plan for s in shapes]
-    assert two[0].predicted_step_seconds < two[1].predicted_step_seconds < \
-        two[2].predicted_step_seconds, table
-    predicted = [p.predicted_step_seconds for p in chosen]
+    for s in shapes:
+        figures = shaped.link_figures(s.fit, s.rate_mbit)
+        assert 0.75 <= figures["link_vs_shaped"] <= 1.25, (s.rate_mbit, figures, table)
+        # The all-gather's two broadcasts cross the link one way each: at most both
+        # directions at once (the ring's figure, the rate), at least one after the other.
+        assert 0.75 * 0.5 <= figures["all_gather_vs_shaped"] <= 1.25, (figures, table)
+        chosen = s.runs[0]
+        assert (chosen.ranks, chosen.batches) == (s.chosen_ranks, s.chosen_batches), table
+        assert 0.75 <= chosen.ratio <= 1.25, (s.rate_mbit, chosen.ratio, table)
+    used = [s.chosen_ranks for s in shapes]
+    assert used == sorted(used, reverse=True) and used[0] == 2 and used[-1] == 1, \
+        (used, table)
+    predicted = [s.chosen_predicted_seconds for s in shapes]
     assert predicted == sorted(predicted), table
-    used = [p.world_size for p in chosen]
-    assert used == sorted(used, reverse=True) and used[-1] == 1, (used, table)
+    # The choice checked against a measurement: on the slowest link the two-rank plan the
+    # planner turned down is slower than the one rank it chose.
+    one, two = shapes[-1].runs
+    assert two.ranks == 2 and two.measured_seconds > one.measured_seconds, table
+    print(table)
