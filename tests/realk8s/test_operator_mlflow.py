@@ -19,8 +19,9 @@ from .cluster import Cluster
 from .operator_run import JOB_SECONDS, JOBS, Operator, phases_until, tiny_job
 from .rest import wait_until
 
-STEPS = 200  # long enough that the kill lands mid-training on two shared cores (it lands
-# within seconds of the first logged step; 400 took 216 s of a 15-minute suite)
+STEPS = 100  # long enough that the kill lands mid-training on two shared cores: it lands
+# within a second or two of the first step MLflow shows (rank 0 sends each step as it ends,
+# the test polls every 0.5 s); 400 took 216 s of a 15-minute suite, 200 took 107 s
 
 
 @pytest.fixture(scope="module")

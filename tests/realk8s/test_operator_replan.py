@@ -51,7 +51,7 @@ def test_a_too_optimistic_network_is_replanned_under_the_real_api_server(
 
 def test_a_prediction_no_replan_can_fix_is_reported_under_the_real_api_server(
         cluster: Cluster, operator: Operator, job_namespace: str) -> None:
-    """One GPU whose rank computes 30 times slower than its profile (the trainer's
+    """One GPU whose rank computes 10 times slower than its profile (the trainer's
     CEPHALO_TIME_DILATION, set by the job's podTemplate; the profiler measures undilated):
     no plan on one GPU fixes that, so condition PredictionOff and a Warning Event."""
     ns = job_namespace
@@ -60,7 +60,7 @@ def test_a_prediction_no_replan_can_fix_is_reported_under_the_real_api_server(
         training={"steps": 12, "learningRate": 1.0e-3, "schedule": "constant", "seed": 1},
         planner={"profileMicroBatchSizes": [1, 2], "chooseGpus": True,
                  "replan": {"afterSteps": 3, "restartCostSeconds": 0.0}},
-        podTemplate={"env": [{"name": "CEPHALO_TIME_DILATION", "value": "30"}]},
+        podTemplate={"env": [{"name": "CEPHALO_TIME_DILATION", "value": "10"}]},
         checkpoint={"claimName": "ckpt", "intervalSteps": 1000})
     created = cluster.rest.create(JOBS.format(ns=ns), body, fieldValidation="Strict")
     phases, status = phases_until(cluster, ns, "slowgpu", created["metadata"]["resourceVersion"],
