@@ -1,16 +1,17 @@
-"""The plan on a real, shaped network (issue 35): for each link rate, measure the collectives
-across two network namespaces joined by a tc-shaped veth pair (bench/shaped_network.py, the
-profiler's own measurement), plan a small GPT on two CPU "GPUs" (one rank in each namespace)
-from that measurement and a CPU compute profile measured here (the real profiler, one
-thread), run the plan's real trainer ranks across the namespaces, and compare the predicted
-step time with the measured one. Run by hand as root:
-`python bench/shaped_plan.py [--rates 50,100,300] [--steps 12]`.
+"""The plan on a real, shaped network (issue 35): profile the CPU once (the real profiler,
+one thread); for each link rate, measure the collectives across two network namespaces
+joined by a tc-shaped veth pair (bench/shaped_network.py: the profiler's measurement, or
+the operator's network probe with `--probe netprobe`), plan a small GPT on two CPU "GPUs"
+(one rank in each namespace) from both, run the plan's real trainer ranks across the
+namespaces, and compare the predicted step time with the measured one. Run by hand as root:
+`python bench/shaped_plan.py [--rates 300,100,40] [--batch 128] [--steps 12]`.
 
 Each rank computes with one thread (CEPHALO_NUM_THREADS=1), as the profile measured: two
 ranks on this 2-core machine then each have a core. A one-rank plan runs in namespace A
 alone (no link). `--run both` (default) also runs the other choice (the two-rank plan where
 the planner chose one rank, and the reverse) to check the choice against a measurement.
-The bench's processes run at niceness TIMED_NICENESS (root), above other builds.
+Every timed process starts through `start_timed` (niceness -20 in a session and autogroup
+of its own, root): other sessions' load then leaves the profile and the runs alone.
 """
 
 from __future__ import annotations
@@ -269,10 +270,10 @@ def main() -> int:
     parser.add_argument("--run", choices=RUNS, default="both",
                         help="which plans run: the chosen one, it and the other choice, "
                              "or the two-rank plan")
-    parser.add_argument("--probe", choices=PROBES, default="netprobe",
-                        help="how the link is measured: the operator's network probe, or the "
-                             "profiler's measurement with (full) or without (quick) its "
-                             "training-step probe")
+    parser.add_argument("--probe", choices=PROBES, default="quick",
+                        help="how the link is measured: the profiler's measurement without "
+                             "(quick, as the test) or with (full) its training-step probe, or "
+                             "the operator's network probe")
     args = parser.parse_args()
     reason = unavailable()
     if reason:

@@ -90,7 +90,8 @@ def _measure(env: trainer_env.TrainerVars, output: str, repeats: int) -> int:
           f"{time.monotonic() - started:.1f} s: all-gather "
           f"{fit.bandwidth_bytes_per_second * 8 / 1e9:.3g} Gbit/s, "
           f"{fit.latency_seconds * 1e6:.3g} us; reduce-scatter "
-          f"{(fit.reduce_scatter_bandwidth_bytes_per_second or 0) * 8 / 1e9:.3g} Gbit/s",
+          f"{(fit.reduce_scatter_bandwidth_bytes_per_second or 0) * 8 / 1e9:.3g} Gbit/s; "
+          f"{fit.overlap_fraction or 0.0:.2f} of the all-gather hidden under compute",
           file=sys.stderr)
     return 0
 

@@ -213,8 +213,9 @@ def measure_link(device: torch.device, repeats: int = 5,
                  group: dist.ProcessGroup | None = None, max_op_seconds: float = 0.25,
                  link_bytes_per_second: float | None = None) -> CollectiveProfile | None:
     """The network probe's measurement (trainer/netprobe.py): the engine's all-gather and
-    reduce-scatter at 256 KiB and at up to 16 MiB, fitted to the ring model, and the small
-    all-reduce — of the link alone, whatever the job's model. Bounded: the large size shrinks
+    reduce-scatter at 256 KiB and at up to 16 MiB, fitted to the ring model, the small
+    all-reduce, and how much of the all-gather hides under compute — of the link alone,
+    whatever the job's model. Bounded: the large size shrinks
     until one operation takes at most `max_op_seconds` (a slow link is measured with fewer
     bytes, never for minutes). `link_bytes_per_second`: an emulated link (tests; as the
     engine's, collectives.py). The fit on the group's rank 0, None elsewhere."""
@@ -237,9 +238,14 @@ def measure_link(device: torch.device, repeats: int = 5,
         t_big = _per_op_seconds(coll, kind, big, even, device, repeats, ops=2)
         fits[kind] = _ring_fit(t_small, small, t_big, big, n)
     all_reduce = _per_op_seconds(coll, "all_reduce", 2, even, device, repeats, 16)
+    # How well the link's all-gather hides under compute on these devices (the planner's
+    # overlap_fraction; 1.0 where unmeasured), at the small size: seconds on any link. A
+    # difference of three noisy times: the median of three estimates.
+    overlap = statistics.median(_overlap_fraction(coll, small, device, repeats)
+                                for _ in range(3))
     if coll.rank != 0:
         return None
-    return _fitted(fits, all_reduce, n)
+    return _fitted(fits, all_reduce, n, overlap_fraction=overlap)
 
 
 def _fitted(fits: dict[str, tuple[float, float]], all_reduce: float, n: int,

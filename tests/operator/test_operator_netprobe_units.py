@@ -23,6 +23,7 @@ from cephalo.api.profile import CollectiveProfile
 from cephalo.operator.discovery import Pool
 from cephalo.operator.netprobe import Probe, probes_needed
 from cephalo.operator.netprobe_render import render_netprobe
+from cephalo.planner import solve
 from cephalo.planner.comm_model import CommModel
 from cephalo.planner.topology import topology_network
 
@@ -117,6 +118,30 @@ def test_an_intra_node_probe_prices_a_ring_inside_its_node() -> None:
     bandwidth, _ = network.topology.ring([0, 0, 0, 0])
     assert bandwidth * 8 / 1e9 == pytest.approx(96.0)
     assert with_measured_network(cluster, []) is cluster  # nothing measured: as it was
+
+
+def test_the_least_overlap_measured_is_the_clusters_and_the_plan_pays_for_it() -> None:
+    """How much of a collective hid under compute on the probe's GPUs (measured: 0.21-0.82
+    for gloo on shared CPU cores, bench/shaped_plan.py) becomes the cluster's overlap; a plan
+    priced with it is slower than one that assumes every collective hidden (1.0)."""
+    cluster = ClusterSpec(groups=[GpuGroup(product="L4", count=1, pool="P0"),
+                                  GpuGroup(product="A10G", count=1, pool="P1")],
+                          nodes=[ClusterNode(gpus={"P0": 1}, name="P0"),
+                                 ClusterNode(gpus={"P1": 1}, name="P1")])
+
+    def probe(overlap: float | None, pools: list[str]) -> NetworkProfile:
+        m = _measurement(INTER, pools, 1.0, 50.0)
+        return m.model_copy(update={"collectives": m.collectives.model_copy(
+            update={"overlap_fraction": overlap})})
+
+    measured = with_measured_network(cluster, [probe(0.6, ["P0", "P1"]), probe(0.3, ["P1"])])
+    assert measured.collective_overlap_fraction == 0.3
+    unmeasured = with_measured_network(cluster, [probe(None, ["P0", "P1"])])
+    assert unmeasured.collective_overlap_fraction is None  # the planner assumes 1.0
+    spec = _job(planner={"chooseGpus": False}).spec
+    hidden = solve(spec, unmeasured).predicted_step_seconds
+    exposed = solve(spec, measured).predicted_step_seconds
+    assert hidden is not None and exposed is not None and exposed > hidden
 
 
 def test_probe_pods_inter_node_gang_and_intra_node_pair() -> None:

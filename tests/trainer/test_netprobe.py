@@ -51,6 +51,8 @@ def test_a_slow_link_is_measured_at_its_rate_and_briefly(tmp_path: Path) -> None
                       fit.reduce_scatter_bandwidth_bytes_per_second or 0.0):
         assert 0.75 * link <= bandwidth <= 1.25 * link, fit
     assert fit.world_size == 2 and "netprobe: gloo over 2 ranks" in done.stderr
+    # How much of the all-gather hid under compute: measured, a fraction.
+    assert fit.overlap_fraction is not None and 0.0 <= fit.overlap_fraction <= 1.0, fit
     # The timed operations: 2 x (8 small + 2 large) x 3 repeats, a large one at most a
     # quarter second, beside start-up; unshrunk, 48 s of large ones (a bound, not a timing).
     assert elapsed < 120, elapsed

@@ -63,6 +63,10 @@ class ClusterSpec(BaseModel):
     # A running job's recalibration (cephalo.planner.recalibrate): every collective of the
     # declared network (flat or topology) takes this many times as long as described.
     collective_scale: float = Field(default=1.0, gt=0)
+    # How much of a collective hides under compute issued while it is in flight, as the
+    # operator's network probe measured it on these GPUs (None: not measured; the planner
+    # then assumes all of it, 1.0).
+    collective_overlap_fraction: float | None = Field(default=None, ge=0, le=1)
 
     @model_validator(mode="after")
     def _nodes_hold_the_groups(self) -> ClusterSpec:

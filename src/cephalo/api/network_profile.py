@@ -18,7 +18,9 @@ of its two NICs' latencies, so a pool measured in two pairs gets one of them: la
 reproduced to within the pairs' spread, bandwidth exactly). An intra-node probe gives its
 pool's GPU-to-GPU link. One
 bandwidth stands for both collectives: the harmonic mean of the all-gather's and the
-reduce-scatter's (a unit's collectives are both kinds, so their times add).
+reduce-scatter's (a unit's collectives are both kinds, so their times add). How much of a
+collective hid under compute on the probe's GPUs (its `overlap_fraction`) becomes the
+cluster's `collective_overlap_fraction`: the least any probe measured.
 """
 
 from __future__ import annotations
@@ -72,10 +74,14 @@ class NetworkProfile(BaseModel):
         return max(0.0, (time.time() if now is None else now) - self.measured_at)
 
     def describe(self, now: float | None = None) -> str:
-        """'inter-node L4 <-> A10G: 9.41 Gbit/s, 52 us (measured 3 h ago)'."""
+        """'inter-node L4 <-> A10G: 9.41 Gbit/s, 52 us, 0.93 hidden under compute (measured
+        3 h ago)'."""
         where = " <-> ".join(self.pools) if self.kind == INTER else f"{self.pools[0]} x2"
+        overlap = self.collectives.overlap_fraction
+        hidden = "" if overlap is None else f", {overlap:.2f} hidden under compute"
         return (f"{self.kind} {where}: {self.bandwidth_bytes_per_second * 8 / 1e9:.3g} Gbit/s, "
-                f"{self.latency_seconds * 1e6:.3g} us (measured {_ago(self.age_seconds(now))})")
+                f"{self.latency_seconds * 1e6:.3g} us{hidden} "
+                f"(measured {_ago(self.age_seconds(now))})")
 
 
 def _ago(seconds: float) -> str:
@@ -115,7 +121,11 @@ def with_measured_network(cluster: ClusterSpec,
     whole = all(n.name in nic for n in cluster.nodes) or len(cluster.nodes) == 1
     source = MEASURED_SOURCE if whole or not cluster.network_source else \
         f"{MEASURED_SOURCE} + {cluster.network_source}"
-    return cluster.model_copy(update={"nodes": nodes, "network_source": source})
+    overlaps = [p.collectives.overlap_fraction for p in profiles
+                if p.collectives.overlap_fraction is not None]
+    return cluster.model_copy(update={
+        "nodes": nodes, "network_source": source,
+        "collective_overlap_fraction": min(overlaps, default=cluster.collective_overlap_fraction)})
 
 
 __all__ = ["INTER", "INTRA", "MEASURED_SOURCE", "NETWORK_PROFILE_KEY", "NetworkProfile",

@@ -247,13 +247,16 @@ def network_of(spec: CephaloJobSpec, cluster: ClusterSpec,
             all_reduce_seconds=slowest.all_reduce_seconds), None, None, MEASURED,
             f"collectives measured on {slowest.world_size} ranks")
     planner = spec.planner
+    # The probe's overlap is the GPUs' (compute beside a collective), whatever the links.
+    overlap = 1.0 if cluster.collective_overlap_fraction is None else \
+        cluster.collective_overlap_fraction
     if cluster.network_bandwidth_bytes_per_second is not None:
         source, why = cluster.network_source or "cluster", "the cluster's bus"
     elif planner.network_bandwidth_gbps is not None or \
             planner.network_latency_microseconds is not None:
         source, why = JOB, "planner.networkBandwidthGbps"
     else:
-        return topology_network(spec, cluster, CommModel(1.0, 0.0))
+        return topology_network(spec, cluster, CommModel(1.0, 0.0, overlap_fraction=overlap))
     bandwidth = cluster.network_bandwidth_bytes_per_second or (
         (planner.network_bandwidth_gbps or FLAT_GBPS) * 1e9 / 8)
     latency = cluster.network_latency_seconds
@@ -261,7 +264,8 @@ def network_of(spec: CephaloJobSpec, cluster: ClusterSpec,
         # (a latency of 0 is a figure, not a missing one)
         given = planner.network_latency_microseconds
         latency = (FLAT_LATENCY_MICROSECONDS if given is None else given) * 1e-6
-    return Network(CommModel(bandwidth, latency), None, None, source, f"a flat ring ({why})")
+    return Network(CommModel(bandwidth, latency, overlap_fraction=overlap), None, None, source,
+                   f"a flat ring ({why})")
 
 
 def class_tables(problem: Problem, *, uneven: bool = True, max_ell: int | None = None,
