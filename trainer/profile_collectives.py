@@ -63,12 +63,17 @@ def _per_op_seconds(coll: UnevenCollectives, kind: str, numel: int, ratios: list
         else:
             coll.all_reduce_sum(full)
 
+    def one_seconds() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        issue()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - began
+
     issue()  # warms up connections and buffers
-    began = time.perf_counter()
-    issue()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    ops = _ops_within(time.perf_counter() - began, ops, coll.group)
+    ops = _ops_within(one_seconds(), ops, coll.group)
     times = []
     for _ in range(repeats):
         dist.barrier(group=coll.group)
