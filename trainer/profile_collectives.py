@@ -212,6 +212,7 @@ def measure_collectives(config: ModelConfig, repeats: int = 5,
 
 
 LINK_SMALL_ELEMENTS = 64 * 1024  # 256 KiB of fp32: latency shows
+OVERLAP_OP_SECONDS = 0.02  # the link probe's overlap measurement: one all-gather this long
 
 
 def measure_link(device: torch.device, repeats: int = 5,
@@ -237,16 +238,19 @@ def measure_link(device: torch.device, repeats: int = 5,
     seconds = _per_op_seconds(coll, "all_gather", big, even, device, repeats=1, ops=1)
     if seconds > max_op_seconds:
         big = max(4 * small, int(big * max_op_seconds / seconds))
-    fits = {}
+    fits, t_big = {}, {}
     for kind in ("all_gather", "reduce_scatter"):
         t_small = _per_op_seconds(coll, kind, small, even, device, repeats, ops=8)
-        t_big = _per_op_seconds(coll, kind, big, even, device, repeats, ops=2)
-        fits[kind] = _ring_fit(t_small, small, t_big, big, n)
+        t_big[kind] = _per_op_seconds(coll, kind, big, even, device, repeats, ops=2)
+        fits[kind] = _ring_fit(t_small, small, t_big[kind], big, n)
     all_reduce = _per_op_seconds(coll, "all_reduce", 2, even, device, repeats, 16)
     # How well the link's all-gather hides under compute on these devices (the planner's
-    # overlap_fraction; 1.0 where unmeasured), at the small size: seconds on any link. A
+    # overlap_fraction; 1.0 where unmeasured), at a size whose all-gather takes about
+    # OVERLAP_OP_SECONDS (between the small and the large size): long enough that launch
+    # overheads do not swamp it on a fast GPU link, seconds in all on a slow one. A
     # difference of three noisy times: the median of three estimates.
-    overlap = statistics.median(_overlap_fraction(coll, small, device, repeats)
+    numel = int(min(big, max(small, big * OVERLAP_OP_SECONDS / t_big["all_gather"])))
+    overlap = statistics.median(_overlap_fraction(coll, numel, device, repeats)
                                 for _ in range(3))
     if coll.rank != 0:
         return None
