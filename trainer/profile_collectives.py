@@ -212,7 +212,7 @@ def measure_collectives(config: ModelConfig, repeats: int = 5,
 
 
 LINK_SMALL_ELEMENTS = 64 * 1024  # 256 KiB of fp32: latency shows
-OVERLAP_OP_SECONDS = 0.02  # the link probe's overlap measurement: one all-gather this long
+OVERLAP_OP_SECONDS = 0.01  # the link probe's overlap measurement: one all-gather this long
 
 
 def measure_link(device: torch.device, repeats: int = 5,
@@ -248,9 +248,9 @@ def measure_link(device: torch.device, repeats: int = 5,
     # overlap_fraction; 1.0 where unmeasured), at a size whose all-gather takes about
     # OVERLAP_OP_SECONDS (between the small and the large size): long enough that launch
     # overheads do not swamp it on a fast GPU link, seconds in all on a slow one. A
-    # difference of three noisy times: the median of three estimates.
+    # difference of three noisy times: the median of three estimates of 3 runs each.
     numel = int(min(big, max(small, big * OVERLAP_OP_SECONDS / t_big["all_gather"])))
-    overlap = statistics.median(_overlap_fraction(coll, numel, device, repeats)
+    overlap = statistics.median(_overlap_fraction(coll, numel, device, min(repeats, 3))
                                 for _ in range(3))
     if coll.rank != 0:
         return None
