@@ -1,7 +1,8 @@
 """Issue 35, "a real network, shaped": the plan on a real, shaped link (bench/shaped_plan.py).
 The real profiler measures this machine's CPU (one thread) once; at each of three link
-rates the profiler's collective measurement runs across two network namespaces joined by
-a tc-shaped veth pair; the planner plans gpt-small (global batch 128) on one or two CPU
+rates the operator's network probe (`python -m cephalo.trainer.netprobe`: bandwidth,
+latency and the overlap with compute) runs across two network namespaces joined by a
+tc-shaped veth pair; the planner plans gpt-small (global batch 128) on one or two CPU
 ranks from both, and the chosen plan's real trainer ranks train across the namespaces.
 
 Asserted: the link rate the measurement implies is within 25 % of the shaped rate; the
@@ -44,7 +45,7 @@ def test_chosen_plan_predicts_its_step_and_moves_as_the_shaped_link_slows(
     cpu = shaped.cpu_profile(job_file, tmp_path)
     shapes = [shaped.shape(rate, spec, job_file, tmp_path, "gpt-small",
                            run="both" if rate == RATES_MBIT[-1] else "chosen",
-                           probe="quick", repeats=3, cpu=cpu)
+                           probe="netprobe", repeats=3, cpu=cpu)
               for rate in RATES_MBIT]
     table = "\n".join(shaped.table(shapes))
     for s in shapes:
