@@ -23,6 +23,7 @@ import kopf
 from cephalo.api import CephaloJob
 from cephalo.operator import metrics
 from cephalo.operator.config import OperatorConfig
+from cephalo.operator.eta import for_phase
 from cephalo.operator.kube import AsyncKube, job_path
 from cephalo.operator.status import FAILED, JobPhase, merge_conditions, now_iso
 
@@ -127,6 +128,7 @@ class JobContext:
         follow-up actions."""
         old = self.status
         if self._decided or self._conditions:
+            self._progress_for_phase(old)
             new: dict[str, Any] = {
                 "observedGeneration": self.body["metadata"].get("generation"), **self._decided}
             if self._conditions:
@@ -143,6 +145,7 @@ class JobContext:
         self._decided, self._conditions = {}, {}
         if self.status.get("phase"):
             metrics.set_phase(self.namespace, self.name, self.status["phase"])
+            metrics.set_progress(self.namespace, self.name, self.status.get("progress"))
         events, self._events = self._events, []
         for type_, reason, message in events:
             # kopf types the object as its Body wrapper; a plain mapping is what it reads
@@ -150,6 +153,16 @@ class JobContext:
         actions, self._after = self._after, []
         for action in actions:
             await action()
+
+
+    def _progress_for_phase(self, old: dict[str, Any]) -> None:
+        """status.progress as the phase this pass writes shows it (eta.for_phase): here, in
+        the one status write, so that no path out of Running (a gang restart, a rescale, a
+        re-plan, a suspend, a failure) can leave the gone gang's estimated end behind."""
+        progress = self._decided.get("progress", old.get("progress"))
+        shown = for_phase(progress, self._decided.get("phase", old.get("phase")))
+        if shown != progress:
+            self._decided["progress"] = shown
 
 
 def _replacing(old: Any, new: Any) -> Any:

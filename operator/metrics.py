@@ -11,10 +11,12 @@ Counters end in `_total` and are read with rate()/increase().
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from cephalo.api.job import Phase
+from cephalo.operator.status import parse_time
 
 PHASES: tuple[str, ...] = Phase.__args__  # type: ignore[attr-defined]
 JOB_LABELS = ("cephalo_namespace", "cephalo_job")  # .labels(namespace, name), in this order
@@ -34,6 +36,15 @@ PREDICTED_SAMPLES = Gauge("cephalo_operator_predicted_samples_per_second",
                           "The plan's predicted throughput", JOB_LABELS)
 MEASURED_SAMPLES = Gauge("cephalo_operator_measured_samples_per_second",
                          "Throughput rank 0 reports", JOB_LABELS)
+# status.progress.percent and .estimatedEndTime (cephalo.operator.eta); the end is a Unix
+# timestamp, so `(x - time())` is the time left, and has no series while there is none.
+PROGRESS_PERCENT = Gauge("cephalo_operator_progress_percent",
+                         "Share of the training steps done, in percent (100 once Succeeded)",
+                         JOB_LABELS)
+ESTIMATED_END = Gauge("cephalo_operator_estimated_end_timestamp_seconds",
+                      "When the last training step is estimated to end (Unix time), from the "
+                      "running gang's measured step time; no series when not Running or "
+                      "before that gang has timed a step", JOB_LABELS)
 RESTARTS = Counter("cephalo_operator_gang_restarts_total", "Gang restarts", JOB_LABELS)
 PREEMPTIONS = Counter("cephalo_operator_preemptions_total",
                       "Gang restarts after a disruption (preemption, eviction, drain); not "
@@ -68,7 +79,7 @@ LEADER = Gauge("cephalo_operator_leader",
 # increase()/rate() in alerting rules blind to the first event.
 JOB_COUNTERS = (RESTARTS, PREEMPTIONS, REPLANS, GANG_RELEASES, RESCALES, RESCALE_SKIPS,
                 RESCALE_ROLLBACKS)
-PER_JOB = (PREDICTED_SAMPLES, MEASURED_SAMPLES, *JOB_COUNTERS)
+PER_JOB = (PREDICTED_SAMPLES, MEASURED_SAMPLES, PROGRESS_PERCENT, ESTIMATED_END, *JOB_COUNTERS)
 RECONCILE_OUTCOMES = ("ok", "error")
 for _outcome in RECONCILE_OUTCOMES:  # both from the start: an error rate reads 0, not nothing
     RECONCILES.labels(_outcome)
@@ -90,6 +101,18 @@ def set_phase(namespace: str, job: str, phase: str | None) -> None:
         _phases[(namespace, job)] = phase
     for p in PHASES:
         JOBS.labels(p).set(sum(1 for v in _phases.values() if v == p))
+
+
+def set_progress(namespace: str, job: str, progress: dict[str, Any] | None) -> None:
+    """The progress gauges from status.progress as written; a series goes with its field."""
+    progress = progress or {}
+    for gauge, value in ((PROGRESS_PERCENT, progress.get("percent")),
+                         (ESTIMATED_END, parse_time(progress.get("estimatedEndTime")))):
+        if value is None:
+            with contextlib.suppress(KeyError):
+                gauge.remove(namespace, job)
+        else:
+            gauge.labels(namespace, job).set(value)
 
 
 def serve(port: int) -> None:

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from cephalo.api.status import FinalProgress
 from cephalo.operator import metrics
+from cephalo.operator.eta import with_estimate
 from cephalo.operator.status import SERVED_BY, now_iso, parse_progress, parse_time
 
 if TYPE_CHECKING:
@@ -176,4 +177,5 @@ async def job_progress(ctx: JobContext, pod_ip: str | None,
     progress["lastUpdateTime"] = now_iso(ctx.now)
     if "samplesPerSecond" in progress:
         metrics.MEASURED_SAMPLES.labels(ctx.namespace, ctx.name).set(progress["samplesPerSecond"])
-    return progress
+    # This scrape's gang's own step time (its timing), never an earlier gang's: cephalo.operator.eta
+    return with_estimate(progress, ctx.now)

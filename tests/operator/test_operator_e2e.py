@@ -6,6 +6,10 @@ termination message, rank pods run and then succeed or fail.
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
+
 import pytest
 from aiohttp import ClientSession, web
 from crd_schema import load_schema, pruned, type_errors
@@ -13,6 +17,7 @@ from kube_emulator import ApiEmulator
 from kube_fixtures import job_body
 from kubelet import (
     JOBS,
+    WAIT_SECONDS,
     OperatorProcess,
     apply_job,
     call,
@@ -35,6 +40,9 @@ from operator_harness import (  # noqa: F401 (fixtures)
     start_operator_fixture,
     wait_phase,
 )
+from prometheus_client.parser import text_string_to_metric_families
+
+from cephalo.operator.status import parse_time
 
 pytestmark = pytest.mark.asyncio
 
@@ -318,6 +326,126 @@ async def test_progress_is_scraped_from_rank_0_and_operator_metrics_are_served(
     measured = f"cephalo_operator_measured_samples_per_second{job_labels}"
     assert f"{measured} 123.5" in text
     assert 'cephalo_operator_profiling_duration_seconds_count{product="L4"} 1.0' in text
+
+
+def _rank_0_page(step: int, step_seconds: list[float]) -> str:
+    """What a trainer's rank 0 serves (its own TrainerMetrics registry) after `step`, having
+    timed one step of each of `step_seconds` (none: a gang that has timed no step yet)."""
+    from prometheus_client import generate_latest
+
+    from cephalo.trainer.metrics import TrainerMetrics
+
+    metrics = TrainerMetrics(rank=0, port=0, predicted_step_seconds=1.0)
+    # 64 samples at 640 samples/s is 0.1 s a step: an ETA from it would be another one.
+    metrics.observe(step=step, loss=2.0, step_seconds=0.1, samples_per_second=640.0,
+                    tokens_per_second=1.0, tflops=0.1, wait_seconds_by_op={}, local_rank=0)
+    for seconds in step_seconds:
+        metrics.time_ranks(seconds, [seconds * 0.75] * 3, [seconds * 0.25] * 3)
+    return generate_latest(metrics.registry).decode()
+
+
+PERCENT = "cephalo_operator_progress_percent"
+END = "cephalo_operator_estimated_end_timestamp_seconds"
+
+
+def _job_sample(text: str, name: str, job: str) -> float | None:
+    """The value of the operator's series `name` for `job` in Prometheus text; None if none."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels.get("cephalo_job") == job:
+                return float(sample.value)
+    return None
+
+
+def _seconds_to_end(progress: dict) -> float:
+    """estimatedEndTime after the scrape that set it (both RFC 3339, whole seconds)."""
+    end, scraped = parse_time(progress["estimatedEndTime"]), parse_time(progress["lastUpdateTime"])
+    assert end is not None and scraped is not None, progress
+    return end - scraped
+
+
+async def test_progress_percent_and_eta_follow_the_current_gang(
+        emulator: ApiEmulator, start_operator) -> None:
+    """Issue 46 item 4: status.progress.percent and .estimatedEndTime from rank 0's measured
+    step time; after a gang restart the estimate waits for the new gang's own step time (the
+    old gang's is not used); Succeeded is 100 % with no estimate. The operator's metrics say
+    the same."""
+    served = {"text": _rank_0_page(42, [])}
+
+    async def metrics_page(_request: web.Request) -> web.Response:
+        return web.Response(text=served["text"])
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_page)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+
+    def progress_of() -> dict:
+        return job_status(emulator, NS, "eta").get("progress") or {}
+
+    async def operator_metric(name: str, until: Callable[[float | None], bool]) -> float | None:
+        """The operator's series `name` of this job (None: no series), once `until` holds."""
+        deadline = time.monotonic() + WAIT_SECONDS
+        while True:
+            async with ClientSession() as http, http.get(
+                    f"http://127.0.0.1:{proc.metrics_port}/metrics") as resp:
+                value = _job_sample(await resp.text(), name, "eta")
+            if until(value) or time.monotonic() > deadline:
+                return value
+            await asyncio.sleep(0.05)
+
+    try:
+        proc = start_operator(CEPHALO_TRAINER_METRICS_PORT=str(port))
+        body = job_body("eta", backoffLimit=2, **SMALL,
+                        planner={"chooseGpus": False, "replan": {"enabled": False}})
+        await apply_job(emulator, body)
+        await finish_profilers(emulator, NS, body, count=2)
+        await run_ranks(emulator, "eta")
+        # No step timed yet: the share done, no end.
+        progress = await wait_for("step 42", lambda: (
+            p if (p := progress_of()).get("step") == 42 else None))
+        assert progress["percent"] == 42 and "estimatedEndTime" not in progress, progress
+        # Ten steps timed at 2 s: 58 steps left end 116 s after the scrape.
+        served["text"] = _rank_0_page(42, [1.5, 2.5] * 5)
+        progress = await wait_for("an estimated end", lambda: (
+            p if "estimatedEndTime" in (p := progress_of()) else None))
+        assert progress["percent"] == 42 and _seconds_to_end(progress) == 116, progress
+        end = parse_time(progress["estimatedEndTime"])
+        assert await operator_metric(PERCENT, lambda v: v == 42) == 42
+        assert await operator_metric(END, lambda v: v == end) == end
+        # A rank fails: while the gang restarts there is no estimate (no gang is training).
+        await set_pod(emulator, NS, "eta-rank-1", "Failed", exit_code=137, message="OOMKilled")
+        status = await wait_phase(emulator, "eta", "Restarting")
+        assert status["progress"]["percent"] == 42, status["progress"]
+        assert "estimatedEndTime" not in status["progress"], status["progress"]
+        # The new gang resumes from a checkpoint at step 40. Its rank 0 has timed no step yet,
+        # and the gang before it measured 2 s a step: no estimate, not that one.
+        served["text"] = _rank_0_page(40, [])
+        await run_ranks(emulator, "eta")
+        progress = await wait_for("the new gang's step 40", lambda: (
+            p if (p := progress_of()).get("step") == 40 else None))
+        assert progress["percent"] == 40 and "estimatedEndTime" not in progress, progress
+        # The new gang times 3 s a step (another node, say): 60 steps left, 180 s.
+        served["text"] = _rank_0_page(40, [3.0] * 4)
+        progress = await wait_for("the new gang's estimate", lambda: (
+            p if "estimatedEndTime" in (p := progress_of()) else None))
+        assert _seconds_to_end(progress) == 180, progress
+        for pod in pods(emulator, NS, "trainer", "eta"):
+            await set_pod(emulator, NS, pod["metadata"]["name"], "Succeeded")
+        status = await wait_phase(emulator, "eta", "Succeeded")
+        assert status["progress"]["percent"] == 100, status["progress"]
+        assert "estimatedEndTime" not in status["progress"]
+        assert await operator_metric(PERCENT, lambda v: v == 100) == 100
+        assert await operator_metric(END, lambda v: v is None) is None  # a finished job: none
+    finally:
+        await runner.cleanup()
+    # Only a running gang has an estimate: every status the job went through says so.
+    for version in emulator.history("cephalojobs", NS, "eta", group="cephalo.dev"):
+        status = version.get("status") or {}
+        if status.get("phase") != "Running":
+            assert "estimatedEndTime" not in (status.get("progress") or {}), status
 
 
 async def test_lost_node_replans_on_the_remaining_gpus(

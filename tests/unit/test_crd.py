@@ -106,7 +106,12 @@ def test_printer_columns_point_at_typed_fields() -> None:
     assert paths == [".status.phase", ".status.plan.worldSize", ".spec.globalBatchSize",
                      ".status.plan.predictedSamplesPerSecond",
                      ".status.progress.samplesPerSecond", ".status.progress.step",
+                     ".status.progress.percent", ".status.progress.estimatedEndTime",
                      ".metadata.creationTimestamp"]
+    # Issue 46 item 4: the share done and the end, as Kubeflow Trainer's TrainJob shows them.
+    # The end is a string column: kubectl prints a future `date` as "<invalid>".
+    named = {c["name"]: c for c in columns}
+    assert (named["Progress"]["type"], named["ETA"]["type"]) == ("integer", "string")
     for column in columns:
         if column["jsonPath"].startswith(".metadata."):
             assert column["type"] == "date"

@@ -5,7 +5,14 @@ from __future__ import annotations
 import datetime
 
 from cephalo.client.jobs import job_from
-from cephalo.commands.jobview import age, duration, eta_seconds, jobs_table, progress_text
+from cephalo.commands.jobview import (
+    age,
+    duration,
+    eta_seconds,
+    job_details,
+    jobs_table,
+    progress_text,
+)
 
 NOW = datetime.datetime(2026, 12, 2, 12, 0, 0, tzinfo=datetime.timezone.utc)
 
@@ -18,32 +25,60 @@ def _job(name: str = "gpt", **status: object) -> dict:
             "status": status}
 
 
-def test_progress_line_eta_from_measured_samples_per_second() -> None:
-    job = job_from(_job(phase="Running", progress={"step": 400, "loss": 3.25,
-                                                   "samplesPerSecond": 128.0},
-                        plan={"worldSize": 3, "predictedSamplesPerSecond": 140.0,
-                              "pools": {"NVIDIA-L4": 2, "Tesla-P40": 1}}))
-    # 600 steps left at 128/64 = 2 steps/s: 300 s
-    assert eta_seconds(job) == 300.0
-    assert progress_text(job, bar=False) == (
+def test_progress_line_shows_the_operators_percent_and_estimated_end() -> None:
+    """Issue 46 item 4: the share done and the end are the operator's (status.progress.percent
+    and .estimatedEndTime, from the current gang's measured step time), not a second estimate
+    from the last samples/s (which a restarted gang has not measured yet)."""
+    job = job_from(_job(phase="Running", progress={
+        "step": 400, "loss": 3.25, "samplesPerSecond": 128.0, "percent": 40,
+        "estimatedEndTime": "2026-12-02T12:05:00Z"},
+        plan={"worldSize": 3, "predictedSamplesPerSecond": 140.0,
+              "pools": {"NVIDIA-L4": 2, "Tesla-P40": 1}}))
+    assert eta_seconds(job, NOW) == 300.0
+    assert progress_text(job, bar=False, now=NOW) == (
         "Running  step 400/1000 (40%)  loss 3.2500  samples/s 128.0 (predicted 140.0)  ETA 5m00s")
-    assert progress_text(job, bar=True).startswith("Running  [█████████░░░░░░░░░░░░░░░]  step")
+    assert progress_text(job, bar=True, now=NOW).startswith(
+        "Running  [█████████░░░░░░░░░░░░░░░]  step")
     table = jobs_table([job], NOW).splitlines()
-    assert table[1].split() == ["gpt", "Running", "2xNVIDIA-L4,1xTesla-P40", "400/1000",
-                                "3.2500", "128.0/140.0", "0/0", "12m"]
+    assert table[0].split()[3:6] == ["STEP", "PROGRESS", "ETA"]
+    assert table[1].split() == ["gpt", "Running", "2xNVIDIA-L4,1xTesla-P40", "400/1000", "40%",
+                                "5m00s", "3.2500", "128.0/140.0", "0/0", "12m"]
+    details = job_details(job, None, [], NOW).splitlines()
+    assert "Step:        400/1000 (40%)   loss 3.2500   samples/s measured/predicted " \
+        "128.0/140.0" in details
+    assert "ETA:         2026-12-02T12:05:00Z (in 5m00s)" in details
+    # Past the estimate (a slow last step): due now, never a negative time.
+    late = NOW + datetime.timedelta(seconds=400)
+    assert eta_seconds(job, late) == 0.0 and progress_text(job, False, late).endswith("ETA 0s")
+
+
+def test_no_estimated_end_reads_as_a_dash_and_says_why() -> None:
+    restarted = job_from(_job(phase="Running", progress={
+        "step": 400, "percent": 40, "samplesPerSecond": 128.0}))
+    assert eta_seconds(restarted, NOW) is None  # samples/s alone is no estimate
+    assert progress_text(restarted, bar=False, now=NOW).endswith("ETA -")
+    assert "ETA:         - (no step timed yet by this gang)" in job_details(
+        restarted, None, [], NOW).splitlines()
+    # A status from an operator without percent: the share is the step over the total.
+    older = job_from(_job(phase="Running", progress={"step": 250}))
+    assert "step 250/1000 (25%)" in progress_text(older, bar=False, now=NOW)
+    done = job_from(_job(phase="Succeeded", progress={"step": 1000, "percent": 100}))
+    assert jobs_table([done], NOW).splitlines()[1].split()[3:6] == ["1000/1000", "100%", "-"]
+    assert not [line for line in job_details(done, None, [], NOW).splitlines()
+                if line.startswith("ETA:")]
 
 
 def test_a_job_without_progress_or_status_reads_as_pending_with_dashes() -> None:
     job = job_from(_job())
-    assert job.phase == "Pending" and eta_seconds(job) is None
-    assert progress_text(job, bar=False) == "Pending  no step yet"
+    assert job.phase == "Pending" and eta_seconds(job, NOW) is None
+    assert progress_text(job, bar=False, now=NOW) == "Pending  no step yet"
     planned = job_from(_job(phase="Running", plan={
         "worldSize": 1, "predictedSamplesPerSecond": 8352.3, "pools": {"NVIDIA-L4": 1}}))
     # The README walk's first `cephalo watch` line read "loss -  samples/s -  ETA -".
-    assert progress_text(planned, bar=True) == \
+    assert progress_text(planned, bar=True, now=NOW) == \
         "Running  no step yet  (predicted 8352.3 samples/s)"
     assert jobs_table([job], NOW, namespaces=True).splitlines()[1].split() == [
-        "team-a", "gpt", "Pending", "-", "-/1000", "-", "-/-", "0/0", "12m"]
+        "team-a", "gpt", "Pending", "-", "-/1000", "-", "-", "-", "-/-", "0/0", "12m"]
 
 
 def test_an_invalid_spec_on_the_server_is_kept_with_its_reason() -> None:

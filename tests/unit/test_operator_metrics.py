@@ -57,3 +57,25 @@ def test_every_per_job_counter_is_initialised() -> None:
                if isinstance(c, Counter) and "cephalo_job" in c._labelnames}
     assert per_job == {c._name for c in metrics.JOB_COUNTERS}
     assert {f"{name}_total" for name in per_job} == set(COUNTERS)
+
+
+def test_progress_gauges_follow_status_and_go_with_their_field() -> None:
+    """Issue 46 item 4: percent and the estimated end (Unix time) as status.progress has
+    them; the end's series goes when the field does (a restart, Succeeded), not left stale."""
+    percent, end = "cephalo_operator_progress_percent", \
+        "cephalo_operator_estimated_end_timestamp_seconds"
+    metrics.set_phase("ns-p", "eta", "Running")
+    try:
+        metrics.set_progress("ns-p", "eta", {"percent": 42,
+                                             "estimatedEndTime": "2026-12-02T12:01:56Z"})
+        seen = _samples("ns-p", "eta")
+        assert (seen[percent], seen[end]) == (42.0, 1796212916.0)
+        metrics.set_progress("ns-p", "eta", {"percent": 42})  # Restarting: no estimate
+        seen = _samples("ns-p", "eta")
+        assert seen[percent] == 42.0 and end not in seen
+        metrics.set_progress("ns-p", "eta", None)
+        assert percent not in _samples("ns-p", "eta")
+        metrics.set_progress("ns-p", "eta", {"percent": 100})
+    finally:
+        metrics.set_phase("ns-p", "eta", None)
+    assert not _samples("ns-p", "eta"), "a deleted job's series must go"

@@ -73,6 +73,12 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
      "description": "Samples per second measured by the trainer."},
     {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step",
      "description": "Last completed optimizer step."},
+    {"name": "Progress", "type": "integer", "jsonPath": ".status.progress.percent",
+     "description": "Share of the training steps done, in percent."},
+    # A string, not a date: kubectl prints a date column as its age, "<invalid>" if future.
+    {"name": "ETA", "type": "string", "jsonPath": ".status.progress.estimatedEndTime",
+     "description": "Estimated end of the last step (RFC 3339), from the running gang's "
+                    "measured step time."},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

@@ -58,6 +58,13 @@ class Progress(StatusModel):
     timing: StepTiming | None = Field(default=None, description=(
         "Means over the gang's timed steps: step time and every rank's compute / waiting "
         "split (what re-planning calibrates from)."))
+    percent: int | None = Field(default=None, ge=0, le=100, description=(
+        "Share of the training steps done, in whole percent (floored: 100 once Succeeded)."))
+    estimated_end_time: str | None = Field(default=None, max_length=64, description=(
+        "When the last step is estimated to end (RFC 3339, UTC): the steps left at the "
+        "running gang's measured step time (timing.stepSeconds). Absent until that gang has "
+        "timed a step, after a gang restart or re-plan until the new gang has, and whenever "
+        "the job is not Running."))
     last_update_time: str | None = None
 
 

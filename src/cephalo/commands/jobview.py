@@ -48,6 +48,36 @@ def gpus(job: Job) -> str:
     return ",".join(f"{n}x{pool}" for pool, n in sorted(pools.items())) or "-"
 
 
+def percent(job: Job) -> int | None:
+    """status.progress.percent; from an operator that writes none, the step over the total."""
+    progress = job.status.progress
+    if progress is None:
+        return None
+    if progress.percent is not None:
+        return progress.percent
+    total = job.total_steps
+    return min(100, progress.step * 100 // total) if progress.step is not None and total \
+        else None
+
+
+def eta_seconds(job: Job, now: datetime.datetime) -> float | None:
+    """Seconds from `now` to status.progress.estimatedEndTime (the operator's, from the
+    running gang's measured step time), 0 once past it; None when there is none."""
+    progress = job.status.progress
+    end = _when(progress.estimated_end_time if progress else None)
+    return None if end is None else max(0.0, (end - now).total_seconds())
+
+
+def _when(text: str | None) -> datetime.datetime | None:
+    """An RFC 3339 time from the status; None when absent or unreadable."""
+    if not text:
+        return None
+    try:
+        return datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
 def steps(job: Job) -> str:
     progress = job.status.progress
     step = progress.step if progress else None
@@ -69,14 +99,16 @@ def throughput(job: Job) -> str:
 
 
 def jobs_table(jobs: Sequence[Job], now: datetime.datetime, namespaces: bool = False) -> str:
-    header = ["NAME", "PHASE", "GPUS", "STEP", "LOSS", "SAMPLES/S (MEAS/PRED)",
-              "RESTARTS/PREEMPT", "AGE"]
+    header = ["NAME", "PHASE", "GPUS", "STEP", "PROGRESS", "ETA", "LOSS",
+              "SAMPLES/S (MEAS/PRED)", "RESTARTS/PREEMPT", "AGE"]
     if namespaces:
         header.insert(0, "NAMESPACE")
     rows = [header]
     for job in jobs:
         progress = job.status.progress
-        row = [job.name, job.phase, gpus(job), steps(job),
+        done = percent(job)
+        row = [job.name, job.phase, gpus(job), steps(job), "-" if done is None else f"{done}%",
+               duration(eta_seconds(job, now)),
                _num(progress.loss if progress else None, ".4f"), throughput(job),
                f"{job.status.restarts or 0}/{job.status.preemptions or 0}",
                age(job.created, now)]
@@ -96,8 +128,9 @@ def job_details(job: Job, plan: Plan | None, events: Sequence[dict[str, Any]],
              f"Phase:       {job.phase}" + (f"  ({s.message})" if s.message else ""),
              f"Age:         {age(job.created, now)}",
              f"GPUs:        {gpus(job)}",
-             f"Step:        {steps(job)}   loss {loss}"
+             f"Step:        {steps(job)}{_percent_text(job)}   loss {loss}"
              f"   samples/s measured/predicted {throughput(job)}",
+             *eta_lines(job, now),
              f"Restarts:    {s.restarts or 0} (backoffLimit "
              f"{job.spec.backoff_limit if job.spec else '?'}), preemptions {s.preemptions or 0}"]
     if job.unseen:
@@ -128,6 +161,24 @@ def job_details(job: Job, plan: Plan | None, events: Sequence[dict[str, Any]],
             lines.append(f"  {e.get('type', ''):<7}  {e.get('reason', ''):<20}  "
                          f"{e.get('message', '')}{count}")
     return "\n".join(lines)
+
+
+def _percent_text(job: Job) -> str:
+    done = percent(job)
+    return "" if done is None else f" ({done}%)"
+
+
+def eta_lines(job: Job, now: datetime.datetime) -> list[str]:
+    """`ETA:` and when, while the job can have one (not once finished)."""
+    if job.finished:
+        return []
+    progress = job.status.progress
+    left = eta_seconds(job, now)
+    if progress is None or progress.step is None:
+        return []
+    if left is None:
+        return ["ETA:         - (no step timed yet by this gang)"]
+    return [f"ETA:         {progress.estimated_end_time} (in {duration(left)})"]
 
 
 def elastic_lines(job: Job) -> list[str]:
@@ -178,19 +229,9 @@ def replan_lines(job: Job) -> list[str]:
             f"s/step, predicted {_num(c.predicted_step_seconds, '.3g')}; {verdict}: {c.reason}"]
 
 
-def eta_seconds(job: Job) -> float | None:
-    """Time to the last step at the measured rate (samples/s over the global batch)."""
-    progress = job.status.progress
-    total = job.total_steps
-    if not progress or progress.step is None or not total or not job.spec \
-            or not progress.samples_per_second:
-        return None
-    steps_per_second = progress.samples_per_second / job.spec.global_batch_size
-    return max(0, total - progress.step) / steps_per_second if steps_per_second > 0 else None
-
-
-def progress_text(job: Job, bar: bool) -> str:
-    """`Running [#####---] 40/100 40% loss 3.1 samples/s 120.5 (pred 130.2) ETA 1m20s`."""
+def progress_text(job: Job, bar: bool, now: datetime.datetime | None = None) -> str:
+    """`Running [#####---] 40/100 40% loss 3.1 samples/s 120.5 (pred 130.2) ETA 1m20s`: the
+    ETA is the time from `now` (default: the clock) to the operator's estimated end."""
     progress = job.status.progress
     step = progress.step if progress else None
     total = job.total_steps
@@ -201,14 +242,15 @@ def progress_text(job: Job, bar: bool) -> str:
         if predicted is not None:
             parts.append(f"(predicted {predicted:.1f} samples/s)")
         return "  ".join(parts)
-    if total:
-        fraction = min(1.0, step / total)
+    done = percent(job)
+    if total and done is not None:
         if bar:
-            full = int(fraction * BAR_CELLS)
+            full = done * BAR_CELLS // 100
             parts.append("[" + "█" * full + "░" * (BAR_CELLS - full) + "]")
-        parts.append(f"step {step}/{total} ({fraction:.0%})")
+        parts.append(f"step {step}/{total} ({done}%)")
     parts.append(f"loss {_num(progress.loss if progress else None, '.4f')}")
     measured = progress.samples_per_second if progress else None
     parts.append(f"samples/s {_num(measured, '.1f')} (predicted {_num(predicted, '.1f')})")
-    parts.append(f"ETA {duration(eta_seconds(job))}")
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    parts.append(f"ETA {duration(eta_seconds(job, now))}")
     return "  ".join(parts)
