@@ -26,7 +26,7 @@ from cephalo.trainer.eval import evaluator
 from cephalo.trainer.hf_weights import init_from_pretrained
 from cephalo.trainer.metrics import ProgressFile, TrainerMetrics, write_final_progress
 from cephalo.trainer.mlflow_log import RUN_ID_FILE, RunIdentity, open_mlflow
-from cephalo.trainer.precision import PrecisionError, check_precision
+from cephalo.trainer.precision import PrecisionError, check_precision, pin_fp32_math
 from cephalo.trainer.step_log import StepLogger, Tracker
 from cephalo.trainer.storage import CheckpointError, Store, check_shared
 from cephalo.trainer.tensorboard_log import open_log
@@ -229,10 +229,13 @@ def main() -> int:
         torch.cuda.set_device(device)
     precision = env.plan.ranks[env.rank].precision or env.job.precision
     try:  # before the process group forms (the others wait there until the gang goes)
-        check_precision(device, precision)
+        notice = check_precision(device, precision)
     except PrecisionError as err:
         print(f"cephalo trainer (rank {env.rank}): error: {err}", file=sys.stderr, flush=True)
         return 2
+    if notice is not None:  # every rank: ranks of one job may run different GPUs
+        print(f"cephalo trainer (rank {env.rank}): {notice}", file=sys.stderr, flush=True)
+    pin_fp32_math()
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=env.rank,
                             world_size=env.world_size,
                             timeout=datetime.timedelta(seconds=env.timeout_seconds))
