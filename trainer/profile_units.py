@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cephalo.api import memory
+from cephalo.api.memory import unit_buffer_bytes
 from cephalo.api.models import ModelConfig
 from cephalo.api.profile import ProfilePoint
 from cephalo.trainer.data import DataSource
@@ -242,7 +242,7 @@ class UnitProfiler:
 
         The gathered unit buffers at the engine's peak (cephalo.api.memory), plus the larger
         of a block's and the head's working set for one microbatch (they never overlap)."""
-        fixed = memory.unit_buffer_bytes(self.max_unit_parameters)
+        fixed = unit_buffer_bytes(self.max_unit_parameters)
         return fixed + max(self.working_set_bytes(self._block_step, hidden),
                            self.working_set_bytes(
                                lambda h: self._head_step(h, targets, m), hidden))
