@@ -13,8 +13,9 @@ compile kernels and fill caches), useful TFLOP/s (the model FLOPs of the global 
 step, `ModelConfig.training_flops_per_sample` as every bench counts them: recompute not
 counted, over the median step), MFU against the catalog's dense peak for that precision of
 the GPU resolved from its name (`cephalo.planner.catalog`; fp32 is the CUDA-core rate since
-TF32 stays off; n/a on a CPU or a GPU outside the catalog), and the loss agreement with the
-fp32 run: the largest and the mean relative per-step loss difference over all steps. For
+TF32 is off for matmuls and convolutions, `pin_fp32_math`, as in the trainer; n/a on a CPU
+or a GPU outside the catalog), and the loss agreement with the fp32 run: the largest and the
+mean relative per-step loss difference over all steps. For
 fp16, the loss scale at the end and the steps the scale skipped (an overflow skips the
 optimizer step, so the curve lags fp32 by that many steps).
 
@@ -40,7 +41,12 @@ from cephalo.api.job import DataSpec, SyntheticData, TrainingSpec
 from cephalo.api.models import preset
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Engine, Layout
-from cephalo.trainer.precision import PRECISIONS, PrecisionError, check_precision
+from cephalo.trainer.precision import (
+    PRECISIONS,
+    PrecisionError,
+    check_precision,
+    pin_fp32_math,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fsdp2_device import (  # the bench folder is not a package: its path, above
@@ -193,6 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    pin_fp32_math()  # fp32 as the trainer computes it (TF32 off), the catalog's fp32 peak
     summary = measure(args)
     if args.output is not None:
         args.output.write_text(json.dumps(summary, indent=1) + "\n")

@@ -5,7 +5,8 @@
 # cut to what is left of the budget, and its figures are written to $OUT as they come, so a
 # run stopped at any point still returns everything measured up to then.
 #
-# Prepared for the workplace's nvidia-h200 image (python3.12 with a CUDA torch, no network).
+# Prepared for the workplace's 'cuda' image, which the nvidia-h100-x1 and nvidia-h200 kinds
+# share (python3.12 with a CUDA torch, nvidia-ml-py, no network); expect one H100 (~78 GiB).
 # Before the call, on the development machine (pydantic is not in that image):
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -30,10 +31,11 @@ step() {
     log "SKIPPED $name: ${left} s of the budget left"; return 0
   fi
   log "$name (timeout ${limit} s)"
-  timeout "$limit" "$@" > "$OUT/$file" 2>&1
+  # -k: a command that turns SIGTERM into a checkpoint (the CLI) is killed 10 s later.
+  timeout -k 10 "$limit" "$@" > "$OUT/$file" 2>&1
   local rc=$?
   grep -v '^\[' "$OUT/$file" | tail -14 | tee -a "$OUT/summary.log"
-  log "$name: exit $rc$([ $rc = 124 ] && echo ' (timed out)')"
+  log "$name: exit $rc$( { [ $rc = 124 ] || [ $rc = 137 ]; } && echo ' (timed out)')"
 }
 
 log "device"
@@ -47,6 +49,22 @@ REPO=$OLDPWD
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
 "nccl", torch.cuda.nccl.version() if torch.cuda.is_available() else None)' 2>&1 \
   | tee -a "$OUT/summary.log"
+# Preflight: an install that cannot import the trainer, the profiler or the probe stops the
+# check at once, saying what is missing, instead of every step failing on its own timeout.
+if ! timeout -k 5 60 python3 -c '
+import importlib, sys
+missing = []
+for name in ("cephalo.trainer.run", "cephalo.trainer.profile", "cephalo.trainer.netprobe",
+             "cephalo.trainer.profile_collectives", "cephalo.cli"):
+    try:
+        importlib.import_module(name)
+    except Exception as err:  # ImportError, or a module that fails as it loads
+        missing.append(f"{name}: {type(err).__name__}: {err}")
+print("\n".join(missing) or "preflight: the trainer, the profiler and the probe import")
+sys.exit(1 if missing else 0)' 2>&1 | tee -a "$OUT/summary.log"; then
+  log "STOPPED: the install is incomplete (above); carry the missing wheels in .whl"
+  exit 2
+fi
 
 # 1. The GPU tests (CUDA paths of the engine, checkpoints, the profiler). Test modules that
 # import what the image lacks (transformers, moto, ...) must not stop the rest.

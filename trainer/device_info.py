@@ -50,15 +50,19 @@ def _host_memory_bytes() -> int:
 
 
 def _nvml_facts(index: int) -> tuple[str, int, str] | None:
-    """(name, total memory bytes, driver version) from NVML, or None without a driver."""
+    """(name, total memory bytes, driver version) from NVML of the GPU torch calls
+    cuda:<index>, or None without a driver. Found by UUID / PCI bus id (nvml_device: NVML's
+    own index ignores CUDA_VISIBLE_DEVICES)."""
     try:
         import pynvml
     except ImportError:
         return None
+    from cephalo.trainer.nvml_device import nvml_handle
+
     try:
         pynvml.nvmlInit()
         try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            handle = nvml_handle(pynvml, torch.cuda.get_device_properties(index))
             name = pynvml.nvmlDeviceGetName(handle)
             memory = pynvml.nvmlDeviceGetMemoryInfo(handle).total
             driver = pynvml.nvmlSystemGetDriverVersion()

@@ -19,14 +19,16 @@ from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Layout
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_SECONDS", "REQUIRED", "EnvError", "TrainerEnv",
-           "layout_from_plan", "read_env"]
+           "cuda_device_index", "layout_from_plan", "read_env"]
 
 
 @dataclass(frozen=True)
 class TrainerEnv:
     rank: int
     world_size: int
-    local_rank: int
+    # LOCAL_RANK, None when unset: never the global rank (a rank's place in the gang says
+    # nothing of which of its host's GPUs it drives); `cuda_device_index` decides the GPU.
+    local_rank: int | None
     plan: Plan
     job: CephaloJobSpec
     # CEPHALO_CHECKPOINT_DIR: a shared folder or an fsspec URL (s3://bucket/prefix/ns/job);
@@ -59,6 +61,28 @@ class TrainerEnv:
     @property
     def layout(self) -> Layout:
         return layout_from_plan(self.plan)
+
+
+def cuda_device_index(local_rank: int | None, visible_gpus: int) -> int:
+    """Which visible GPU (torch's cuda:<index>) a rank drives: its LOCAL_RANK (torchrun and
+    the pod launcher set it; the operator's one-rank pods and `cephalo run`'s GPU ranks set
+    0 and show the rank only its own GPU). Without LOCAL_RANK the only safe choice is the
+    one GPU of a process that sees exactly one; the global rank would pick another rank's
+    GPU (or, modulo the count, share one: NCCL refuses two ranks on one GPU). Raises
+    EnvError, before the process group forms."""
+    if visible_gpus < 1:
+        raise EnvError("no CUDA GPU is visible to this rank")
+    if local_rank is None:
+        if visible_gpus == 1:
+            return 0
+        raise EnvError(f"{names.LOCAL_RANK} is not set and this rank sees {visible_gpus} "
+                       f"GPUs: set {names.LOCAL_RANK} to the GPU it drives (torchrun and "
+                       f"`python -m cephalo.trainer` do) or CUDA_VISIBLE_DEVICES to its one GPU")
+    if local_rank >= visible_gpus:
+        raise EnvError(f"{names.LOCAL_RANK}={local_rank} but this rank sees {visible_gpus} "
+                       f"GPU(s) (cuda:0..cuda:{visible_gpus - 1}); start at most one rank per "
+                       f"visible GPU, LOCAL_RANK 0..{visible_gpus - 1}")
+    return local_rank
 
 
 def layout_from_plan(plan: Plan) -> Layout:
@@ -143,7 +167,7 @@ def read_env(env: Mapping[str, str] | None = None) -> TrainerEnv:
     return TrainerEnv(
         num_threads=raw.num_threads or None, time_dilation=raw.time_dilation or 1.0,
         memory_limit_bytes=raw.memory_limit_bytes or None, rank=rank,
-        world_size=world_size, local_rank=rank if raw.local_rank is None else raw.local_rank,
+        world_size=world_size, local_rank=raw.local_rank,
         plan=plan, job=job, checkpoint_dir=checkpoint_dir, metrics_port=raw.metrics_port or 0,
         metrics_file=_metrics_file(raw.metrics_file, checkpoint_dir),
         timeout_seconds=raw.collective_timeout_seconds or DEFAULT_COLLECTIVE_TIMEOUT_SECONDS,

@@ -35,23 +35,32 @@ STEP_BUCKETS_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 30
 
 
 @functools.cache
-def _nvml_handle(local_rank: int) -> Any:
-    """NVML's handle of this rank's GPU, or None without a GPU/driver; initialised once per
-    process (nvmlInit on every logged step costs more than the rest of the logging)."""
+def _nvml_handle(cuda_index: int) -> Any:
+    """NVML's handle of the GPU torch calls cuda:<cuda_index> (this rank's LOCAL_RANK), or
+    None without a GPU/driver; initialised once per process (nvmlInit on every logged step
+    costs more than the rest of the logging). Found by UUID / PCI bus id, not NVML's index
+    (nvml_device: NVML ignores CUDA_VISIBLE_DEVICES)."""
     try:
         import pynvml
     except ImportError:
         return None
+    import torch
+
+    if not torch.cuda.is_available() or not 0 <= cuda_index < torch.cuda.device_count():
+        return None
+    from cephalo.trainer.nvml_device import nvml_handle
+
     try:
         pynvml.nvmlInit()
-        return pynvml.nvmlDeviceGetHandleByIndex(local_rank)
+        return nvml_handle(pynvml, torch.cuda.get_device_properties(cuda_index))
     except pynvml.NVMLError:
         return None
 
 
-def gpu_memory_bytes(local_rank: int) -> tuple[int, int] | None:
-    """(used, capacity) of this rank's GPU via NVML, or None without a GPU/driver."""
-    handle = _nvml_handle(local_rank)
+def gpu_memory_bytes(cuda_index: int) -> tuple[int, int] | None:
+    """(used, capacity) of the GPU torch calls cuda:<cuda_index> via NVML, or None without
+    a GPU/driver."""
+    handle = _nvml_handle(cuda_index)
     if handle is None:
         return None
     import pynvml

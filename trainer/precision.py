@@ -75,14 +75,51 @@ def precision_problem(precision: str, device_type: str, capability: tuple[int, i
     return None
 
 
-def check_precision(device: torch.device, precision: str) -> None:
-    """Raise a one-line PrecisionError when `device` cannot run `precision` usefully."""
+def precision_notice(precision: str, device_type: str, capability: tuple[int, int] | None
+                     ) -> str | None:
+    """A one-line warning or note on how `precision` runs on this device, or None. Pure.
+
+    * bf16 below compute capability 8.0 (V100, T4) has no bf16 tensor cores: torch emulates
+      it at about fp32 speed. It runs correctly, so it is not refused (the planner plans it
+      at that speed and warns in the plan, docs/precision.md), but the rank says so and
+      names fp16, which runs on those GPUs' tensor cores.
+    * fp32 from 8.0 on: Cephalo computes fp32 as IEEE fp32 on CUDA cores, TF32 off for
+      matmuls and convolutions (`pin_fp32_math`), which is what the catalog's fp32 peak
+      (cephalo.planner.catalog, the CUDA-core rate) assumes; the note says so and that
+      bf16 runs on the tensor cores."""
+    if device_type != "cuda" or capability is None:
+        return None
+    major, minor = capability
+    if precision == "bf16" and capability < (8, 0):
+        return (f"warning: bf16 on this GPU (compute capability {major}.{minor}) has no bf16 "
+                "tensor cores and is emulated at about fp32 speed; use precision fp16 (its "
+                "tensor cores, with loss scaling) or auto, which picks fp16 here")
+    if precision == "fp32" and capability >= (8, 0):
+        return (f"note: fp32 on this GPU (compute capability {major}.{minor}) is IEEE fp32 on "
+                "CUDA cores, TF32 off for matmuls and convolutions (the catalog's fp32 "
+                "peak); bf16 or auto runs on its tensor cores")
+    return None
+
+
+def pin_fp32_math() -> None:
+    """fp32 means IEEE fp32 in every op: TF32 off for CUDA matmuls (torch's default too)
+    and for cuDNN convolutions (torch's default there is on: a ViT's patch embedding would
+    run in TF32). Profiles, plans and training then compute fp32 alike, at the rate the
+    catalog's fp32 peak states. Set by every process that measures or trains."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def check_precision(device: torch.device, precision: str) -> str | None:
+    """Raise a one-line PrecisionError when `device` cannot run `precision` usefully;
+    return `precision_notice`'s line (for the caller to print), if any."""
     capability = torch.cuda.get_device_capability(device) \
         if device.type == "cuda" and torch.cuda.is_available() else None
     problem = precision_problem(precision, device.type, capability,
                                 autocast_engages(device, precision))
     if problem is not None:
         raise PrecisionError(problem)
+    return precision_notice(precision, device.type, capability)
 
 
 class LossScaleState(TypedDict):

@@ -64,6 +64,7 @@ from cephalo.trainer.data import DataSource
 from cephalo.trainer.device_info import DeviceFacts, device_facts
 from cephalo.trainer.host_link import measure_host_link_bytes_per_second
 from cephalo.trainer.optim import ShardedAdamW
+from cephalo.trainer.precision import pin_fp32_math
 from cephalo.trainer.profile_units import UnitProfiler
 
 # A probe step holds the training state of the whole model (or of an even shard across the
@@ -241,6 +242,7 @@ def profile_job(spec: CephaloJobSpec, *, device: torch.device | None = None,
     The cache holds compute only; `collectives` (measured for this run's ranks) is attached
     to whichever profile is returned."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    pin_fp32_math()  # measure fp32 as the trainer computes it
     facts = device_facts(device)
     spec = in_measured_precision(spec, facts.product)
     config = spec.model.resolve()

@@ -11,18 +11,23 @@ from dataclasses import dataclass
 
 import torch
 
-from cephalo.api import memory
+from cephalo.api.memory import unit_buffer_bytes
 from cephalo.api.models import ModelConfig
 from cephalo.api.profile import ProfilePoint
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.flat import FlatUnit
-from cephalo.trainer.models import build_model
+from cephalo.trainer.models import build_unit
 from cephalo.trainer.unit_ops import (
     autocast,
     backward_unit,
     forward_unit,
     head_forward_backward,
 )
+
+
+def measured_units(config: ModelConfig) -> tuple[int, int, int]:
+    """The units a profile runs: the embedding, the first block and the head."""
+    return (0, 1, config.num_layers + 1)
 
 
 def _once_per_pass(med: dict[tuple[str, int], float], series: str, sizes) -> float:
@@ -106,12 +111,14 @@ class UnitProfiler:
         self.config = config
         self.precision = precision
         self.device = device
-        model = build_model(config, seed=seed)
         self.units = []
         self.fulls = []
-        # Profile the embedding, the first block and the head; blocks are identical.
-        for index in (0, 1, config.num_layers + 1):
-            flat = FlatUnit(index, model.units[index], [1.0], 0)
+        # Profile the embedding, the first block and the head; blocks are identical. Only
+        # these are built (each unit is seeded on its own, so they are the model's units):
+        # drawing a large model's every block on the CPU costs most of a profile's time
+        # (gpt-1.3b: about 55 s of 70 on an H100's host).
+        for index in measured_units(config):
+            flat = FlatUnit(index, build_unit(config, index, seed), [1.0], 0)
             self.fulls.append(flat.flatten().to(device))
             flat.detach_parameters()
             flat.module.to(device)
@@ -235,15 +242,39 @@ class UnitProfiler:
 
         The gathered unit buffers at the engine's peak (cephalo.api.memory), plus the larger
         of a block's and the head's working set for one microbatch (they never overlap)."""
-        fixed = memory.unit_buffer_bytes(self.max_unit_parameters)
-        if self.device.type == "cuda":
-            return fixed + max(self._cuda_peak(lambda: self._block_step(hidden)),
-                               self._cuda_peak(lambda: self._head_step(hidden, targets, m)))
-        block_bytes = self._counted(lambda: self._block_step(hidden))
-        head_bytes = self._counted(lambda: self._head_step(hidden, targets, m))
-        return fixed + max(block_bytes, head_bytes)
+        fixed = unit_buffer_bytes(self.max_unit_parameters)
+        return fixed + max(self.working_set_bytes(self._block_step, hidden),
+                           self.working_set_bytes(
+                               lambda h: self._head_step(h, targets, m), hidden))
 
-    def _block_step(self, hidden: torch.Tensor) -> int:
+    def working_set_bytes(self, step: Callable[[torch.Tensor], list[torch.Tensor]],
+                          hidden: torch.Tensor) -> int:
+        """Bytes a unit's step over the microbatch `hidden` holds at its peak, its input
+        counted once on every device: the input (a block's or the head's, `hidden`) is on
+        the device through the step whether the forward kept it there or offloaded it to
+        the host and brought it back, so it belongs to the working set (with kept
+        boundaries it is also among them: one microbatch's boundary over, on the safe
+        side). On a GPU: the allocator's peak during the step beyond what was allocated
+        before it (which holds `hidden`), plus `hidden`. On the CPU, which has no
+        allocator statistics: the distinct storages autograd saves and the input, by
+        address (a norm saves the input: one storage), the units' flat buffers and module
+        buffers left out as on a GPU, where they were allocated before the step (the flat
+        buffers are the unit buffers counted apart); plus the gradients the step returns
+        (by size: one may take the address of a saved tensor freed before it)."""
+        if self.device.type == "cuda":
+            return _nbytes(hidden) + self._cuda_peak(lambda: step(hidden))
+        counter = SavedBytes()
+        with counter.hooks():
+            gradients = step(hidden)
+        counter.pack(hidden)  # alive throughout: its address is its own
+        for unit, full in zip(self.units, self.fulls, strict=True):
+            for own in (full, *unit.module.buffers()):
+                counter.storages.pop(own.untyped_storage().data_ptr(), None)
+        return counter.bytes + _nbytes(*gradients)
+
+    def _block_step(self, hidden: torch.Tensor) -> list[torch.Tensor]:
+        """A block's forward and recompute + backward over `hidden`; the gradients alive
+        during the backward beside its input: the output's and the input's."""
         _, block, _ = self.units
         full = self.fulls[1]
         (out,) = forward_unit(block, full, [hidden], self.device, self.precision)
@@ -251,24 +282,20 @@ class UnitProfiler:
         grad_in = backward_unit(block, full, hidden, grad_out, self.device, self.precision,
                                 needs_input_grad=True)
         full.grad = None
-        # Boundary tensors alive during the backward: input, output gradient, input gradient.
-        return _nbytes(hidden, grad_out, grad_in)
+        return [t for t in (grad_out, grad_in) if t is not None]
 
-    def _head_step(self, hidden: torch.Tensor, targets: torch.Tensor, m: int) -> int:
+    def _head_step(self, hidden: torch.Tensor, targets: torch.Tensor, m: int
+                   ) -> list[torch.Tensor]:
+        """The head's forward and backward; the gradient of its input."""
         _, _, head = self.units
         full = self.fulls[2]
         _, grad = head_forward_backward(head, full, hidden, targets, 1.0 / m, self.device,
                                         self.precision)
         full.grad = None
-        return _nbytes(hidden, grad)
+        return [t for t in (grad,) if t is not None]
 
-    def _counted(self, step: Callable[[], int]) -> int:
-        counter = SavedBytes()
-        with counter.hooks():
-            boundary = step()
-        return counter.bytes + boundary
-
-    def _cuda_peak(self, step: Callable[[], int]) -> int:
+    def _cuda_peak(self, step: Callable[[], object]) -> int:
+        """Peak bytes the CUDA allocator held during `step` beyond what it held before."""
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)

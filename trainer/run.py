@@ -21,12 +21,12 @@ from cephalo.trainer import checkpoint
 from cephalo.trainer.checkpoint_write import CheckpointWriter
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Engine, Layout
-from cephalo.trainer.env import EnvError, read_env
+from cephalo.trainer.env import EnvError, cuda_device_index, read_env
 from cephalo.trainer.eval import evaluator
 from cephalo.trainer.hf_weights import init_from_pretrained
 from cephalo.trainer.metrics import ProgressFile, TrainerMetrics, write_final_progress
 from cephalo.trainer.mlflow_log import RUN_ID_FILE, RunIdentity, open_mlflow
-from cephalo.trainer.precision import PrecisionError, check_precision
+from cephalo.trainer.precision import PrecisionError, check_precision, pin_fp32_math
 from cephalo.trainer.step_log import StepLogger, Tracker
 from cephalo.trainer.storage import CheckpointError, Store, check_shared
 from cephalo.trainer.tensorboard_log import open_log
@@ -219,21 +219,28 @@ def main() -> int:
     if env.num_threads:
         torch.set_num_threads(env.num_threads)
     use_cuda = torch.cuda.is_available()
-    device = torch.device("cuda", env.local_rank % torch.cuda.device_count()) if use_cuda \
-        else torch.device("cpu")
+    try:
+        device = torch.device("cuda", cuda_device_index(
+            env.local_rank, torch.cuda.device_count())) if use_cuda else torch.device("cpu")
+    except EnvError as err:
+        print(f"cephalo trainer (rank {env.rank}): error: {err}", file=sys.stderr, flush=True)
+        return 2
     if use_cuda:
         torch.cuda.set_device(device)
     precision = env.plan.ranks[env.rank].precision or env.job.precision
     try:  # before the process group forms (the others wait there until the gang goes)
-        check_precision(device, precision)
+        notice = check_precision(device, precision)
     except PrecisionError as err:
         print(f"cephalo trainer (rank {env.rank}): error: {err}", file=sys.stderr, flush=True)
         return 2
+    if notice is not None:  # every rank: ranks of one job may run different GPUs
+        print(f"cephalo trainer (rank {env.rank}): {notice}", file=sys.stderr, flush=True)
+    pin_fp32_math()
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=env.rank,
                             world_size=env.world_size,
                             timeout=datetime.timedelta(seconds=env.timeout_seconds))
     try:
-        port = env.metrics_port + env.local_rank if env.metrics_port else 0
+        port = env.metrics_port + (env.local_rank or 0) if env.metrics_port else 0
         metrics = TrainerMetrics(env.rank, port, env.plan.predicted_step_seconds,
                                  pod_uid=env.pod_uid, address=env.metrics_address)
         tensorboard = open_log(env.job.tracking, env.metrics_file, env.plan, env.rank)
@@ -246,7 +253,7 @@ def main() -> int:
             outcome = train(env.job, env.layout, env.checkpoint_dir, device=device,
                             stop_after_step=env.stop_after_step,
                             progress_file=env.metrics_file, metrics=metrics,
-                            local_rank=env.local_rank, time_dilation=env.time_dilation,
+                            local_rank=device.index or 0, time_dilation=env.time_dilation,
                             memory_limit_bytes=env.memory_limit_bytes,
                             collective_timeout_seconds=env.timeout_seconds,
                             stop_requested=terminated.is_set,

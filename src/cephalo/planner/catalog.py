@@ -74,8 +74,9 @@ class GpuType:
         return False
 
     def peak_flops(self, precision: str) -> float:
-        """Peak FLOP/s the engine can use: fp32 runs on CUDA cores (TF32 is off by default in
-        PyTorch); bf16 and fp16 autocast use tensor cores where the GPU has them for that
+        """Peak FLOP/s the engine can use: fp32 runs on CUDA cores (the trainer and the
+        profiler turn TF32 off, cephalo.trainer.precision.pin_fp32_math); bf16 and fp16
+        autocast use tensor cores where the GPU has them for that
         format, else fp32 speed (bf16 is emulated before 8.0; torch's fp16 matmuls
         accumulate in fp32, so Pascal's fp16 units do not speed them up: the paper's authors
         measured fp16 at 0.9-1.2x fp32 on P100 and P40). "auto": `fastest_precision`'s."""
