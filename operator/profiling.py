@@ -1,4 +1,5 @@
-"""Profiling step: one profiler pod per GPU product without a cached profile.
+"""Profiling step: one profiler pod per GPU product without a cached profile, and one more
+for the micro-batch sizes a plan assigns beyond the profiled ones (`measure_beyond`).
 
 Results are cached in ConfigMaps `cephalo-profile-<product>-<model hash>` in the job's
 namespace (not owned by the job: later jobs with the same model reuse them). Attempts are
