@@ -45,7 +45,12 @@ from cephalo.operator.planning import PlanningFailed, plan_for
 from cephalo.operator.podspec import pack_ranks, pods_fit, with_pod_ranks
 from cephalo.operator.policy import REASON as POLICY_DENIED
 from cephalo.operator.policy import refusal
-from cephalo.operator.profiling import ProfilingFailed, delete_profilers, profile
+from cephalo.operator.profiling import (
+    ProfilingFailed,
+    delete_profilers,
+    measure_beyond,
+    profile,
+)
 from cephalo.operator.render import (
     ANNOTATION_CONFIG_HASH,
     CHECKPOINTS_DURABLE,
@@ -70,6 +75,7 @@ from cephalo.operator.status import (
     parse_time,
 )
 from cephalo.operator.training import stop_unfinished, train
+from cephalo.planner.measured_sizes import unmeasured_micro_batch_sizes, with_unmeasured_note
 from cephalo.planner.report import ASSUMED_NETWORK_HINT, plural
 from cephalo.planner.topology import ASSUMED
 
@@ -309,6 +315,12 @@ async def _plan(ctx: JobContext, nodes: list[dict[str, Any]]) -> Plan | None:
         return None
     finally:
         metrics.PLANNING_SECONDS.observe(time.perf_counter() - started)
+    # Sizes beyond the profiled ones are measured before the plan is used (a rank's memory
+    # there is an extrapolation): a profiler pass, then this step plans again.
+    if wanted := unmeasured_micro_batch_sizes(plan, profiles):
+        if await measure_beyond(ctx, wanted, profiles):
+            return None
+        plan = with_unmeasured_note(plan, wanted, profiles)
     await delete_profilers(ctx)
     await netprobe.delete_probes(ctx)
     return await _adopt(ctx, plan, pools, storage)

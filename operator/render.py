@@ -10,6 +10,7 @@ import hashlib
 import json
 import posixpath
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,8 @@ LABEL_PROFILE = f"{API_GROUP}/profile"
 LABEL_NETPROBE = f"{API_GROUP}/netprobe"  # a network probe's pods (its digest)
 ANNOTATION_CONFIG_HASH = f"{API_GROUP}/config-hash"
 ANNOTATION_PROFILE_ATTEMPTS = f"{API_GROUP}/profile-attempts"
+# Extra profiler passes a plan asked for (sizes beyond the profiled ones), per product.
+ANNOTATION_PROFILE_EXTRA_SIZES = f"{API_GROUP}/profile-extra-sizes"
 CONFIG_DIR = "/etc/cephalo"
 CHECKPOINT_ROOT = "/checkpoints"
 # Where every pod's container leaves its termination message: a profiler its GpuProfile,
@@ -96,21 +99,29 @@ def rank_pod_names(job: CephaloJob, plan: Plan) -> dict[int, str]:
             for group in pod_groups(plan) for r in group}
 
 
-def profiler_pod_name(job: CephaloJob, product: str, attempt: int) -> str:
-    return f"{job_name(job)}-profile-{dns_safe(product, 30)}-{attempt}"
+def profiler_pod_name(job: CephaloJob, product: str, attempt: int,
+                      micro_batch_sizes: Sequence[int] | None = None) -> str:
+    """`micro_batch_sizes`: a pass for sizes a plan assigns beyond the profiled ones
+    (cephalo.planner.measured_sizes), named apart from the product's first pass."""
+    sizes = "" if micro_batch_sizes is None else \
+        "-mbs-" + "-".join(map(str, micro_batch_sizes))
+    return f"{job_name(job)}-profile-{dns_safe(product, 30)}{sizes}-{attempt}"
 
 
 def profile_config_map_name(catalog_name: str, job: CephaloJob,
-                            config: OperatorConfig | None = None) -> str:
+                            config: OperatorConfig | None = None,
+                            micro_batch_sizes: Sequence[int] | None = None) -> str:
     """The cache entry for (GPU product, model architecture incl. sequence, precision,
-    profile format, the profiler's image, sizes): cephalo.api.profile.profile_cache_key."""
+    profile format, the profiler's image, sizes): cephalo.api.profile.profile_cache_key.
+    `micro_batch_sizes`: an extra pass's sizes (default: the job's profileMicroBatchSizes)."""
     spec = job.spec
     image = spec.image or (config or OperatorConfig()).trainer_image
     # Under "auto" the precision the planner assigns this GPU, which its profiler measures.
     precision = resolve_precision(spec.precision, resolve_gpu(catalog_name))
+    sizes = spec.planner.profile_micro_batch_sizes if micro_batch_sizes is None \
+        else micro_batch_sizes
     key = profile_cache_key(catalog_name, spec.model.resolve(), precision,
-                            runtime=f"image={image}",
-                            micro_batch_sizes=spec.planner.profile_micro_batch_sizes)
+                            runtime=f"image={image}", micro_batch_sizes=sizes)
     return f"cephalo-profile-{key}"
 
 
@@ -325,16 +336,20 @@ def pod_env(values: TrainerVars) -> list[dict[str, Any]]:
 
 
 def render_profiler_pod(job: CephaloJob, product: str, attempt: int,
-                        config: OperatorConfig | None = None) -> dict[str, Any]:
-    """One pod measuring `product` (a pool's label value) for this job's model."""
+                        config: OperatorConfig | None = None,
+                        micro_batch_sizes: Sequence[int] | None = None) -> dict[str, Any]:
+    """One pod measuring `product` (a pool's label value) for this job's model, at the
+    job's profileMicroBatchSizes or at `micro_batch_sizes` (an extra pass)."""
     config = config or OperatorConfig()
+    sizes = [] if micro_batch_sizes is None else \
+        ["--micro-batch-sizes", ",".join(map(str, micro_batch_sizes))]
     pod = gpu_pod(
-        job, config, name=profiler_pod_name(job, product, attempt),
+        job, config, name=profiler_pod_name(job, product, attempt, micro_batch_sizes),
         labels={LABEL_ROLE: "profiler", LABEL_PRODUCT: dns_safe(product, 63),
                 LABEL_ATTEMPT: str(attempt)},
         annotations=None, product=product,
         command=["python", "-m", "cephalo.trainer.profile", "--job", f"{CONFIG_DIR}/job.yaml",
-                 "--output", TERMINATION_MESSAGE_PATH],
+                 "--output", TERMINATION_MESSAGE_PATH, *sizes],
         env=pod_env(TrainerVars(job=f"{CONFIG_DIR}/job.yaml")),
         config_map=spec_config_map_name(job), ports=[], extra_volumes=[], extra_mounts=[],
         node_selector=pool_selector(job, product))

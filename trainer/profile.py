@@ -56,7 +56,9 @@ from cephalo.api.profile import (
     TERMINATION_MESSAGE_LIMIT_BYTES,
     CollectiveProfile,
     GpuProfile,
+    ProfileMergeError,
     SingleRankStep,
+    merge_points,
     model_key,
     profile_cache_key,
 )
@@ -254,10 +256,17 @@ def profile_job(spec: CephaloJobSpec, *, device: torch.device | None = None,
     profile = profile_device(config, spec.precision, sizes, device, facts, repeats, warmup,
                              spec.training)
     if path is not None:
+        # Sizes beyond the cached ones (a plan's extra pass, cephalo.planner.measured_sizes)
+        # join the cached points rather than replace them: the next run needs both.
+        before = _read_cached(path)
+        try:
+            kept = profile if before is None else merge_points(before, profile)
+        except ProfileMergeError:  # another GPU under a colliding key: this one wins
+            kept = profile
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(profile.to_compact_json())
+            tmp.write_text(kept.to_compact_json())
             os.replace(tmp, path)
         except OSError as err:  # e.g. a read-only root filesystem in a pod: still useful
             print(f"profile: not cached ({err})", file=sys.stderr)

@@ -206,6 +206,29 @@ def test_profiles_are_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
                              cache_dir=tmp_path)
 
 
+def test_sizes_beyond_the_cached_ones_join_the_cache(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan's extra pass (issue 46 item 3) measures only the sizes it lacks; the cache then
+    holds both passes' points, so that neither the base pass nor the extra one is measured
+    again by the next run (before: the extra pass replaced the cached points)."""
+    base = profiler.profile_job(_spec(), device=torch.device("cpu"), micro_batch_sizes=[1, 2],
+                                repeats=1, warmup=0, cache_dir=tmp_path)
+    extra = profiler.profile_job(_spec(), device=torch.device("cpu"), micro_batch_sizes=[3],
+                                 repeats=1, warmup=0, cache_dir=tmp_path)
+    assert [p.micro_batch_size for p in extra.points] == [3]  # what this pass measured
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("a cached size was measured again")
+
+    monkeypatch.setattr(profiler, "profile_device", no_measuring)
+    for sizes in ([1, 2], [3], [1, 2, 3]):
+        cached = profiler.profile_job(_spec(), device=torch.device("cpu"),
+                                      micro_batch_sizes=sizes, cache_dir=tmp_path)
+        assert [p.micro_batch_size for p in cached.points] == [1, 2, 3]
+        assert cached.points[:2] == base.points and cached.points[2] == extra.points[0]
+        assert cached.single_rank_step == base.single_rank_step  # the base pass's figures
+
+
 def test_command_line_writes_the_profile(tmp_path: Path, capsys) -> None:
     job = tmp_path / "job.yaml"
     job.write_text(JOB.replace("PRESET", "bert-tiny"))

@@ -67,6 +67,10 @@ class RankPlan(BaseModel):
     compute_memory_bytes: int | None = Field(default=None, ge=0)
     # True: this GPU's times are catalog estimates, not a measured profile.
     estimated: bool | None = None
+    # True: micro_batch_size lies above every size this GPU's profile measured, so the
+    # rank's predicted time and memory are linear extrapolations (the cost model's, beyond
+    # the profiled range; cephalo.planner.measured_sizes). None (omitted): within it.
+    extrapolated: bool | None = None
     # Recompute mode only (the plan's `recompute` not false): this rank keeps the autograd
     # graphs of its last `kept_blocks` blocks (units L-k+1..L) from forward to backward and
     # recomputes the others. Their parameters are still gathered again for the backward, so
@@ -94,7 +98,7 @@ class RankPlan(BaseModel):
     @model_serializer(mode="wrap")
     def _omit_unset_index(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = _omit_empty(handler(self), ("gpu_index", "compute_memory_bytes", "estimated",
-                                           "offload_activations",
+                                           "extrapolated", "offload_activations",
                                            "block_graph_bytes_per_sample", "precision"))
         if not data.get("kept_blocks"):
             data.pop("kept_blocks", None)

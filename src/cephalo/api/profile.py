@@ -160,3 +160,29 @@ def profile_cache_key(product: str, model: ModelConfig, precision: str, runtime:
         parts.append("mbs=" + ",".join(map(str, micro_batch_sizes)))
     safe = re.sub(r"[^a-z0-9-]+", "-", product.lower()).strip("-")[:40]
     return f"{safe}-{model_key('|'.join(parts), precision)}"
+
+
+def profiled_sizes(profile: GpuProfile) -> list[int]:
+    """The micro-batch sizes `profile` has points for, ascending."""
+    return sorted({p.micro_batch_size for p in profile.points})
+
+
+class ProfileMergeError(ValueError):
+    """Points of two profiles that do not describe the same GPU, model and precision."""
+
+
+def merge_points(profile: GpuProfile, extra: GpuProfile) -> GpuProfile:
+    """`profile` with the points of `extra` (a later pass of the profiler on the same GPU
+    product, model and precision, for other micro-batch sizes) added; a size both hold
+    takes `extra`'s, the newer measurement. Everything else stays `profile`'s: its fixed
+    costs, real step and collectives were measured with the points the planner already
+    fitted, and a short extra pass measures them again only as a by-product."""
+    for field in ("product", "model_key", "precision"):
+        if getattr(profile, field) != getattr(extra, field):
+            raise ProfileMergeError(
+                f"cannot merge profile points of {field} {getattr(extra, field)!r} into a "
+                f"profile of {getattr(profile, field)!r}")
+    newer = {p.micro_batch_size for p in extra.points}
+    points = sorted([p for p in profile.points if p.micro_batch_size not in newer]
+                    + list(extra.points), key=lambda p: p.micro_batch_size)
+    return profile.model_copy(update={"points": points})

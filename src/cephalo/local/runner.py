@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import yaml
@@ -53,6 +54,7 @@ from cephalo.local.report import (
 )
 from cephalo.planner import solve
 from cephalo.planner.catalog import lookup_gpu, resolve_precision
+from cephalo.planner.measured_sizes import describe_unmeasured, plan_on_measured_sizes
 from cephalo.planner.report import format_plan, model_title
 
 # Collectives between local processes: gloo over loopback, or NCCL over PCIe.
@@ -195,6 +197,61 @@ def emulation_cpu_profiles(cpu: GpuProfile, products: list[str], precision: str,
         # The run's collectives (measured with the first profile) hold in every precision.
         profiles[other] = measured.model_copy(update={"collectives": cpu.collectives})
     return profiles
+
+
+def _as_planned(devices: list[LocalDevice],
+                emulation: Emulation | None) -> Callable[[str, GpuProfile], GpuProfile]:
+    """How a profile the profiler measured becomes the one the planner gets for `product`
+    (as _run_in makes them): an emulated GPU's is the CPU's dilated, CPU ranks' the CPU's
+    slowed by core sharing, a real GPU's as measured."""
+    def convert(product: str, measured: GpuProfile) -> GpuProfile:
+        if emulation is not None and product in emulation.dilation:
+            return emulated_profile(measured, product, emulation,
+                                    contention_factor(devices, emulation.dilation))
+        if product == "cpu":
+            return slowed(measured, contention_factor(devices))
+        return measured
+    return convert
+
+
+def measure_micro_batch_sizes(wanted: Mapping[str, list[int]],
+                              profiles: Mapping[str, GpuProfile], devices: list[LocalDevice],
+                              precision: str, job_file: Path, run_dir: Path, threads: int,
+                              as_planned: Callable[[str, GpuProfile], GpuProfile],
+                              out=print) -> dict[str, GpuProfile]:
+    """Measure the micro-batch sizes a plan assigns beyond its profiles ({product: sizes},
+    cephalo.planner.measured_sizes): one profiler pass (--micro-batch-sizes) per device that
+    measures them, cached by the profiler with the other sizes. An emulated GPU's sizes are
+    measured on the CPU in the precision it computes in (one pass for every emulated GPU of
+    that precision). Returns {product: profile with just those points}, as planned."""
+    out(f"Measuring {describe_unmeasured(wanted, profiles)} …")
+    passes: dict[tuple[str, str | None], tuple[LocalDevice, set[int], list[str]]] = {}
+    for product, sizes in wanted.items():
+        device = next(d for d in devices if d.product == product)
+        # The CPU measures emulated GPUs in their own precision, plain CPU ranks in the job's.
+        on = ("cpu", resolve_precision(precision, lookup_gpu(product)) if device.emulated
+              else None) if device.kind == "cpu" else (product, None)
+        _, held, products = passes.setdefault(on, (device, set(), []))
+        held.update(sizes)
+        products.append(product)
+    extra: dict[str, GpuProfile] = {}
+    for (kind, measured_in), (device, held_sizes, products) in passes.items():
+        ordered = sorted(held_sizes)
+        listed = ",".join(map(str, ordered))
+        name = "-".join([kind, *([measured_in] if measured_in else []), "mbs",
+                         *map(str, ordered)])
+        output = run_dir / "profiles" / f"measured-{name}.json"
+        env = dict(os.environ, **to_environ(TrainerVars(num_threads=threads)),
+                   OMP_NUM_THREADS=str(threads),
+                   CUDA_VISIBLE_DEVICES="" if device.kind == "cpu" else str(device.index))
+        command = [sys.executable, "-m", "cephalo.trainer.profile", "--job", str(job_file),
+                   "--output", str(output), "--micro-batch-sizes", listed]
+        if measured_in:
+            command += ["--precision", measured_in]
+        measured = _measure(command, env, run_dir, output, device.label, kind, out)
+        for product in products:
+            extra[product] = as_planned(product, measured)
+    return extra
 
 
 def build_cluster(devices: list[LocalDevice], host_memory_bytes: int | None = None) -> ClusterSpec:
@@ -365,10 +422,21 @@ def _run_in(run_dir: Path, job: CephaloJob, options: RunOptions, devices: list[L
             profiles["cpu"] = slowed(measured["cpu"], contention_factor(devices))
         cluster = build_cluster(devices, measured["cpu"].memory_capacity_bytes
                                 if "cpu" in measured else None)
+        as_planned = _as_planned(devices, emulation)
+
+        def measure(wanted: Mapping[str, list[int]]) -> dict[str, GpuProfile]:
+            return measure_micro_batch_sizes(wanted, profiles, devices, spec.precision,
+                                             job_file, run_dir, threads, as_planned, out)
+
         try:
-            plan = solve(spec, cluster, profiles)
+            settled = plan_on_measured_sizes(lambda p: solve(spec, cluster, p), measure,
+                                             profiles)
         except ValueError as err:
             raise RunError(f"planning failed: {err}") from None
+        plan = settled.plan
+        for product in sorted(emulation.dilation if emulation else {}):  # with every point
+            (run_dir / "profiles" / f"emulated-{product}.json").write_text(
+                settled.profiles[product].to_compact_json())
     plan_file = run_dir / "plan.json"
     plan_file.write_text(plan.to_json())
     title = model_title(spec.model)

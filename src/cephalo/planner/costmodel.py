@@ -121,6 +121,11 @@ class GpuCostModel:
         if probe is not None:
             self.step_fixed_seconds = max(0.0, probe.seconds - self.modelled_seconds(probe))
 
+    @property
+    def largest_profiled_size(self) -> int:
+        """The largest micro-batch size the profile has a point for (beyond: extrapolated)."""
+        return int(self._m[-1])
+
     def modelled_seconds(self, probe: SingleRankStep) -> float:
         """This model's prediction of a single-rank step like `probe`, without the step
         overhead: one microbatch through every unit (no collectives, the fixed part of a

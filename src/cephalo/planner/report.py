@@ -30,6 +30,8 @@ def format_plan(plan: Plan, model_name: str) -> str:
         mem = f"{_figure_or_dash(r.predicted_memory_bytes)} / " \
             f"{_figure_or_dash(r.memory_capacity_bytes)}"
         micro = f"{r.micro_batch_size}x{r.num_micro_batches}" if r.batch_size else "state"
+        if r.extrapolated:
+            micro = EXTRAPOLATED_MARK + micro
         seconds = "-" if r.predicted_step_seconds is None else f"{r.predicted_step_seconds:.3f}"
         lines.append(f"{r.rank:>4}  {r.gpu:<10} {rank_precision(plan, r):<4} "
                      f"{r.batch_size:>5}  {micro:>9}  "
@@ -54,9 +56,19 @@ def format_plan(plan: Plan, model_name: str) -> str:
     if any(r.estimated for r in plan.ranks):
         notes = [*notes, "* = estimated from the GPU catalog; measure with "
                          "`python -m cephalo.trainer.profile` and pass --profiles"]
+    if any(r.extrapolated for r in plan.ranks):
+        notes = [*notes, EXTRAPOLATED_LEGEND]
     if notes:
         lines += ["", *(f"note: {n}" for n in notes)]
     return "\n".join(lines)
+
+
+# A rank whose micro-batch size lies above its profile's sizes (RankPlan.extrapolated).
+EXTRAPOLATED_MARK = "~"
+EXTRAPOLATED_LEGEND = (
+    f"{EXTRAPOLATED_MARK} = micro-batch size above the profiled ones: its time and memory "
+    "are extrapolated linearly (`cephalo run` and the operator measure such sizes before "
+    "they use the plan)")
 
 
 def idle_lines(plan: Plan) -> list[str]:

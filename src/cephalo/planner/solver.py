@@ -352,6 +352,7 @@ def _plan(full: Problem, choice: Choice, sol: Solution, ev: Evaluation, solved: 
             memory_capacity_bytes=int(cost.memory_capacity_bytes),
             compute_memory_bytes=int(ev.rank_compute_bytes[r]),
             estimated=cost.estimated, gpu_index=choice.keep[r],
+            extrapolated=True if batch and micro[r] > cost.largest_profiled_size else None,
             kept_blocks=kept, precision=precisions[r],
             block_graph_bytes_per_sample=cost.profile.block_graph_bytes_per_sample
             if kept or not cost.recompute else None))
