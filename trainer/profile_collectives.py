@@ -34,6 +34,14 @@ BANDWIDTH_PROBE_ELEMENTS = 4 * 1024**2  # 16 MiB of fp32
 RUN_SECONDS = 0.1
 
 
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work: a timed run on a GPU ends when its kernels and
+    transfers have, not when the host has queued them (under NCCL `wait()` returns at
+    once)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _agreed(values: list[float], op: dist.ReduceOp.RedOpType, device: torch.device,
             group: dist.ProcessGroup | None) -> list[float]:
     """`values` reduced element-wise over the group's ranks with `op`, the same on every
@@ -74,12 +82,10 @@ def _per_op_seconds(coll: UnevenCollectives, kind: str, numel: int, ratios: list
             coll.all_reduce_sum(full)
 
     def one_seconds() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _synchronize(device)
         began = time.perf_counter()
         issue()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _synchronize(device)
         return time.perf_counter() - began
 
     issue()  # warms up connections and buffers
@@ -91,8 +97,7 @@ def _per_op_seconds(coll: UnevenCollectives, kind: str, numel: int, ratios: list
         began = time.perf_counter()
         for _ in range(ops):
             issue()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _synchronize(device)
         times.append((time.perf_counter() - began) / ops)
     # Every rank must agree on the time: take the slowest rank's median.
     return _agreed([statistics.median(times)], dist.ReduceOp.MAX, device, coll.group)[0]
@@ -122,8 +127,7 @@ def _overlap_fraction(coll: UnevenCollectives, numel: int, device: torch.device,
         x = matrix
         for _ in range(k):
             x = torch.tanh(x @ matrix)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _synchronize(device)
 
     def timed(fn, ops: int = 8) -> float:
         # Runs of back-to-back operations, as in `_per_op_seconds`; a first run of one
@@ -133,10 +137,13 @@ def _overlap_fraction(coll: UnevenCollectives, numel: int, device: torch.device,
         for run in range(repeats + 1):
             if run == 1:
                 count = _ops_within(times[0], ops, device, coll.group)
+            _synchronize(device)  # nothing queued before the run counts in it
             dist.barrier(group=coll.group)
             began = time.perf_counter()
             for _ in range(count):
                 fn()
+            # The all-gathers' transfers, not their launches (NCCL's wait() returns at once).
+            _synchronize(device)
             times.append((time.perf_counter() - began) / count)
         return statistics.median(times[1:])
 
