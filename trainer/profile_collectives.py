@@ -24,6 +24,7 @@ from cephalo.api.models import ModelConfig
 from cephalo.api.profile import CollectiveProfile
 from cephalo.api.sharding import shard_bounds
 from cephalo.trainer.collectives import UnevenCollectives
+from cephalo.trainer.nccl_env import init_group
 
 FP32_BYTES = 4
 BANDWIDTH_PROBE_ELEMENTS = 4 * 1024**2  # 16 MiB of fp32
@@ -216,7 +217,7 @@ def measure_collectives(config: ModelConfig, repeats: int = 5,
     device = torch.device("cuda", env.local_rank or 0) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=120))
+    init_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=120))
     try:
         return measure_in_group(config, device, repeats, precision=precision)
     finally:

@@ -26,6 +26,7 @@ from cephalo.trainer.eval import evaluator
 from cephalo.trainer.hf_weights import init_from_pretrained
 from cephalo.trainer.metrics import ProgressFile, TrainerMetrics, write_final_progress
 from cephalo.trainer.mlflow_log import RUN_ID_FILE, RunIdentity, open_mlflow
+from cephalo.trainer.nccl_env import init_group
 from cephalo.trainer.precision import PrecisionError, check_precision
 from cephalo.trainer.step_log import StepLogger, Tracker
 from cephalo.trainer.storage import CheckpointError, Store, check_shared
@@ -229,9 +230,8 @@ def main() -> int:
     except PrecisionError as err:
         print(f"cephalo trainer (rank {env.rank}): error: {err}", file=sys.stderr, flush=True)
         return 2
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=env.rank,
-                            world_size=env.world_size,
-                            timeout=datetime.timedelta(seconds=env.timeout_seconds))
+    init_group("nccl" if use_cuda else "gloo", rank=env.rank, world_size=env.world_size,
+               timeout=datetime.timedelta(seconds=env.timeout_seconds))
     try:
         port = env.metrics_port + env.local_rank if env.metrics_port else 0
         metrics = TrainerMetrics(env.rank, port, env.plan.predicted_step_seconds,
