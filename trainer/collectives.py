@@ -22,7 +22,9 @@ uneven ones are the same calls the tests run on gloo (the gathers are shared cod
 
 Every call is issued with ``async_op=True`` and returns a `Pending` whose `wait()` is
 timed, so the engine can prefetch the next unit while the current one computes and report
-how long compute actually waited for the network. Counters record logical collectives per
+how long compute actually waited for the network: on the host's clock where `wait()` blocks
+(gloo), on the compute stream's where it does not (NCCL; `cephalo.trainer.wait_clock`,
+counted at `CollectiveStats.settle()`). Counters record logical collectives per
 kind (one AllGather = one unit gathered, however many broadcasts it took), which the tests
 use to prove layered accumulation gathers each unit once per pass.
 """
@@ -36,6 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from cephalo.trainer.wait_clock import HostWaitClock, WaitClock, cuda_wait_clock
 
 
 @dataclass
@@ -54,14 +58,17 @@ class Pending:
 
     def wait(self) -> torch.Tensor:
         if not self.done:
-            started = time.perf_counter()
+            clock = self.stats.clock
+            token = clock.start()
             for w in self.works:
                 w.wait()
             if self.finish is not None:
                 self.finish()
+            clock.stop(self.kind, token, self.stats.wait_seconds)
             if self.not_before > 0.0:
-                time.sleep(max(0.0, self.not_before - time.perf_counter()))
-            self.stats.wait_seconds[self.kind] += time.perf_counter() - started
+                slept = max(0.0, self.not_before - time.perf_counter())
+                time.sleep(slept)
+                self.stats.wait_seconds[self.kind] += slept
             self.done = True
             # The works and the copy-out reach the collective's inputs (a full unit buffer):
             # let them go now, not when the last reference to this Pending does.
@@ -83,15 +90,25 @@ class CollectiveStats:
     # bytes of the buffer each collective fills, by kind: what travels (a gather in bf16
     # counts 2 bytes a parameter, the fp32 one 4)
     payload_bytes: Counter = field(default_factory=Counter)
-    # seconds blocked in wait() by kind: floats, so a defaultdict (a Counter is for counts)
+    # seconds compute waited in wait() by kind, as far as settled: floats, so a defaultdict
+    # (a Counter is for counts)
     wait_seconds: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     log: list[tuple[str, int]] = field(default_factory=list)  # (kind, unit) in issue order
+    # How waits are timed: the host's clock, or the compute stream's under NCCL, whose
+    # waits count in wait_seconds only at settle().
+    clock: WaitClock = field(default_factory=HostWaitClock)
+
+    def settle(self) -> None:
+        """Count the waits timed so far (under NCCL: call after the stream has passed them,
+        e.g. after a synchronisation, or this blocks until it has)."""
+        self.clock.settle(self.wait_seconds)
 
     def reset(self) -> None:
         for c in (self.calls, self.native_calls, self.elements, self.payload_bytes,
                   self.wait_seconds):
             c.clear()
         self.log.clear()
+        self.clock.discard()
 
 
 class UnevenCollectives:
@@ -115,6 +132,9 @@ class UnevenCollectives:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
+        if self.backend == "nccl":
+            # wait() returns at once; the compute stream waits (wait_clock.py).
+            self.stats.clock = cuda_wait_clock()
         # NCCL's uneven reduce-scatter (a reduce per owner) on any backend: tests run it on
         # gloo, whose all-reduce is the default there.
         self.reduce_by_owner = False
@@ -254,12 +274,15 @@ class UnevenCollectives:
         self._count("all_reduce", -1, values.numel(), values.dtype)
         if self.world_size > 1:
             self.stats.native_calls["all_reduce"] += 1
-            started = time.perf_counter()
+            # Blocking on gloo; under NCCL it too only makes the compute stream wait.
+            token = self.stats.clock.start()
             dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)
+            self.stats.clock.stop("all_reduce", token, self.stats.wait_seconds)
             link = self._over_link(Pending([], values, "all_reduce", self.stats, done=True))
             if link.not_before > 0.0:
-                time.sleep(max(0.0, link.not_before - time.perf_counter()))
-            self.stats.wait_seconds["all_reduce"] += time.perf_counter() - started
+                slept = max(0.0, link.not_before - time.perf_counter())
+                time.sleep(slept)
+                self.stats.wait_seconds["all_reduce"] += slept
         return values
 
     def _over_link(self, pending: Pending, buffer: torch.Tensor | None = None) -> Pending:

@@ -306,6 +306,7 @@ class Engine:
         all-reduce; its values, summed over ranks, come back in `StepResult.votes`: a
         step-boundary agreement (stop on SIGTERM, checkpoint uploads done) for free."""
         started = time.perf_counter()
+        self.comm.stats.settle()  # waits since the last step (full_parameters, ...) are not its
         wait_before = sum(self.comm.stats.wait_seconds.values())
         expected = self.layout.batch_sizes[self.rank]
         got = sum(int(t.shape[0]) for _, t in micro_batches)
@@ -319,6 +320,7 @@ class Engine:
             loss_sum, grads = passes.forward_backward_keep(self, inputs, targets)
         result = self._optimizer_step(loss_sum, grads, started, wait_before, votes)
         result.step_seconds = time.perf_counter() - started
+        self.comm.stats.settle()  # the all-reduce's wait: its result is on the host already
         result.collective_wait_seconds = sum(self.comm.stats.wait_seconds.values()) - wait_before
         return result
 
@@ -391,6 +393,8 @@ class Engine:
             # Kernels run ahead of the host: time the work, not its queueing. Free here, as
             # the all-reduce below needs every gradient finished anyway.
             torch.cuda.synchronize(self.device)
+        # Under NCCL the waits were timed on the compute stream, which has passed them now.
+        self.comm.stats.settle()
         waited = sum(self.comm.stats.wait_seconds.values()) - wait_before
         elapsed = 0.0 if started is None else time.perf_counter() - started
         extra = torch.zeros(2 * world, dtype=torch.float64)

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from cephalo.api import trainer_env as names
 from cephalo.api.job import CephaloJobSpec, JobFileError, load_job
 from cephalo.api.plan import Plan, PlanError, load_plan
@@ -83,6 +85,14 @@ def cuda_device_index(local_rank: int | None, visible_gpus: int) -> int:
                        f"GPU(s) (cuda:0..cuda:{visible_gpus - 1}); start at most one rank per "
                        f"visible GPU, LOCAL_RANK 0..{visible_gpus - 1}")
     return local_rank
+
+
+def rank_device(local_rank: int | None) -> torch.device:
+    """The device a rank computes on: the CPU without CUDA, else `cuda_device_index`'s GPU.
+    Raises EnvError (see there)."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", cuda_device_index(local_rank, torch.cuda.device_count()))
 
 
 def layout_from_plan(plan: Plan) -> Layout:

@@ -61,10 +61,16 @@ def _measure(env: trainer_env.TrainerVars, output: str, repeats: int) -> int:
     import torch
     import torch.distributed as dist
 
+    from cephalo.trainer.env import rank_device
+    from cephalo.trainer.nccl_env import init_group
     from cephalo.trainer.profile_collectives import measure_link
 
-    use_cuda = torch.cuda.is_available()
-    device = torch.device("cuda", env.local_rank or 0) if use_cuda else torch.device("cpu")
+    try:
+        device = rank_device(env.local_rank)
+    except trainer_env.EnvError as err:
+        print(f"netprobe: error: {err}", file=sys.stderr)
+        return 2
+    use_cuda = device.type == "cuda"
     if use_cuda:
         torch.cuda.set_device(device)
     if env.num_threads:
@@ -72,7 +78,7 @@ def _measure(env: trainer_env.TrainerVars, output: str, repeats: int) -> int:
     backend = "nccl" if use_cuda else "gloo"
     timeout = env.collective_timeout_seconds or DEFAULT_JOIN_TIMEOUT_SECONDS
     started = time.monotonic()
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    init_group(backend, timeout=timedelta(seconds=timeout))
     try:
         fit = measure_link(device, repeats, link_bytes_per_second=env.link_bytes_per_second)
     finally:

@@ -55,6 +55,7 @@ def evaluate(engine: Engine, xs: list[torch.Tensor], targets: list[torch.Tensor]
     count = torch.tensor(float(sum(int(t.shape[0]) for t in targets)),
                          dtype=torch.float64, device=device)
     totals = engine.comm.all_reduce_sum(torch.stack([loss_sum, count])).cpu().tolist()
+    engine.comm.stats.settle()  # the stream has passed every wait: its result is here
     return float(totals[0]), round(totals[1])
 
 

@@ -24,6 +24,8 @@ from cephalo.api.models import ModelConfig
 from cephalo.api.profile import CollectiveProfile
 from cephalo.api.sharding import shard_bounds
 from cephalo.trainer.collectives import UnevenCollectives
+from cephalo.trainer.env import rank_device
+from cephalo.trainer.nccl_env import init_group
 
 FP32_BYTES = 4
 BANDWIDTH_PROBE_ELEMENTS = 4 * 1024**2  # 16 MiB of fp32
@@ -34,14 +36,32 @@ BANDWIDTH_PROBE_ELEMENTS = 4 * 1024**2  # 16 MiB of fp32
 RUN_SECONDS = 0.1
 
 
-def _ops_within(seconds_one: float, ops: int, group: dist.ProcessGroup | None) -> int:
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work: a timed run on a GPU ends when its kernels and
+    transfers have, not when the host has queued them (under NCCL `wait()` returns at
+    once)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _agreed(values: list[float], op: dist.ReduceOp.RedOpType, device: torch.device,
+            group: dist.ProcessGroup | None) -> list[float]:
+    """`values` reduced element-wise over the group's ranks with `op`, the same on every
+    rank. The scalars travel on the group's device: NCCL has no CPU backend ("No backend
+    type associated with device type cpu")."""
+    value = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=op, group=group)
+    return [float(v) for v in value.tolist()]
+
+
+def _ops_within(seconds_one: float, ops: int, device: torch.device,
+                group: dist.ProcessGroup | None) -> int:
     """How many of `ops` back-to-back operations of `seconds_one` each fit RUN_SECONDS, but
     at least 2 (or `ops` where fewer): one operation alone after the barrier would pay the
     transport's restart after idle (TCP's slow start) as bandwidth. Every rank must issue as
     many, so the slowest rank's figure decides."""
-    value = torch.tensor([seconds_one], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    fit = int(RUN_SECONDS / max(float(value.item()), 1e-9))
+    [slowest] = _agreed([seconds_one], dist.ReduceOp.MAX, device, group)
+    fit = int(RUN_SECONDS / max(slowest, 1e-9))
     return min(ops, max(2, fit))
 
 
@@ -64,30 +84,25 @@ def _per_op_seconds(coll: UnevenCollectives, kind: str, numel: int, ratios: list
             coll.all_reduce_sum(full)
 
     def one_seconds() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _synchronize(device)
         began = time.perf_counter()
         issue()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _synchronize(device)
         return time.perf_counter() - began
 
     issue()  # warms up connections and buffers
     if ops > 2:  # _ops_within never goes below 2: one timed operation more only to size
-        ops = _ops_within(one_seconds(), ops, coll.group)
+        ops = _ops_within(one_seconds(), ops, device, coll.group)
     times = []
     for _ in range(repeats):
         dist.barrier(group=coll.group)
         began = time.perf_counter()
         for _ in range(ops):
             issue()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _synchronize(device)
         times.append((time.perf_counter() - began) / ops)
     # Every rank must agree on the time: take the slowest rank's median.
-    value = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=coll.group)
-    return float(value.item())
+    return _agreed([statistics.median(times)], dist.ReduceOp.MAX, device, coll.group)[0]
 
 
 def _ring_fit(t_small: float, small: int, t_big: float, big: int, n: int
@@ -114,8 +129,7 @@ def _overlap_fraction(coll: UnevenCollectives, numel: int, device: torch.device,
         x = matrix
         for _ in range(k):
             x = torch.tanh(x @ matrix)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _synchronize(device)
 
     def timed(fn, ops: int = 8) -> float:
         # Runs of back-to-back operations, as in `_per_op_seconds`; a first run of one
@@ -124,11 +138,14 @@ def _overlap_fraction(coll: UnevenCollectives, numel: int, device: torch.device,
         count = 1
         for run in range(repeats + 1):
             if run == 1:
-                count = _ops_within(times[0], ops, coll.group)
+                count = _ops_within(times[0], ops, device, coll.group)
+            _synchronize(device)  # nothing queued before the run counts in it
             dist.barrier(group=coll.group)
             began = time.perf_counter()
             for _ in range(count):
                 fn()
+            # The all-gathers' transfers, not their launches (NCCL's wait() returns at once).
+            _synchronize(device)
             times.append((time.perf_counter() - began) / count)
         return statistics.median(times[1:])
 
@@ -144,10 +161,8 @@ def _overlap_fraction(coll: UnevenCollectives, numel: int, device: torch.device,
 
     t_both = timed(both)
     hidden = (t_compute + t_comm - t_both) / max(min(t_compute, t_comm), 1e-12)
-    value = torch.tensor([min(1.0, max(0.0, hidden))], dtype=torch.float64)
     # The least-overlapping rank decides.
-    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=coll.group)
-    return float(value.item())
+    return _agreed([min(1.0, max(0.0, hidden))], dist.ReduceOp.MIN, device, coll.group)[0]
 
 
 def _probe_fits(config: ModelConfig, device: torch.device, world_size: int) -> bool:
@@ -189,9 +204,7 @@ def _engine_probe(config: ModelConfig, device: torch.device, group: dist.Process
         logger.log(result)
         if step >= warmup:
             times.append(time.perf_counter() - began)
-    slowest = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    return statistics.median(slowest.tolist())
+    return statistics.median(_agreed(times, dist.ReduceOp.MAX, device, group))
 
 
 def measure_collectives(config: ModelConfig, repeats: int = 5,
@@ -201,11 +214,10 @@ def measure_collectives(config: ModelConfig, repeats: int = 5,
     if env.rank is None or env.world_size is None:
         raise ValueError(f"--collectives runs under torchrun ({trainer_env.RANK} and "
                          f"{trainer_env.WORLD_SIZE} unset)")
-    use_cuda = torch.cuda.is_available()
-    device = torch.device("cuda", env.local_rank or 0) if use_cuda else torch.device("cpu")
-    if use_cuda:
+    device = rank_device(env.local_rank)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=120))
+    init_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=120))
     try:
         return measure_in_group(config, device, repeats, precision=precision)
     finally:

@@ -21,11 +21,12 @@ from cephalo.trainer import checkpoint
 from cephalo.trainer.checkpoint_write import CheckpointWriter
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Engine, Layout
-from cephalo.trainer.env import EnvError, cuda_device_index, read_env
+from cephalo.trainer.env import EnvError, rank_device, read_env
 from cephalo.trainer.eval import evaluator
 from cephalo.trainer.hf_weights import init_from_pretrained
 from cephalo.trainer.metrics import ProgressFile, TrainerMetrics, write_final_progress
 from cephalo.trainer.mlflow_log import RUN_ID_FILE, RunIdentity, open_mlflow
+from cephalo.trainer.nccl_env import init_group
 from cephalo.trainer.precision import PrecisionError, check_precision, pin_fp32_math
 from cephalo.trainer.step_log import StepLogger, Tracker
 from cephalo.trainer.storage import CheckpointError, Store, check_shared
@@ -218,13 +219,12 @@ def main() -> int:
     torch.manual_seed(env.job.training.seed)
     if env.num_threads:
         torch.set_num_threads(env.num_threads)
-    use_cuda = torch.cuda.is_available()
     try:
-        device = torch.device("cuda", cuda_device_index(
-            env.local_rank, torch.cuda.device_count())) if use_cuda else torch.device("cpu")
+        device = rank_device(env.local_rank)
     except EnvError as err:
         print(f"cephalo trainer (rank {env.rank}): error: {err}", file=sys.stderr, flush=True)
         return 2
+    use_cuda = device.type == "cuda"
     if use_cuda:
         torch.cuda.set_device(device)
     precision = env.plan.ranks[env.rank].precision or env.job.precision
@@ -236,9 +236,8 @@ def main() -> int:
     if notice is not None:  # every rank: ranks of one job may run different GPUs
         print(f"cephalo trainer (rank {env.rank}): {notice}", file=sys.stderr, flush=True)
     pin_fp32_math()
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=env.rank,
-                            world_size=env.world_size,
-                            timeout=datetime.timedelta(seconds=env.timeout_seconds))
+    init_group("nccl" if use_cuda else "gloo", rank=env.rank, world_size=env.world_size,
+               timeout=datetime.timedelta(seconds=env.timeout_seconds))
     try:
         port = env.metrics_port + (env.local_rank or 0) if env.metrics_port else 0
         metrics = TrainerMetrics(env.rank, port, env.plan.predicted_step_seconds,

@@ -66,3 +66,29 @@ def test_a_rank_without_local_rank_on_a_multi_gpu_host_stops(
     err = capsys.readouterr().err.strip()
     assert err.startswith("cephalo trainer (rank 3): error: LOCAL_RANK is not set and this "
                           "rank sees 4 GPUs") and "\n" not in err
+
+
+def test_the_network_probe_takes_no_gpu_without_local_rank(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The probe's rank picks its GPU by the same rule (it took GPU 0 on every rank without
+    LOCAL_RANK): exit 2 with one line before any GPU is claimed or a group forms."""
+    from cephalo.trainer import netprobe
+
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    claimed: list[object] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", claimed.append)
+
+    def no_group(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the process group formed")
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", no_group)
+    assert netprobe.main(["--output", "-"]) == 2
+    assert claimed == []
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("netprobe: error: LOCAL_RANK is not set and this rank sees 2 GPUs") \
+        and "\n" not in err

@@ -137,31 +137,47 @@ def profile_devices(devices: list[LocalDevice], job_file: Path, run_dir: Path,
         if kind in profiles:
             continue
         output = folder / f"measured-{kind}.json"
+        # The first profile also measures the collectives where there is more than one
+        # device to measure them between.
+        collectives = not profiles and len(devices) > 1
+        command, visible = profile_command(device, devices, collectives, job_file, output)
         env = dict(os.environ, **to_environ(TrainerVars(num_threads=threads)),
-                   OMP_NUM_THREADS=str(threads))
-        command = [sys.executable, "-m", "cephalo.trainer.profile", "--job", str(job_file),
-                   "--output", str(output)]
-        if not profiles and len(devices) > 1:
-            # The first profile also measures the collectives (torchrun, one process per
-            # device; rank 0 then profiles its device). CPU ranks beyond the core count would
-            # measure the scheduler, not the transport: measure on at most one rank per core
-            # and let the ring model extend it to the run's world size.
-            ranks = len(devices) if device.kind != "cpu" else \
-                max(2, min(len(devices), os.cpu_count() or 1))
-            command[1:3] = ["-m", "torch.distributed.run", "--standalone",
-                            f"--nproc-per-node={ranks}", "-m", "cephalo.trainer.profile",
-                            "--collectives"]
-            same_kind = [d for d in devices if d.kind == device.kind]
-            env["CUDA_VISIBLE_DEVICES"] = "" if device.kind == "cpu" else ",".join(
-                str(d.index) for d in [device, *[d for d in same_kind if d != device]])
-        else:
-            env["CUDA_VISIBLE_DEVICES"] = "" if device.kind == "cpu" else str(device.index)
+                   OMP_NUM_THREADS=str(threads), CUDA_VISIBLE_DEVICES=visible)
         profiles[kind] = _measure(command, env, run_dir, output, device.label, kind, out)
     measured = [p.collectives for p in profiles.values() if p.collectives is not None]
     if measured:  # the run's collectives hold for every device type in it
         profiles = {k: p.model_copy(update={"collectives": measured[0]})
                     for k, p in profiles.items()}
     return profiles
+
+
+def profile_command(device: LocalDevice, devices: list[LocalDevice], collectives: bool,
+                    job_file: Path, output: Path) -> tuple[list[str], str]:
+    """The profiler's command for `device` and the CUDA_VISIBLE_DEVICES it runs with.
+
+    `collectives`: torchrun with one process per device, which also measures the
+    collectives; rank 0 then profiles its device. Every rank needs a GPU of its own (NCCL
+    gives no two ranks one device, and rank r takes cuda:LOCAL_RANK): every device of the
+    run is visible, the profiled one first so that it is rank 0's cuda:0 — on a
+    workstation with two different GPUs, the other product's GPU is the second rank's."""
+    command = [sys.executable, "-m", "cephalo.trainer.profile", "--job", str(job_file),
+               "--output", str(output)]
+    if device.kind == "cpu":
+        visible = ""
+    elif collectives:
+        visible = ",".join(str(d.index) for d in [device, *[d for d in devices if d != device]])
+    else:
+        visible = str(device.index)
+    if collectives:
+        # CPU ranks beyond the core count would measure the scheduler, not the transport:
+        # measure on at most one rank per core and let the ring model extend it to the
+        # run's world size.
+        ranks = len(devices) if device.kind != "cpu" else \
+            max(2, min(len(devices), os.cpu_count() or 1))
+        command[1:3] = ["-m", "torch.distributed.run", "--standalone",
+                        f"--nproc-per-node={ranks}", "-m", "cephalo.trainer.profile",
+                        "--collectives"]
+    return command, visible
 
 
 def _measure(command: list[str], env: dict[str, str], run_dir: Path, output: Path, label: str,
