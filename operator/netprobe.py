@@ -44,7 +44,14 @@ from cephalo.api.profile import CollectiveProfile
 from cephalo.operator.discovery import Pool
 from cephalo.operator.gang import pod_group_api, pod_groups_path, render_pod_group
 from cephalo.operator.kube import core_path, job_path
-from cephalo.operator.netprobe_choice import Probe, answer, nic_identity, probes_needed
+from cephalo.operator.netprobe_choice import (
+    LABEL_NETWORK_PROFILE,
+    Probe,
+    answer,
+    nic_identities,
+    probes_needed,
+    read_cache,
+)
 from cephalo.operator.netprobe_render import netprobe_service_name, render_netprobe
 from cephalo.operator.profiling import ANNOTATION_STARTED, ensure_spec_config_map
 from cephalo.operator.render import LABEL_JOB, LABEL_ROLE, owner_reference
@@ -56,12 +63,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("cephalo.operator")
 NETWORK_MEASURED = "NetworkMeasured"  # condition type
 ANNOTATION_PROBES_FAILED = "cephalo.dev/network-probes-failed"  # probe key -> why, JSON
-LABEL_NETWORK_PROFILE = "cephalo.dev/network-profile"
 JOIN_TIMEOUT_SECONDS = 60.0  # the ranks' rendezvous (a node that cannot reach the other)
-
-
-def nic_identities(pools: list[Pool], nodes: list[dict[str, Any]]) -> dict[str, str]:
-    return {p.product: nic_identity(p, nodes) for p in pools}
 
 
 def cache_namespace(ctx: JobContext) -> str:
@@ -73,15 +75,8 @@ def cache_namespace(ctx: JobContext) -> str:
 
 async def _cached_all(ctx: JobContext) -> list[NetworkProfile]:
     """Every readable measurement in the cache (one LIST: a few per pair of pools)."""
-    found = []
-    for cm in await ctx.kube.list(core_path(cache_namespace(ctx), "configmaps"),
-                                  f"{LABEL_NETWORK_PROFILE}=true"):
-        try:
-            found.append(NetworkProfile.model_validate_json(
-                (cm.get("data") or {}).get(NETWORK_PROFILE_KEY, "")))
-        except ValidationError:
-            continue  # not ours to read: a later measurement replaces it
-    return found
+    return read_cache(await ctx.kube.list(core_path(cache_namespace(ctx), "configmaps"),
+                                          f"{LABEL_NETWORK_PROFILE}=true"))
 
 
 async def cached_network(ctx: JobContext, cluster: ClusterSpec, pools: list[Pool],

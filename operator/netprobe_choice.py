@@ -25,13 +25,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
 from cephalo.api.cluster import ClusterSpec
 from cephalo.api.job import CephaloJobSpec
 from cephalo.api.network import NIC_GBPS_LABEL
-from cephalo.api.network_profile import INTER, INTRA, NetworkProfile
+from cephalo.api.network_profile import INTER, INTRA, NETWORK_PROFILE_KEY, NetworkProfile
 from cephalo.operator.discovery import Pool
 
 INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"  # a cloud machine type: its NIC
+LABEL_NETWORK_PROFILE = "cephalo.dev/network-profile"  # "true" on the cache's ConfigMaps
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,24 @@ def nic_identity(pool: Pool, nodes: Sequence[Mapping[str, Any]]) -> str:
             if kind or gbps:
                 seen.add(f"{kind}/{gbps}" if gbps else kind)
     return ",".join(sorted(seen))
+
+
+def nic_identities(pools: Sequence[Pool], nodes: Sequence[Mapping[str, Any]]
+                   ) -> dict[str, str]:
+    return {p.product: nic_identity(p, nodes) for p in pools}
+
+
+def read_cache(config_maps: Sequence[Mapping[str, Any]]) -> list[NetworkProfile]:
+    """The measurements in the cache's ConfigMaps (an unreadable one is left out: the next
+    measurement of its link replaces it)."""
+    found = []
+    for cm in config_maps:
+        try:
+            found.append(NetworkProfile.model_validate_json(
+                (cm.get("data") or {}).get(NETWORK_PROFILE_KEY, "")))
+        except ValidationError:
+            continue
+    return found
 
 
 def pinned(spec: CephaloJobSpec) -> tuple[bool, bool]:
@@ -158,5 +179,5 @@ def _fastest_pair(side: tuple[str, str], fresh: Sequence[NetworkProfile]
                default=None)
 
 
-__all__ = ["INSTANCE_TYPE_LABEL", "Answer", "Probe", "answer", "nic_identity",
-           "pinned", "probes_needed"]
+__all__ = ["INSTANCE_TYPE_LABEL", "LABEL_NETWORK_PROFILE", "Answer", "Probe", "answer",
+           "nic_identities", "nic_identity", "pinned", "probes_needed", "read_cache"]
