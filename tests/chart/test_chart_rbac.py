@@ -34,6 +34,7 @@ from chart_helpers import (
     ROOT,
     Permission,
     by_kind,
+    container_env,
     one,
     permissions,
     render,
@@ -126,14 +127,6 @@ def _request_of(req: Any) -> Request | None:
     return Request(Permission(res.group or "", resource, verb), req.namespace or "")
 
 
-def _env_value(var: dict[str, Any], deployment: dict[str, Any]) -> str:
-    """A variable as the kubelet would set it: its value, or the downward API's namespace."""
-    if "value" in var:
-        return str(var["value"])
-    assert var["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}, var
-    return str(deployment["metadata"]["namespace"])
-
-
 class ChartOperator(OperatorProcess):
     """The operator started with the chart Deployment's command, arguments and environment."""
 
@@ -144,7 +137,7 @@ class ChartOperator(OperatorProcess):
         # Never the in-cluster config of a CI pod: only the emulator's kubeconfig.
         ambient = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
         self.env = {**ambient, "KUBECONFIG": str(kubeconfig),
-                    **{e["name"]: _env_value(e, deployment) for e in container["env"]}}
+                    **container_env(deployment)}
 
     def start(self) -> ChartOperator:
         assert self.argv[0] == "kopf"
