@@ -87,6 +87,10 @@ class OperatorConfig:
     # creation (pending, or a node that cannot reach the other) is given up: the job plans
     # without it and says so.
     network_probe: bool = True
+    # CEPHALO_OPERATOR_NAMESPACE (the chart: the pod's own namespace, by the downward API):
+    # where the network measurements are cached, once for every namespace's jobs and
+    # readable by the operator alone; "" (kopf run by hand): in each job's namespace.
+    operator_namespace: str = ""
     network_profile_max_age_seconds: float = 7 * 86400.0
     network_probe_timeout_seconds: float = 300.0
 

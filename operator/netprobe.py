@@ -1,7 +1,7 @@
 """The network probe (issue 35, items 1 and 4; docs/network.md): measure the links between a
 job's GPUs on the cluster before planning it, and cache what was measured.
 
-Which probes (`probes_needed`, pure): for a job that may use two GPUs or more, one
+Which probes (netprobe_choice.py, pure): for a job that may use two GPUs or more, one
 **inter-node** probe per pair of neighbouring pools (sorted by name: A-B, B-C, ...; one pool
 alone on two nodes or more: A-A on two of its nodes) and one **intra-node** probe per pool
 whose nodes hold two free GPUs or more. What the job pins by hand (spec.planner.network
@@ -17,29 +17,41 @@ CEPHALO_NETWORK_PROBE_TIMEOUT_SECONDS of its creation (pending, or a node that c
 the other) is given up: the job plans without it, condition NetworkMeasured False, a Warning
 Event. A probe is never retried for the same job (the job's annotation records it).
 
-Cached: a ConfigMap `cephalo-network-<kind>-<digest>` per probe in the job's namespace (not
-owned by the job), with what was measured, on which nodes, when and for which job; reused by
-every later job on the same pools until CEPHALO_NETWORK_PROFILE_MAX_AGE_SECONDS old.
+Cached cluster-wide (issue 46 item 5): a ConfigMap `cephalo-network-<kind>-<digest>` per
+probe in the operator's namespace (CEPHALO_OPERATOR_NAMESPACE, the chart's downward API;
+readable by the operator alone), keyed by the pools and their NIC identity, with what was
+measured, on which nodes, when and the uid of the job it ran for (no job name: a job's
+namespace never learns another's); reused by every later job on the same pools, in any
+namespace, until CEPHALO_NETWORK_PROFILE_MAX_AGE_SECONDS old. Only a pool whose NIC was never
+measured is probed (a pool measured in any pair answers every pair it is in).
+
+Never waited on in a re-plan (issue 46 item 8): a job planned before plans at once with what
+the cache knows (any age), the rest assumed and said so; a measurement another job caches
+later enters its next re-plan (spec.planner.replan) through the usual gain rule.
 """
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import json
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from cephalo.api.cluster import ClusterSpec
-from cephalo.api.job import CephaloJobSpec
-from cephalo.api.network_profile import INTER, INTRA, NETWORK_PROFILE_KEY, NetworkProfile
+from cephalo.api.network_profile import NETWORK_PROFILE_KEY, NetworkProfile
 from cephalo.api.profile import CollectiveProfile
 from cephalo.operator.discovery import Pool
 from cephalo.operator.gang import pod_group_api, pod_groups_path, render_pod_group
 from cephalo.operator.kube import core_path, job_path
+from cephalo.operator.netprobe_choice import (
+    LABEL_NETWORK_PROFILE,
+    Probe,
+    answer,
+    nic_identities,
+    probes_needed,
+    read_cache,
+)
 from cephalo.operator.netprobe_render import netprobe_service_name, render_netprobe
 from cephalo.operator.profiling import ANNOTATION_STARTED, ensure_spec_config_map
 from cephalo.operator.render import LABEL_JOB, LABEL_ROLE, owner_reference
@@ -51,89 +63,31 @@ if TYPE_CHECKING:
 log = logging.getLogger("cephalo.operator")
 NETWORK_MEASURED = "NetworkMeasured"  # condition type
 ANNOTATION_PROBES_FAILED = "cephalo.dev/network-probes-failed"  # probe key -> why, JSON
-LABEL_NETWORK_PROFILE = "cephalo.dev/network-profile"
 JOIN_TIMEOUT_SECONDS = 60.0  # the ranks' rendezvous (a node that cannot reach the other)
 
 
-@dataclass(frozen=True)
-class Probe:
-    kind: str  # INTER or INTRA
-    pools: tuple[str, ...]  # product labels: two for inter-node (maybe equal), one intra
-
-    @property
-    def key(self) -> str:
-        return f"{self.kind}:{'|'.join(self.pools)}"
-
-    @property
-    def digest(self) -> str:
-        return hashlib.sha256(self.key.encode()).hexdigest()[:10]
-
-    @property
-    def config_map_name(self) -> str:
-        return f"cephalo-network-{self.kind.split('-')[0]}-{self.digest}"
-
-    def describe(self) -> str:
-        return f"{self.kind} {' <-> '.join(self.pools)}" if self.kind == INTER else \
-            f"{self.kind} {self.pools[0]} x2"
+def cache_namespace(ctx: JobContext) -> str:
+    """Where measurements are cached: the operator's namespace (one cache for every job,
+    readable by the operator alone); the job's own when the operator does not know its
+    namespace (kopf run by hand)."""
+    return ctx.config.operator_namespace or ctx.namespace
 
 
-def pinned(spec: CephaloJobSpec) -> tuple[bool, bool]:
-    """(inter-node, intra-node) links the job gives by hand: not probed."""
-    planner = spec.planner
-    flat = planner.network_bandwidth_gbps is not None
-    network = planner.network
-    return (flat or (network is not None and network.inter_node_gbps is not None),
-            flat or (network is not None and network.intra_node_gbps is not None))
+async def _cached_all(ctx: JobContext) -> list[NetworkProfile]:
+    """Every readable measurement in the cache (one LIST: a few per pair of pools)."""
+    return read_cache(await ctx.kube.list(core_path(cache_namespace(ctx), "configmaps"),
+                                          f"{LABEL_NETWORK_PROFILE}=true"))
 
 
-def probes_needed(spec: CephaloJobSpec, cluster: ClusterSpec, pools: list[Pool]) -> list[Probe]:
-    """The probes that would describe the links a plan on `cluster` may cross."""
-    if cluster.num_gpus < 2:
-        return []  # one GPU: no collective crosses anything
-    counts = {g.pool or g.product: g.count for g in cluster.groups}
-    used = sorted((p for p in pools if counts.get(p.product, 0) > 0), key=lambda p: p.product)
-    inter_pinned, intra_pinned = pinned(spec)
-    probes: list[Probe] = []
-    if not inter_pinned:
-        names = [p.product for p in used]
-        probes += [Probe(INTER, (a, b)) for a, b in itertools.pairwise(names)]
-        if len(used) == 1 and len(_free_nodes(used[0])) >= 2:
-            probes.append(Probe(INTER, (used[0].product, used[0].product)))
-    if not intra_pinned:
-        probes += [Probe(INTRA, (p.product,)) for p in used
-                   if counts[p.product] >= 2 and max(_free_nodes(p), default=0) >= 2]
-    return probes
-
-
-def _free_nodes(pool: Pool) -> list[int]:
-    """Free GPUs on each of the pool's nodes (all allocatable where not counted)."""
-    return [g for g in pool.node_gpus if g > 0] if pool.node_gpus else [1] * len(pool.nodes)
-
-
-async def cached(ctx: JobContext, probe: Probe, max_age_seconds: float | None = None
-                 ) -> NetworkProfile | None:
-    """The probe's cached measurement when it is there, readable and young enough."""
-    cm = await ctx.kube.get(core_path(ctx.namespace, "configmaps", probe.config_map_name))
-    try:
-        profile = NetworkProfile.model_validate_json(
-            (cm or {}).get("data", {}).get(NETWORK_PROFILE_KEY, ""))
-    except ValidationError:
-        return None
-    limit = ctx.config.network_profile_max_age_seconds if max_age_seconds is None \
-        else max_age_seconds
-    return profile if profile.age_seconds(ctx.now) <= limit else None
-
-
-async def cached_network(ctx: JobContext, cluster: ClusterSpec,
-                         pools: list[Pool]) -> list[NetworkProfile]:
-    """What is cached for the job's pools, of any age (a re-plan or rescale of a running job
-    plans with the measurement it was first planned with; nothing is probed then)."""
-    found = []
-    for probe in probes_needed(ctx.job.spec, cluster, pools):
-        profile = await cached(ctx, probe, max_age_seconds=float("inf"))
-        if profile is not None:
-            found.append(profile)
-    return found
+async def cached_network(ctx: JobContext, cluster: ClusterSpec, pools: list[Pool],
+                         nodes: list[dict[str, Any]]) -> list[NetworkProfile]:
+    """What the cache answers for the job's pools, of any age (a re-plan or rescale of a
+    running job plans with what is known; nothing is probed then)."""
+    needed = probes_needed(ctx.job.spec, cluster, pools, nic_identities(pools, nodes))
+    if not needed:
+        return []
+    return answer(needed, await _cached_all(ctx), now=ctx.now,
+                  max_age_seconds=float("inf")).measured
 
 
 def _failed(ctx: JobContext) -> dict[str, str]:
@@ -145,24 +99,33 @@ def _failed(ctx: JobContext) -> dict[str, str]:
     return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
 
 
-async def measure(ctx: JobContext, cluster: ClusterSpec,
-                  pools: list[Pool]) -> list[NetworkProfile] | None:
+async def measure(ctx: JobContext, cluster: ClusterSpec, pools: list[Pool],
+                  nodes: list[dict[str, Any]]) -> list[NetworkProfile] | None:
     """The measurements to plan with, or None while a probe runs (status says which).
-    Probes that failed leave their links to labels or defaults (condition, Event)."""
+    Probes that failed leave their links to labels or defaults (condition, Event).
+
+    A job planned before (a re-plan: GPUs lost, the spec changed) never waits on a probe:
+    it plans at once with what the cache knows, of any age, and says which links it assumed
+    (issue 46 item 8: the probe's pods would wait for GPUs the job's own ranks hold)."""
     if not ctx.config.network_probe:
         return []
-    probes = probes_needed(ctx.job.spec, cluster, pools)
+    probes = probes_needed(ctx.job.spec, cluster, pools, nic_identities(pools, nodes))
     if not probes:
         return []
+    cached = await _cached_all(ctx)
+    if ctx.status.get("plan"):  # planned before: never wait
+        known = answer(probes, cached, now=ctx.now, max_age_seconds=float("inf"))
+        _say_measured(ctx, known.measured, "NotMeasured", {
+            p.describe(): "never measured (a re-plan does not wait on a probe: planned with "
+            "the node labels or the assumed figure)" for p in known.to_probe})
+        return known.measured
     failed = _failed(ctx)
-    got: list[NetworkProfile] = []
-    for probe in probes:
-        profile = await cached(ctx, probe)
-        if profile is not None:
-            got.append(profile)
-            continue
-        if probe.key in failed:
-            continue
+    while True:
+        known = answer(probes, cached, now=ctx.now,
+                       max_age_seconds=ctx.config.network_profile_max_age_seconds)
+        probe = next((p for p in known.to_probe if p.key not in failed), None)
+        if probe is None:
+            break
         outcome = await _run(ctx, probe)
         if outcome is None:
             what = probe.describe()
@@ -177,15 +140,22 @@ async def measure(ctx: JobContext, cluster: ClusterSpec,
                       f"{probe.describe()}: {outcome}; planned without it (set "
                       "spec.planner.network or label the nodes cephalo.dev/nic-gbps)")
             continue
-        got.append(outcome)
-    missing = [p.describe() for p in probes if p.key in failed]
+        cached.append(outcome)  # may answer the probes after it (a pool's NIC)
+    _say_measured(ctx, known.measured, "ProbeFailed",
+                  {p.describe(): failed[p.key] for p in known.to_probe})
+    return known.measured
+
+
+def _say_measured(ctx: JobContext, measured: list[NetworkProfile], reason: str,
+                  missing: dict[str, str]) -> None:
+    """Condition NetworkMeasured: the figures planned with, or the links left unmeasured
+    (`reason` says why)."""
     if missing:
-        ctx.condition(NETWORK_MEASURED, "False", "ProbeFailed", "; ".join(
-            f"{p.describe()}: {failed[p.key]}" for p in probes if p.key in failed)[:1000])
+        ctx.condition(NETWORK_MEASURED, "False", reason, "; ".join(
+            f"{what}: {why}" for what, why in missing.items())[:1000])
     else:
         ctx.condition(NETWORK_MEASURED, "True", "Measured", "; ".join(
-            p.describe(ctx.now) for p in got)[:1000])
-    return got
+            p.describe(ctx.now) for p in measured)[:1000])
 
 
 async def _run(ctx: JobContext, probe: Probe) -> NetworkProfile | str | None:
@@ -225,12 +195,12 @@ async def _run(ctx: JobContext, probe: Probe) -> NetworkProfile | str | None:
             measured = NetworkProfile.model_validate({
                 "kind": probe.kind, "pools": list(probe.pools),
                 "nodes": [(p or {}).get("spec", {}).get("nodeName") or "" for p in pods],
-                "collectives": collectives, "measured_at": ctx.now,
-                "measured_for": f"{ctx.namespace}/{ctx.name}"})
+                "nics": list(probe.nics), "collectives": collectives, "measured_at": ctx.now,
+                "measured_for": ctx.uid})  # no job name: the cache is every namespace's
             await _store(ctx, probe, measured)
             ctx.event("Normal", "NetworkMeasured",
                       f"{measured.describe(ctx.now)} on {', '.join(measured.nodes)}; cached in "
-                      f"ConfigMap {probe.config_map_name}")
+                      f"ConfigMap {cache_namespace(ctx)}/{probe.config_map_name}")
             outcome = measured
     elif any(s is not None and s.phase == PodPhase.FAILED for s in states):
         bad = next(s for s in states if s is not None and s.phase == PodPhase.FAILED)
@@ -249,14 +219,15 @@ async def _run(ctx: JobContext, probe: Probe) -> NetworkProfile | str | None:
 
 
 async def _store(ctx: JobContext, probe: Probe, profile: NetworkProfile) -> None:
+    namespace = cache_namespace(ctx)
     cm: dict[str, Any] = {
         "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": {"name": probe.config_map_name, "namespace": ctx.namespace,
+        "metadata": {"name": probe.config_map_name, "namespace": namespace,
                      "labels": {LABEL_NETWORK_PROFILE: "true", LABEL_ROLE: "network-profile"}},
         "data": {NETWORK_PROFILE_KEY: profile.model_dump_json(), "probe": probe.key,
-                 "measuredFor": profile.measured_for, "measuredAt": str(int(profile.measured_at)),
+                 "measuredAt": str(int(profile.measured_at)),
                  "summary": profile.describe(profile.measured_at)}}
-    path = core_path(ctx.namespace, "configmaps")
+    path = core_path(namespace, "configmaps")
     _existing, created = await ctx.kube.create(path, cm)
     if not created:  # an older measurement: replaced
         await ctx.kube.patch(f"{path}/{probe.config_map_name}", {"data": cm["data"]})
@@ -277,5 +248,5 @@ async def delete_probes(ctx: JobContext) -> None:
                                       f"{group['metadata']['name']}")
 
 
-__all__ = ["NETWORK_MEASURED", "Probe", "cached_network", "delete_probes", "measure",
-           "probes_needed"]
+__all__ = ["NETWORK_MEASURED", "Probe", "cache_namespace", "cached_network", "delete_probes",
+           "measure", "probes_needed"]

@@ -13,7 +13,8 @@ RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (API_GROUP, PLURAL, ("get", "list", "watch", "patch", "delete")),
     (API_GROUP, f"{PLURAL}/status", ("get", "patch")),
     ("", "pods", ("get", "list", "watch", "create", "delete")),
-    ("", "configmaps", ("get", "create", "patch", "delete")),
+    # list: the network measurements cached in the operator's namespace (netprobe.py)
+    ("", "configmaps", ("get", "list", "create", "patch", "delete")),
     ("", "services", ("get", "create", "delete")),  # delete: an older job's namesake
     ("", "events", ("create", "patch")),
     ("", "nodes", ("get", "list", "watch")),

@@ -295,7 +295,7 @@ async def _plan(ctx: JobContext, nodes: list[dict[str, Any]]) -> Plan | None:
         return None
     # The links between the GPUs, measured on the cluster (cached), after the profiles: a
     # probe would share the GPUs with a profiler.
-    measured = await netprobe.measure(ctx, cluster, pools)
+    measured = await netprobe.measure(ctx, cluster, pools, nodes)
     if measured is None:
         return None  # a probe runs: measure() woke the job to look again soon
     cluster = with_measured_network(cluster, measured)

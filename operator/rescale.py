@@ -119,7 +119,7 @@ async def consider(ctx: JobContext, nodes: list[dict[str, Any]], plan: Plan) -> 
     CLAIMS.claim(key, ctx.uid, offer)  # before any await: see the module docstring
     growth: Growth | None = None
     try:
-        growth = await _decide(ctx, plan, offer, cluster, pools, int(step), elastic)
+        growth = await _decide(ctx, plan, offer, cluster, pools, int(step), elastic, nodes)
     finally:
         if growth is None:
             CLAIMS.claim(key, ctx.uid, current)  # declined (or failed): give the offer back
@@ -127,7 +127,8 @@ async def consider(ctx: JobContext, nodes: list[dict[str, Any]], plan: Plan) -> 
 
 
 async def _decide(ctx: JobContext, plan: Plan, offer: dict[str, int], cluster: Any,
-                  pools: list[Pool], step: int, elastic: dict[str, Any]) -> Growth | None:
+                  pools: list[Pool], step: int, elastic: dict[str, Any],
+                  nodes: list[dict[str, Any]]) -> Growth | None:
     spec = ctx.job.spec
     assert spec.elastic is not None
     figures: dict[str, Any] = {"freeGpus": dict(sorted(offer.items())),
@@ -168,7 +169,7 @@ async def _decide(ctx: JobContext, plan: Plan, offer: dict[str, int], cluster: A
                 retry_at=max(retry, ctx.now + ctx.config.recheck_seconds)), figures)
             return None
         figures["freeGpus"] = dict(sorted(offer.items()))
-    cluster = with_measured_network(cluster, await cached_network(ctx, cluster, pools))
+    cluster = with_measured_network(cluster, await cached_network(ctx, cluster, pools, nodes))
     try:
         candidate = await plan_for(ctx.config, spec, cluster, profiles)
     except PlanningFailed as err:
@@ -335,7 +336,7 @@ async def held_inputs(ctx: JobContext, nodes: list[dict[str, Any]], gpus: dict[s
         log.info("%s/%s: no %s yet: %s", ctx.namespace, ctx.name, why, err)
         return None
     # The links as measured when the job was first planned (cached; nothing probed now).
-    cluster = with_measured_network(cluster, await cached_network(ctx, cluster, pools))
+    cluster = with_measured_network(cluster, await cached_network(ctx, cluster, pools, nodes))
     groups = [g.model_copy(update={"count": min(g.count, gpus.get(g.pool or g.product, 0))})
               for g in cluster.groups]
     groups = [g for g in groups if g.count > 0]

@@ -57,6 +57,19 @@ def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return found[0]
 
 
+def container_env(deployment: dict[str, Any]) -> dict[str, str]:
+    """The operator container's environment as the kubelet sets it: each value, and the
+    downward API's namespace (CEPHALO_OPERATOR_NAMESPACE) as the Deployment's own."""
+    env = {}
+    for var in deployment["spec"]["template"]["spec"]["containers"][0]["env"]:
+        if "value" in var:
+            env[var["name"]] = str(var["value"])
+        else:
+            assert var["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}, var
+            env[var["name"]] = str(deployment["metadata"]["namespace"])
+    return env
+
+
 @dataclass(frozen=True, order=True)
 class Permission:
     """One (apiGroup, resource[/subresource], verb) an RBAC rule grants or a request needs."""

@@ -21,7 +21,16 @@ from typing import Any
 
 import helm_python as helm
 import pytest
-from chart_helpers import RELEASE_NAMESPACE, ROOT, by_kind, one, permissions, render, strip
+from chart_helpers import (
+    RELEASE_NAMESPACE,
+    ROOT,
+    by_kind,
+    container_env,
+    one,
+    permissions,
+    render,
+    strip,
+)
 from kubernetes_validate import utils as kubernetes_validate
 
 sys.path.insert(0, str(ROOT / "tests" / "operator"))
@@ -142,14 +151,12 @@ def test_network_policies_fence_operator_and_ranks() -> None:
 
 def test_network_policies_follow_values() -> None:
     assert not by_kind(render(), "NetworkPolicy")
-    env = one(render(), "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
-    assert {e["name"]: e["value"] for e in env}[ENV_FLAG] == "false"
+    assert container_env(one(render(), "Deployment"))[ENV_FLAG] == "false"
     objects = render({**VALUES, "networkPolicy": {
         "enabled": True, "monitoringNamespaces": ["observability", "kps"],
         "monitoringPodSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}},
         "metrics": {"port": 9090}, "operator": {"trainerMetricsPort": 9500}})
-    env = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
-    assert {e["name"]: e["value"] for e in env}[ENV_FLAG] == "true"
+    assert container_env(one(objects, "Deployment"))[ENV_FLAG] == "true"
     policies = [strip(p) for p in by_kind(objects, "NetworkPolicy")]
     operator_policy = next(p for p in policies if p["metadata"]["namespace"] == RELEASE_NAMESPACE)
     assert operator_policy["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 9090}]
@@ -166,18 +173,21 @@ def test_network_policies_follow_values() -> None:
 
 def test_namespaced_rbac_grants_nothing_outside_the_watched_namespaces() -> None:
     """Multi-tenant: Roles only in the teams' namespaces (and, in the operator's own, its
-    leader election's Lease alone); the ClusterRole reads node labels, CRDs and namespaces,
-    and can write nothing."""
+    leader election's Lease and the network probe's cache of ConfigMaps alone); the
+    ClusterRole reads node labels, CRDs and namespaces, and can write nothing."""
     objects = render({"rbac": {"scope": "namespaced"}, "watchNamespaces": TEAMS})
-    election = [r for r in by_kind(objects, "Role") if r["metadata"]["name"].endswith(
-        "-leader-election")]
-    roles = [r for r in by_kind(objects, "Role") if r not in election]
-    assert [r["metadata"]["namespace"] for r in election] == [RELEASE_NAMESPACE]
-    assert {(p.group, p.resource) for p in permissions(election[0])} == {
-        ("coordination.k8s.io", "leases")}
+    own = {"-leader-election": {("coordination.k8s.io", "leases")},
+           "-network-profiles": {("", "configmaps")}}  # the operator's namespace's Roles
+    mine = [r for r in by_kind(objects, "Role") if r["metadata"]["name"].endswith(tuple(own))]
+    roles = [r for r in by_kind(objects, "Role") if r not in mine]
+    assert len(mine) == len(own)
+    for role in mine:
+        assert role["metadata"]["namespace"] == RELEASE_NAMESPACE
+        suffix = next(s for s in own if role["metadata"]["name"].endswith(s))
+        assert {(p.group, p.resource) for p in permissions(role)} == own[suffix]
     assert sorted(r["metadata"]["namespace"] for r in roles) == TEAMS
     assert sorted(b["metadata"]["namespace"] for b in by_kind(objects, "RoleBinding")
-                  if not b["metadata"]["name"].endswith("-leader-election")) == TEAMS
+                  if not b["metadata"]["name"].endswith(tuple(own))) == TEAMS
     cluster = permissions(one(objects, "ClusterRole"))
     assert {p.verb for p in cluster} <= {"get", "list", "watch"}
     assert {p.resource for p in cluster} == {"nodes", "customresourcedefinitions", "namespaces"}

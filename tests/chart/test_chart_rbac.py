@@ -29,7 +29,16 @@ import kmock
 import pytest
 import pytest_asyncio
 import yaml
-from chart_helpers import ROOT, Permission, by_kind, one, permissions, render
+from chart_helpers import (
+    RELEASE_NAMESPACE,
+    ROOT,
+    Permission,
+    by_kind,
+    container_env,
+    one,
+    permissions,
+    render,
+)
 from operator_requests import operator_sites
 
 sys.path.insert(0, str(ROOT / "tests" / "operator"))  # the emulator and kubelet helpers
@@ -61,6 +70,8 @@ CLUSTER_SCOPED = {("", "nodes"), ("", "namespaces"), ("", "persistentvolumes"),
 TEST_VALUES: dict[str, Any] = {"operator": {"recheckSeconds": 0.5, "progressIntervalSeconds": 0.5,
                                             "watchTimeoutSeconds": 60}, "logFormat": "plain"}
 ELECTION_ROLE = "cephalo-cephalo-operator-leader-election"  # the Lease, in either scope
+NETWORK_ROLE = "cephalo-cephalo-operator-network-profiles"  # the probe's cache, either scope
+RELEASE_ROLES = {ELECTION_ROLE, NETWORK_ROLE}  # in the release namespace, whatever the scope
 SCOPES: dict[str, dict[str, Any]] = {
     "cluster": {},
     "namespaced": {"rbac": {"scope": "namespaced"}, "watchNamespaces": [NS]},
@@ -126,7 +137,7 @@ class ChartOperator(OperatorProcess):
         # Never the in-cluster config of a CI pod: only the emulator's kubeconfig.
         ambient = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
         self.env = {**ambient, "KUBECONFIG": str(kubeconfig),
-                    **{e["name"]: e["value"] for e in container["env"]}}
+                    **container_env(deployment)}
 
     def start(self) -> ChartOperator:
         assert self.argv[0] == "kopf"
@@ -288,7 +299,7 @@ def test_namespaced_scope_splits_the_same_rules() -> None:
     cluster_mode = permissions(one(render(), "ClusterRole"))
     objects = render({"rbac": {"scope": "namespaced"}, "watchNamespaces": namespaces})
     cluster_part = permissions(one(objects, "ClusterRole"))
-    roles = [r for r in by_kind(objects, "Role") if r["metadata"]["name"] != ELECTION_ROLE]
+    roles = [r for r in by_kind(objects, "Role") if r["metadata"]["name"] not in RELEASE_ROLES]
     assert sorted(r["metadata"]["namespace"] for r in roles) == namespaces
     assert all((p.group, p.resource) in CLUSTER_SCOPED for p in cluster_part), \
         f"namespaced mode grants namespaced resources cluster-wide: {_explain(cluster_part)}"
@@ -298,8 +309,29 @@ def test_namespaced_scope_splits_the_same_rules() -> None:
     for role in roles:
         assert (cluster_part - namespaces_read) | permissions(role) == cluster_mode
     bindings = {(b["metadata"]["namespace"], b["roleRef"]["name"])
-                for b in by_kind(objects, "RoleBinding") if b["roleRef"]["name"] != ELECTION_ROLE}
+                for b in by_kind(objects, "RoleBinding")
+                if b["roleRef"]["name"] not in RELEASE_ROLES}
     assert bindings == {(ns, roles[0]["metadata"]["name"]) for ns in namespaces}
+
+
+@pytest.mark.parametrize("scope", list(SCOPES))
+def test_the_network_cache_is_read_in_the_release_namespace_only(scope: str) -> None:
+    """Issue 46 item 5: the probe's cache is listed in the operator's namespace (a Role
+    there); no ClusterRole lets the operator list every namespace's ConfigMaps."""
+    objects = render(SCOPES[scope])
+    configmaps_list = Permission("", "configmaps", "list")
+    assert not any(configmaps_list in permissions(r) for r in by_kind(objects, "ClusterRole"))
+    holders = [r for r in by_kind(objects, "Role") if configmaps_list in permissions(r)]
+    assert [(r["metadata"]["name"], r["metadata"]["namespace"]) for r in holders] == [
+        (NETWORK_ROLE, RELEASE_NAMESPACE)]
+    assert {(p.group, p.resource) for p in permissions(holders[0])} == {("", "configmaps")}
+    rbac = Rbac(objects)
+    assert rbac.allows(Request(configmaps_list, RELEASE_NAMESPACE))
+    assert not rbac.allows(Request(configmaps_list, NS))
+    # The Deployment tells the operator its namespace through the downward API.
+    container = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    (var,) = [e for e in container["env"] if e["name"] == "CEPHALO_OPERATOR_NAMESPACE"]
+    assert var["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
 
 
 def test_rbac_disabled_renders_no_roles() -> None:

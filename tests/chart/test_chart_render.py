@@ -17,6 +17,7 @@ from chart_helpers import (
     ROOT,
     by_kind,
     chart,
+    container_env,
     load_yaml,
     one,
     pyproject,
@@ -98,8 +99,7 @@ def _validate_all(objects: list[dict[str, Any]]) -> set[str]:
 
 
 def _env(deployment: dict[str, Any]) -> dict[str, str]:
-    container = deployment["spec"]["template"]["spec"]["containers"][0]
-    return {e["name"]: e["value"] for e in container["env"]}
+    return container_env(deployment)
 
 
 def test_default_values_render_valid_objects() -> None:
@@ -222,7 +222,8 @@ def test_replicas_elect_a_leader_and_roll_one_at_a_time() -> None:
     config = OperatorConfig.from_env(env)
     assert config.election_timing().problem() is None
     # The Role: create any Lease (a name cannot limit create), get/update only this one.
-    (role,) = [r for r in render() if r["kind"] == "Role"]
+    (role,) = [r for r in render() if r["kind"] == "Role"
+               and r["metadata"]["name"].endswith("-leader-election")]
     assert role["metadata"]["namespace"] == config.leader_election_namespace
     assert role["rules"] == [
         {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},

@@ -13,7 +13,11 @@ the trainer for the operator's pods.
   succeeds, once the operator has scraped that step (a real trainer does not wait: here it
   keeps the tests' verdicts off the scrape interval). `fail_at`: {(job, attempt): (rank,
   step)} fails that rank there (exit code 1), so the operator restarts the gang; the next
-  attempt resumes from the last multiple of `checkpoint_steps`.
+  attempt resumes from the last multiple of `checkpoint_steps`;
+* `netprobe_gbps`: a network probe's pods succeed at once, rank 0 with a two-rank fit of
+  that rate (None: they are left alone, as without the operator's probe);
+* `scheduled_only`: a pod starts only once a scheduler (kubelet.Scheduler with run=False)
+  has bound it to a node with room for its GPUs, so pods compete for GPUs as on a cluster.
 
 Run standalone (`python tests/operator/cluster_sim.py --kubeconfig FILE`) it serves until
 interrupted: point KUBECONFIG at FILE and use `cephalo submit … --watch`.
@@ -39,7 +43,7 @@ import kmock
 from aiohttp import web
 from kube_emulator import ApiEmulator
 from kube_fixtures import cluster_a
-from kubelet import OperatorProcess, apply_nodes, free_port, set_pod
+from kubelet import OperatorProcess, apply_nodes, free_port, probe_fit_json, set_pod
 
 from cephalo.api import API_GROUP, API_VERSION, KIND, PLURAL, parse_job
 from cephalo.planner import estimate_profile, lookup_gpu
@@ -69,6 +73,8 @@ class TrainingSim:
     hold_profilers_until_read: bool = False
     # Jobs whose ranks run (hold their GPUs) but never step: another workload the test ends.
     idle_jobs: set[str] = field(default_factory=set)
+    netprobe_gbps: float | None = None
+    scheduled_only: bool = False
     metrics_port: int = field(default_factory=free_port)
     runs: dict[str, JobRun] = field(default_factory=dict)
     _latest: str | None = None
@@ -122,6 +128,14 @@ class TrainingSim:
             phase = (pod.get("status") or {}).get("phase")
             if (pod.get("spec") or {}).get("schedulingGates"):
                 continue  # no kubelet runs a gated pod: the scheduler does not place it
+            if self.scheduled_only and not (pod.get("spec") or {}).get("nodeName"):
+                continue  # not bound to a node (yet): no kubelet runs it
+            if labels[ROLE] == "netprobe" and phase == "Pending" and \
+                    self.netprobe_gbps is not None:
+                first = name.endswith("-0")  # rank 0 reports the fit, its peer nothing
+                await set_pod(self.api, ns, name, "Succeeded",
+                              message=probe_fit_json(self.netprobe_gbps) if first else "")
+                continue
             if labels[ROLE] == "profiler" and phase == "Pending":
                 await set_pod(self.api, ns, name, "Running")
                 self.api.write_log(ns, name, f"profiling {pod['spec']['nodeSelector']}")

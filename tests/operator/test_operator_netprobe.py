@@ -5,10 +5,10 @@ process kubelet runs the probe pods it creates as real `python -m cephalo.traine
 processes (two gloo ranks on this machine's loopback), and the jobs' rank pods as real
 trainers. A job on an L4 node with two GPUs and an A10G node gets an inter-node probe (a
 gang of two pods, one per pool) and an intra-node probe (one pod with both L4 GPUs); their
-measurements are cached in ConfigMaps, the plan says it was priced over the measured
-network, and a second job on the same pools measures nothing. A probe that cannot finish is
-given up after its timeout (never a hang): the job is planned on the assumed network and
-says so (condition, Warning Events)."""
+measurements are cached in ConfigMaps of the operator's namespace, the plan says it was
+priced over the measured network, and a second job on the same pools measures nothing. A
+probe that cannot finish is given up after its timeout (never a hang): the job is planned on
+the assumed network and says so (condition, Warning Events)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from process_kubelet import ProcessKubelet
 from cephalo.api.network_profile import MEASURED_SOURCE, NETWORK_PROFILE_KEY, NetworkProfile
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]  # real probe and trainer processes
+OPERATOR_NS = "cephalo-system"  # the network cache's namespace (the chart's downward API)
 TINY = {"family": "gpt", "numLayers": 2, "hiddenSize": 64, "numHeads": 4,
         "ffnHiddenSize": 256, "vocabSize": 256, "sequenceLength": 32}
 
@@ -62,7 +63,8 @@ async def _cluster(api: ApiEmulator, tmp_path: Path, jobs: set[str],
                              metrics_port=free_port()).start()
     operator = OperatorProcess(api.kubeconfig, tmp_path / "operator.log",
                                CEPHALO_TRAINER_METRICS_PORT=str(kubelet.metrics_port),
-                               CEPHALO_NETWORK_PROBE="true", **env).start()
+                               CEPHALO_NETWORK_PROBE="true",
+                               CEPHALO_OPERATOR_NAMESPACE=OPERATOR_NS, **env).start()
     return kubelet, operator
 
 
@@ -81,7 +83,8 @@ async def stack_fixture(emulator: ApiEmulator, tmp_path: Path
 def _network_profiles(api: ApiEmulator) -> dict[str, NetworkProfile]:
     return {key[3]: NetworkProfile.model_validate_json(cm["data"][NETWORK_PROFILE_KEY])
             for key, cm in list(api._store.items())
-            if key[:3] == ("", "configmaps", NS) and key[3].startswith("cephalo-network-")}
+            if key[:3] == ("", "configmaps", OPERATOR_NS)
+            and key[3].startswith("cephalo-network-")}
 
 
 async def _succeeded(api: ApiEmulator, name: str) -> dict[str, Any]:
@@ -110,7 +113,8 @@ async def test_the_network_is_measured_cached_and_reused(
     for profile in measured.values():  # real measurements of loopback gloo: positive, finite
         assert profile.collectives.world_size == 2
         assert 0 < profile.bandwidth_bytes_per_second < 1e12, profile
-        assert profile.measured_for == f"{NS}/n1"
+        assert profile.measured_for == api._store[  # its uid: no job name in the cache
+            ("cephalo.dev", "cephalojobs", NS, "n1")]["metadata"]["uid"]
     # Both probes ran as real processes, rank 0 of each exited 0 (its fit is the cached
     # figure; the other pod of the inter-node gang is deleted once rank 0 is done).
     probe_exits = [code for name, code in kubelet.exits if "-netprobe-" in name

@@ -22,6 +22,7 @@ from cephalo.api.network_profile import (
 from cephalo.api.profile import CollectiveProfile
 from cephalo.operator.discovery import Pool
 from cephalo.operator.netprobe import Probe, probes_needed
+from cephalo.operator.netprobe_choice import answer, nic_identity
 from cephalo.operator.netprobe_render import render_netprobe
 from cephalo.planner import solve
 from cephalo.planner.comm_model import CommModel
@@ -177,3 +178,56 @@ def test_probe_pods_are_a_kueue_gang_like_the_ranks() -> None:
         assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
         assert pod["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] == "gpt-np-0123456789"
         assert pod["metadata"]["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == "2"
+
+
+# ---- issue 46 items 5 and 8: what the cluster-wide cache answers ---------------------------
+def _cached(kind: str, pools: list[str], gbps: float, nics: list[str] | None = None,
+            at: float = 1000.0) -> NetworkProfile:
+    return _measurement(kind, pools, gbps, 50.0).model_copy(
+        update={"nics": nics or [], "measured_at": at})
+
+
+A10G, T4 = "NVIDIA-A10G", "Tesla-T4"
+
+
+def test_a_pool_measured_in_any_pair_answers_every_pair_it_is_in() -> None:
+    pair = _cached(INTER, [A10G, T4], 10.0)
+    intra = _cached(INTRA, [A10G], 100.0)
+    # The node lost: A10G alone on two nodes needs an A10G <-> A10G probe; its NIC is known.
+    needed = [Probe(INTER, (A10G, A10G)), Probe(INTRA, (A10G,))]
+    got = answer(needed, [pair, intra], now=2000.0, max_age_seconds=3600.0)
+    assert got.to_probe == [] and got.measured == [pair, intra]
+    # A pool never measured is probed, with the pair that has it.
+    got = answer([Probe(INTER, ("NVIDIA-L4", T4))], [pair], now=2000.0, max_age_seconds=3600.0)
+    assert got.to_probe == [Probe(INTER, ("NVIDIA-L4", T4))] and got.measured == []
+    # The fastest pair a pool was in gives its NIC (as with_measured_network does).
+    fast = _cached(INTER, [A10G, "NVIDIA-L4"], 25.0)
+    got = answer([Probe(INTER, (A10G, A10G))], [pair, fast], now=2000.0,
+                 max_age_seconds=3600.0)
+    assert got.measured == [fast]
+
+
+def test_the_cache_answers_only_young_measurements_of_the_same_nics() -> None:
+    pair = _cached(INTER, [A10G, T4], 10.0, nics=["g5.xlarge", "g4dn.xlarge"], at=1000.0)
+    same = Probe(INTER, (A10G, T4), ("g5.xlarge", "g4dn.xlarge"))
+    assert answer([same], [pair], now=1500.0, max_age_seconds=600.0).measured == [pair]
+    assert answer([same], [pair], now=1700.0, max_age_seconds=600.0).to_probe == [same]  # old
+    other = Probe(INTER, (A10G, T4), ("g5.48xlarge", "g4dn.xlarge"))  # a 100 Gbit/s A10G
+    assert answer([other], [pair], now=1500.0, max_age_seconds=600.0).to_probe == [other]
+    # The T4 side is known (same instance type), the A10G side is not: still a probe.
+    assert other.key != same.key and other.config_map_name != same.config_map_name
+
+
+def test_the_nic_identity_is_the_nodes_machine_type_and_nic_label() -> None:
+    pool = _pool(A10G, (4, 4))
+    nodes = [{"metadata": {"name": f"{A10G}-{i}", "labels": labels}} for i, labels in enumerate([
+        {"node.kubernetes.io/instance-type": "g5.12xlarge"},
+        {"node.kubernetes.io/instance-type": "g5.12xlarge", "cephalo.dev/nic-gbps": "40"}])]
+    assert nic_identity(pool, nodes) == "g5.12xlarge,g5.12xlarge/40"
+    assert nic_identity(pool, nodes[:1]) == "g5.12xlarge"  # node names play no part
+    assert nic_identity(pool, []) == ""
+    job, cluster = _job(), _cluster([pool])
+    (probe,) = [p for p in probes_needed(job.spec, cluster, [pool], {A10G: "g5.12xlarge"})
+                if p.kind == INTER]
+    assert probe.nics == ("g5.12xlarge", "g5.12xlarge")
+    assert "team" not in probe.key and "gpt" not in probe.key  # no job or namespace in it

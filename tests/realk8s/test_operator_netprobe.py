@@ -20,7 +20,7 @@ import yaml
 from cephalo.api.network_profile import MEASURED_SOURCE, NETWORK_PROFILE_KEY, NetworkProfile
 from cephalo.cli import main as cli_main
 
-from .cluster import Cluster
+from .cluster import OPERATOR_NAMESPACE, Cluster
 from .operator_auth import operator_kubeconfig
 from .operator_run import JOB_SECONDS, JOBS, Operator, phases_until, tiny_job
 from .rest import wait_until
@@ -31,7 +31,9 @@ def probing(cluster: Cluster, operator_process: Operator, tmp_path: Path,
             on_failure: Callable[[Callable[[], str]], None]) -> Iterator[Operator]:
     operator_process.stop()
     proc = Operator(operator_kubeconfig(cluster), tmp_path / "operator.log",
-                    extra_env={"CEPHALO_NETWORK_PROBE": "true"})
+                    extra_env={"CEPHALO_NETWORK_PROBE": "true",
+                               # as the chart's downward API says it: the cache's namespace
+                               "CEPHALO_OPERATOR_NAMESPACE": OPERATOR_NAMESPACE})
     on_failure(proc.log)
     try:
         yield proc
@@ -40,7 +42,8 @@ def probing(cluster: Cluster, operator_process: Operator, tmp_path: Path,
         operator_process.restart()
 
 
-def _network_config_maps(cluster: Cluster, ns: str) -> dict[str, NetworkProfile]:
+def _network_config_maps(cluster: Cluster, ns: str = OPERATOR_NAMESPACE
+                         ) -> dict[str, NetworkProfile]:
     items = cluster.rest.must("GET", f"/api/v1/namespaces/{ns}/configmaps", params={
         "labelSelector": "cephalo.dev/network-profile=true"})["items"]
     return {cm["metadata"]["name"]: NetworkProfile.model_validate_json(
@@ -60,20 +63,22 @@ def test_the_network_is_measured_under_the_real_api_server(
         cluster: Cluster, probing: Operator, job_namespace: str, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     ns = job_namespace
-    for name in _network_config_maps(cluster, ns):  # another run's measurement: measure now
-        cluster.rest.request("DELETE", f"/api/v1/namespaces/{ns}/configmaps/{name}")
+    for name in _network_config_maps(cluster):  # another run's measurement: measure now
+        cluster.rest.request("DELETE",
+                             f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/configmaps/{name}")
     started = time.monotonic()
     first = cluster.rest.create(JOBS.format(ns=ns), tiny_job("netp", ns),
                                 fieldValidation="Strict")
     status = _finished(cluster, ns, first)
-    measured = _network_config_maps(cluster, ns)
+    measured = _network_config_maps(cluster)
+    assert not _network_config_maps(cluster, ns)  # the job's namespace holds none
     assert len(measured) == 1, measured  # one pair of pools; one GPU a node: nothing intra
     (profile,) = measured.values()
     assert profile.kind == "inter-node" and sorted(profile.pools) == [
         "NVIDIA-RTX-A6000", "Tesla-P40"]
     assert sorted(profile.nodes) == ["gpu-a6000", "gpu-p40"]  # one rank on each node
     assert profile.collectives.world_size == 2 and profile.bandwidth_bytes_per_second > 0
-    assert profile.measured_for == f"{ns}/netp"
+    assert profile.measured_for == first["metadata"]["uid"]  # type: ignore[index]
     plan = status["plan"]
     assert isinstance(plan, dict) and plan["networkSource"] == MEASURED_SOURCE, plan
     conditions = {c["type"]: c for c in status["conditions"]}  # type: ignore[union-attr]
@@ -96,7 +101,7 @@ def test_the_network_is_measured_under_the_real_api_server(
                                  fieldValidation="Strict")
     status = _finished(cluster, ns, second)
     assert status["plan"]["networkSource"] == MEASURED_SOURCE  # type: ignore[index]
-    assert _network_config_maps(cluster, ns) == measured  # not measured again
+    assert _network_config_maps(cluster) == measured  # not measured again
     assert "netq: network probe" not in probing.log_text(), probing.log()
     capsys.readouterr()
     assert cli_main(["status", "netq", *where]) == 0

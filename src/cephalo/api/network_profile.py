@@ -7,7 +7,8 @@ node of pool B (A may be B, the pods on different nodes), or **intra-node**, one
 GPUs of one node of pool A. Rank 0 fits the engine's own all-gather and reduce-scatter to the
 ring model (`cephalo.trainer.profile_collectives`) and hands the `CollectiveProfile` to the
 operator in its termination message; the operator caches it as a NetworkProfile in a
-ConfigMap and plans with it until it is older than its maximum age.
+ConfigMap of its own namespace (one cache for every namespace's jobs) and plans with it until
+it is older than its maximum age.
 
 How a measurement becomes the planner's topology (`with_measured_network`): a two-rank ring
 between nodes runs at min(NIC a, NIC b) — the slower NIC it crosses, as the transport sees it.
@@ -42,7 +43,8 @@ NETWORK_PROFILE_KEY = "network.json"  # the ConfigMap key of the JSON
 
 
 class NetworkProfile(BaseModel):
-    """One probe's measurement: where, when, for whom, and the fitted collectives."""
+    """One probe's measurement: where, when, for which job (its uid), and the fitted
+    collectives."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -52,9 +54,14 @@ class NetworkProfile(BaseModel):
         "intra-node."))
     nodes: list[str] = Field(default_factory=list, max_length=2,
                              description="The nodes the ranks ran on.")
+    nics: list[str] = Field(default_factory=list, max_length=2, description=(
+        "Each pool's NIC identity when measured (its nodes' instance-type / nic-gbps "
+        "labels; empty: none): the cache's key with the pools."))
     collectives: CollectiveProfile
     measured_at: float = Field(ge=0, description="When, in Unix seconds (operator's clock).")
-    measured_for: str = Field(default="", description="The job (namespace/name) it ran for.")
+    measured_for: str = Field(default="", description=(
+        "The uid of the job it ran for: no namespace or name, as the cache is shared by "
+        "every namespace."))
 
     @property
     def bandwidth_bytes_per_second(self) -> float:

@@ -23,6 +23,8 @@ or planning (their profiler pods are counted; the GPUs they will choose are not)
 from __future__ import annotations
 
 import json
+import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -30,7 +32,7 @@ from urllib.parse import quote
 from pydantic import ValidationError
 
 from cephalo.api import CephaloJob, ClusterSpec, GpuProfile, Plan, parse_plan
-from cephalo.api.network_profile import NETWORK_PROFILE_KEY, NetworkProfile, with_measured_network
+from cephalo.api.network_profile import with_measured_network
 from cephalo.client.connection import RESOURCE, Session
 from cephalo.client.errors import Forbidden
 from cephalo.operator.config import OperatorConfig
@@ -50,7 +52,13 @@ from cephalo.operator.gpu_usage import (
     pod_gpu_request,
 )
 from cephalo.operator.kube import controller_uid, core_path, job_path
-from cephalo.operator.netprobe import probes_needed
+from cephalo.operator.netprobe_choice import (
+    LABEL_NETWORK_PROFILE,
+    answer,
+    nic_identities,
+    probes_needed,
+    read_cache,
+)
 from cephalo.operator.podspec import pack_ranks, with_pod_ranks
 from cephalo.operator.render import (
     LABEL_JOB,
@@ -61,6 +69,11 @@ from cephalo.operator.render import (
 from cephalo.planner.worker import encode_request, run_request
 
 MEMORY_BYTES = 512 * 1024**2  # only named in the worker's out-of-memory message
+
+# Where the operator caches its network measurements: its namespace, as the docs install it
+# (`helm install ... -n cephalo-system`) unless this variable names another.
+OPERATOR_NAMESPACE_ENV = "CEPHALO_OPERATOR_NAMESPACE"
+DEFAULT_OPERATOR_NAMESPACE = "cephalo-system"
 
 
 @dataclass(frozen=True)
@@ -129,7 +142,7 @@ def plan_on_cluster(session: Session, job: CephaloJob, namespace: str,
         return result
     config = OperatorConfig(trainer_image=trainer_image) if trainer_image else OperatorConfig()
     profiles = _cached_profiles(session, job, namespace, pools, config, result.profiles)
-    cluster = _measured_network(session, job, namespace, cluster, pools, notes)
+    cluster = _measured_network(session, job, cluster, pools, nodes, notes)
     result.cluster = cluster
     outcome = run_request(encode_request(spec, cluster, profiles), MEMORY_BYTES)
     if outcome[0] != "ok":
@@ -205,25 +218,28 @@ def _taken(pods: list[dict[str, Any]], uid: str, claims: list[Any],
     return sorted(taken, key=lambda t: (t.where, t.by))
 
 
-def _measured_network(session: Session, job: CephaloJob, namespace: str, cluster: ClusterSpec,
-                      pools: list[Pool], notes: list[str]) -> ClusterSpec:
+def _measured_network(session: Session, job: CephaloJob, cluster: ClusterSpec,
+                      pools: list[Pool], nodes: list[dict[str, Any]],
+                      notes: list[str]) -> ClusterSpec:
     """The cluster with the operator's cached network measurements (any age: the operator
-    would measure a stale one again first), each said in a note, as are the missing ones."""
-    found = []
-    for probe in probes_needed(job.spec, cluster, pools):
-        try:
-            cm = session.call("get", "configmaps", namespace, session.kube.get,
-                              core_path(namespace, "configmaps", probe.config_map_name))
-        except Forbidden:
-            cm = None
-        try:
-            found.append(NetworkProfile.model_validate_json(
-                ((cm or {}).get("data") or {}).get(NETWORK_PROFILE_KEY, "")))
-            notes.append(f"network: {found[-1].describe()} (ConfigMap {probe.config_map_name})")
-        except ValidationError:
-            notes.append(f"network: {probe.describe()} not measured yet (the operator's probe "
-                         "would measure it first, so its plan may differ)")
-    return with_measured_network(cluster, found)
+    would measure a stale one again first), each said in a note, as are the missing ones.
+    They live in the operator's namespace ($CEPHALO_OPERATOR_NAMESPACE, else where the
+    docs install it), readable by those who may read it there."""
+    where = os.environ.get(OPERATOR_NAMESPACE_ENV) or DEFAULT_OPERATOR_NAMESPACE
+    try:
+        cms = session.call("list", "configmaps", where, session.kube.list,
+                           core_path(where, "configmaps"), f"{LABEL_NETWORK_PROFILE}=true")
+    except Forbidden:
+        notes.append(f"network: the operator's measurements (namespace {where}) are not "
+                     "readable with these credentials: planned without them (the operator "
+                     "plans with them; set CEPHALO_OPERATOR_NAMESPACE if it runs elsewhere)")
+        return cluster
+    needed = probes_needed(job.spec, cluster, pools, nic_identities(pools, nodes))
+    known = answer(needed, read_cache(cms), now=time.time(), max_age_seconds=float("inf"))
+    notes += [f"network: {p.describe()} (cached by the operator)" for p in known.measured]
+    notes += [f"network: {p.describe()} not measured yet (the operator's probe would measure "
+              "it first, so its plan may differ)" for p in known.to_probe]
+    return with_measured_network(cluster, known.measured)
 
 
 def _cached_profiles(session: Session, job: CephaloJob, namespace: str, pools: list[Pool],
