@@ -114,6 +114,45 @@ def cached_profiles(cluster: Cluster, ns: str) -> list[str]:
         if cm["metadata"]["name"].startswith("cephalo-profile-")]
 
 
+def seed_estimated_profiles(cluster: Cluster, ns: str, body: dict[str, Any]) -> list[str]:
+    """Cache, as the operator caches a measured profile (its own ConfigMap name and key), the
+    catalog's estimate of every node's GPU for `body`'s model: the job then plans with the
+    real GPUs' figures, not a CPU's, and starts no profiler pod. Returns the names written.
+
+    For tests whose verdict compares a job's measured speed with its prediction: a profile
+    measured on this shared CPU is as fast as the machine was quiet (issue 46: one measured
+    while another test's ranks ran at niceness -20 was ~30x slow and cached), while a
+    GPU's estimate is orders of magnitude faster than any CPU rank, on any machine."""
+    from cephalo.api import parse_job
+    from cephalo.operator.config import OperatorConfig
+    from cephalo.operator.render import (
+        LABEL_PROFILE,
+        LABEL_ROLE,
+        PROFILE_KEY,
+        profile_config_map_name,
+    )
+    from cephalo.planner import estimate_profile
+    from cephalo.planner.catalog import lookup_gpu, resolve_precision
+
+    from .cluster import NODES
+
+    job = parse_job(body)
+    spec = job.spec
+    names = []
+    for product in sorted({n.product for n in NODES}):
+        gpu = lookup_gpu(product)
+        profile = estimate_profile(gpu.name, spec.model.resolve(),
+                                   resolve_precision(spec.precision, gpu),
+                                   spec.planner.profile_micro_batch_sizes)
+        name = profile_config_map_name(gpu.name, job, OperatorConfig())
+        cluster.rest.create(f"/api/v1/namespaces/{ns}/configmaps", {
+            "metadata": {"name": name, "labels": {LABEL_PROFILE: "true",
+                                                  LABEL_ROLE: "profile-cache"}},
+            "data": {PROFILE_KEY: profile.to_compact_json(), "product": gpu.name}})
+        names.append(name)
+    return names
+
+
 def make_claim(cluster: Cluster, ns: str, name: str) -> None:
     """A ReadWriteMany claim bound to a PersistentVolume by the real PV controller (the
     process kubelet maps the claim to one local folder for every pod)."""
