@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -18,6 +19,9 @@ from cephalo.operator.lease import ElectionTiming
 from cephalo.operator.policy import (
     RESTRICTED_VOLUME_TYPES,
     JobPolicy,
+    parse_image_prefixes,
+    parse_names,
+    parse_tolerations,
     parse_volume_types,
     split_names,
 )
@@ -66,6 +70,12 @@ class OperatorConfig:
     allowed_volume_types: str = ",".join(RESTRICTED_VOLUME_TYPES)
     allow_service_account_name: bool = False
     allowed_service_account_names: str = ""
+    # CEPHALO_ALLOWED_IMAGE_PREFIXES (registry hosts or repository paths),
+    # CEPHALO_ALLOWED_PRIORITY_CLASS_NAMES and CEPHALO_ALLOWED_TOLERATIONS (key or
+    # key:effect), each comma-separated; empty: no restriction.
+    allowed_image_prefixes: str = ""
+    allowed_priority_class_names: str = ""
+    allowed_tolerations: str = ""
 
     # Leader election (cephalo.operator.leader; the chart sets these): CEPHALO_LEADER_
     # ELECTION_NAMESPACE names the namespace of the Lease (the operator's own); "" (kopf run
@@ -102,7 +112,10 @@ class OperatorConfig:
         """The job policy, parsed (checked at startup by `from_env`)."""
         return JobPolicy(parse_volume_types(self.allowed_volume_types),
                          self.allow_service_account_name,
-                         frozenset(split_names(self.allowed_service_account_names)))
+                         frozenset(split_names(self.allowed_service_account_names)),
+                         parse_image_prefixes(self.allowed_image_prefixes),
+                         parse_names(self.allowed_priority_class_names),
+                         parse_tolerations(self.allowed_tolerations))
 
     def election_timing(self) -> ElectionTiming:
         return ElectionTiming(self.lease_duration_seconds, self.renew_deadline_seconds,
@@ -136,11 +149,12 @@ class OperatorConfig:
                 _parse_prices(values["gpu_prices_per_hour"])
             except ValueError as err:
                 raise ValueError(f"CEPHALO_GPU_PRICES_PER_HOUR: {err}") from None
-        if "allowed_volume_types" in values:
-            try:
-                parse_volume_types(values["allowed_volume_types"])
-            except ValueError as err:
-                raise ValueError(f"CEPHALO_ALLOWED_VOLUME_TYPES: {err}") from None
+        for field, parse in _POLICY_LISTS.items():
+            if field in values:
+                try:
+                    parse(values[field])
+                except ValueError as err:
+                    raise ValueError(f"CEPHALO_{field.upper()}: {err}") from None
         uri = values.get("mlflow_uri", "")
         if uri and not re.fullmatch(MLFLOW_URI_PATTERN, uri):
             raise ValueError(f"CEPHALO_MLFLOW_URI={uri[:80]!r} must be an http(s) URL of an "
@@ -149,6 +163,13 @@ class OperatorConfig:
         if config.leader_election_namespace and (problem := config.election_timing().problem()):
             raise ValueError(f"leader election: {problem}")
         return config
+
+
+# The jobPolicy lists whose every name is checked at start-up (a typo refused, not
+# silently allowing nothing or everything).
+_POLICY_LISTS: dict[str, Callable[[str], object]] = {
+    "allowed_volume_types": parse_volume_types, "allowed_image_prefixes": parse_image_prefixes,
+    "allowed_priority_class_names": parse_names, "allowed_tolerations": parse_tolerations}
 
 
 def _parse_prices(raw: str) -> dict[str, float]:

@@ -112,10 +112,11 @@ async def reconcile(kube: AsyncKube, config: OperatorConfig, namespace: str,
     if job.spec.suspend:
         await _suspend(ctx)
         return None
-    # Issue 39 item 9: what the job's podTemplate asks of its pods (volume types, service
-    # account) against the chart's jobPolicy, before any pod; again on every pass, so a
-    # job admitted before the policy (or without the admission policy) never runs.
-    refused = refusal(job.spec.pod_template, config.job_policy())
+    # Issue 39 item 9, issue 46 item 7: what the job asks of its pods (volume types, service
+    # account, images, priority classes, tolerations) against the chart's jobPolicy, before
+    # any pod; again on every pass, so a job admitted before the policy (or without the
+    # admission policy) never runs.
+    refused = refusal(job.spec, config.job_policy())
     try:
         if refused:
             await ctx.fail(POLICY_DENIED, refused)

@@ -67,7 +67,11 @@ EVERYTHING_ON: dict[str, Any] = {
                 "prometheusRule": {"enabled": True, "labels": {"release": "kps"}}},
     "dashboards": {"enabled": True},
     "jobPolicy": {"allowedVolumeTypes": ["emptyDir", "hostPath", "nfs"],
-                  "serviceAccountName": {"allowed": True, "names": ["trainer"]}},
+                  "serviceAccountName": {"allowed": True, "names": ["trainer"]},
+                  "allowedImagePrefixes": ["registry.example/", "ghcr.io/cephalo/cephalo-trainer"],
+                  "allowedPriorityClassNames": ["batch", "batch-low"],
+                  "allowedTolerations": [{"key": "dedicated", "effect": "NoSchedule"},
+                                         {"key": "example.com/spot"}]},
 }
 
 
@@ -160,6 +164,15 @@ def test_strict_lint_passes(values: dict[str, Any]) -> None:
     ({"jobPolicy": {"allowedVolumeTypes": ["hostpath"]}}, "at '/jobPolicy/allowedVolumeTypes/0'"),
     ({"jobPolicy": {"serviceAccountName": {"names": ["Trainer"]}}},
      "at '/jobPolicy/serviceAccountName/names/0'"),
+    # Docker Hub's user "myregistry", not a registry host
+    ({"jobPolicy": {"allowedImagePrefixes": ["myregistry/ml"]}},
+     "at '/jobPolicy/allowedImagePrefixes/0'"),
+    ({"jobPolicy": {"allowedPriorityClassNames": ["Batch"]}},
+     "at '/jobPolicy/allowedPriorityClassNames/0'"),
+    ({"jobPolicy": {"allowedTolerations": [{"key": "dedicated", "effect": "NoSchedul"}]}},
+     "at '/jobPolicy/allowedTolerations/0/effect'"),
+    ({"jobPolicy": {"allowedTolerations": [{"effect": "NoSchedule"}]}},
+     "at '/jobPolicy/allowedTolerations/0'"),
     ({"serviceAccount": {"create": False}}, "serviceAccount.name is required"),
     ({"replicas": 0}, "at '/replicas'"),
     ({"leaderElection": {"leaseDurationSeconds": 10}},
@@ -253,7 +266,8 @@ def _bumped(name: str, value: str) -> str:
         return {"true": "false", "false": "true"}[value]
     if value == "":  # an empty list (jobPolicy.serviceAccountName.names): one name; an
         # optional URL left empty (tracking.mlflowUri): a valid one
-        return "http://mlflow.example:5000" if name == "CEPHALO_MLFLOW_URI" else "other"
+        return {"CEPHALO_MLFLOW_URI": "http://mlflow.example:5000",
+                "CEPHALO_ALLOWED_IMAGE_PREFIXES": "registry.example.com"}.get(name, "other")
     if "," in value:  # a list (jobPolicy.allowedVolumeTypes): one fewer
         return value.rsplit(",", 1)[0]
     if value.startswith("{"):  # a JSON object (gpuPricesPerHour): another valid one

@@ -3,7 +3,10 @@ judge: the chart's ValidatingAdmissionPolicy (installed by real `helm install` w
 default values) refuses at `kubectl apply` a CephaloJob with a hostPath volume or a
 serviceAccountName, saying what is refused and which chart value allows it, and admits an
 emptyDir; rendered by real `helm template` with values that opt in, it admits hostPath and
-the listed service account only. Its CEL type-checks against the chart's CRD."""
+the listed service account only. Its CEL type-checks against the chart's CRD. Issue 46 item
+7: rendered with lists of allowed image registries, PriorityClasses and tolerations, it
+refuses an image, a PriorityClass and a toleration outside them (dry runs: no job runs) and
+admits those on them."""
 
 from __future__ import annotations
 
@@ -206,3 +209,90 @@ def test_clusters_older_than_1_30_get_no_admission_policy(cluster: Cluster,
     kinds = {d["kind"] for d in yaml.safe_load_all(older.stdout) if d}
     assert "Deployment" in kinds and not kinds & {"ValidatingAdmissionPolicy",
                                                   "ValidatingAdmissionPolicyBinding"}, kinds
+
+
+RESTRICT = ["--set", "jobPolicy.allowedVolumeTypes={emptyDir,image}",
+            "--set", "jobPolicy.allowedImagePrefixes={registry.example.com,"
+            "ghcr.io/cephalo/cephalo-trainer}",
+            "--set", "jobPolicy.allowedPriorityClassNames={batch}",
+            "--set", "jobPolicy.allowedTolerations[0].key=dedicated",
+            "--set", "jobPolicy.allowedTolerations[0].effect=NoSchedule",
+            "--set", "jobPolicy.allowedTolerations[1].key=example.com/spot"]
+
+
+def _type_checked(cluster: Cluster) -> dict[str, Any]:
+    """The policy's status once the API server has type-checked its current generation."""
+    def checked() -> dict[str, Any] | None:
+        body = cluster.rest.get(f"{POLICIES}/{POLICY}").body
+        status = body.get("status") or {}
+        return status if status.get("observedGeneration") == \
+            body["metadata"]["generation"] else None
+    return wait_until("the policy type-checked", checked, 30)
+
+
+@pytest.fixture
+def restricted(cluster: Cluster, crd: dict[str, Any], policy_namespace: str,
+               tmp_path: Path) -> Iterator[None]:
+    """The policy rendered with image, PriorityClass and toleration lists, applied over the
+    chart's; the chart's default policy (no such lists) put back afterwards."""
+    probe = tiny_job("probe", policy_namespace, image="docker.io/evil/trainer:1")
+    run_tool(cluster, "kubectl", "apply", "-f",
+             str(_render_policy(cluster, tmp_path, *RESTRICT)))
+    try:
+        _enforced(cluster, probe, admitted=False)
+        yield
+    finally:
+        run_tool(cluster, "kubectl", "apply", "-f", str(_render_policy(cluster, tmp_path)))
+        _enforced(cluster, probe, admitted=True)
+
+
+def test_lists_refuse_images_priority_classes_and_tolerations_outside_them(
+        cluster: Cluster, policy_namespace: str, restricted: None) -> None:
+    ns = policy_namespace
+    status = _type_checked(cluster)  # the new CEL type-checks against the CRD
+    assert not (status.get("typeChecking") or {}).get("expressionWarnings"), status
+    refusals = {
+        "image": (tiny_job("image", ns, image="docker.io/evil/trainer:1"),
+                  "spec.image docker.io/evil/trainer:1: not from a registry this cluster's "
+                  "Cephalo policy allows (allowed: registry.example.com, "
+                  "ghcr.io/cephalo/cephalo-trainer)", "jobPolicy.allowedImagePrefixes"),
+        "look-alike": (tiny_job("look-alike", ns, image="registry.example.com.evil.io/t:1"),
+                       "spec.image registry.example.com.evil.io/t:1: not from a registry",
+                       "jobPolicy.allowedImagePrefixes"),
+        # podTemplate's own image: an `image` volume (an OCI artifact)
+        "image-volume": (_job(ns, "image-volume", volumes=[
+                             {"name": "w", "image": {"reference": "evil.io/w:1"}}]),
+                         "podTemplate.volumes: volume w image evil.io/w:1: not from a registry",
+                         "jobPolicy.allowedImagePrefixes"),
+        "priority": (tiny_job("priority", ns, schedulingPolicy={
+                         "priorityClassName": "system-node-critical"}),
+                     "schedulingPolicy.priorityClassName system-node-critical: not a "
+                     "PriorityClass this cluster's Cephalo policy allows (allowed: batch)",
+                     "jobPolicy.allowedPriorityClassNames"),
+        "toleration": (_job(ns, "toleration", tolerations=[
+                           {"key": "dedicated", "operator": "Exists", "effect": "NoExecute"}]),
+                       "podTemplate.tolerations: key dedicated effect NoExecute: not a "
+                       "toleration this cluster's Cephalo policy allows (allowed: "
+                       "dedicated:NoSchedule, example.com/spot)",
+                       "jobPolicy.allowedTolerations"),
+        "every-taint": (_job(ns, "every-taint", tolerations=[{"operator": "Exists"}]),
+                        "podTemplate.tolerations: one without a key (it tolerates every "
+                        "taint)", "jobPolicy.allowedTolerations"),
+    }
+    for what, (job, said, value) in refusals.items():
+        ok, message = _dry_run(cluster, job)
+        assert not ok, f"{what}: admitted"
+        assert said in message and value in message, f"{what}: {message}"
+    allowed = tiny_job("allowed", ns, image="ghcr.io/cephalo/cephalo-trainer:0.1.0",
+                       schedulingPolicy={"priorityClassName": "batch"},
+                       podTemplate={"priorityClassName": "batch", "volumes": [
+                           {"name": "w", "image": {"reference": "registry.example.com/w:1"}}],
+                                    "tolerations": [
+                           {"key": "dedicated", "operator": "Equal", "value": "ml",
+                            "effect": "NoSchedule"},
+                           {"key": "example.com/spot", "operator": "Exists"}]})
+    ok, message = _dry_run(cluster, allowed)
+    assert ok, message
+    ok, message = _dry_run(cluster, tiny_job("registry", ns,
+                                             image="registry.example.com/ml/trainer:1"))
+    assert ok, message

@@ -70,3 +70,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 {{- end -}}
 {{- end -}}
+
+{{/* jobPolicy.allowedTolerations as the operator reads them (CEPHALO_ALLOWED_TOLERATIONS):
+key or key:effect, comma-separated. */}}
+{{- define "cephalo.allowedTolerations" -}}
+{{- $items := list -}}
+{{- range .Values.jobPolicy.allowedTolerations -}}
+{{- $items = append $items (ternary (printf "%s:%s" .key (.effect | default "")) .key (not (empty .effect))) -}}
+{{- end -}}
+{{- join "," $items -}}
+{{- end -}}
