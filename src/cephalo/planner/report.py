@@ -86,8 +86,9 @@ def assumptions_lines(plan: Plan) -> list[str]:
     parts = [f"network {bandwidth * 8 / 1e9:.3g} Gbit/s per GPU for collectives{over}"]
     efficiency = given.get("collective_efficiency")
     if isinstance(efficiency, int | float):  # a described rate, not a measured one
-        backend = given.get("collective_backend") or "the collective library"
-        parts.append(f"{efficiency:.2g} of the described rate (what {backend} reaches of a "
+        backend = given.get("collective_backend")
+        library = LIBRARY_NAMES.get(str(backend), "the collective library")
+        parts.append(f"{efficiency:.2g} of the described rate (what {library} reaches of a "
                      "link, docs/network.md)")
     latency = given.get("network_latency_seconds")
     if isinstance(latency, int | float):
@@ -102,6 +103,9 @@ def assumptions_lines(plan: Plan) -> list[str]:
         lines.append(ASSUMED_NETWORK_HINT)
     return lines
 
+
+# The collective libraries as their projects write them (ClusterSpec.backend's values).
+LIBRARY_NAMES = {"nccl": "NCCL", "gloo": "gloo"}
 
 # How to replace an assumed network (docs/network.md has the rest).
 ASSUMED_NETWORK_HINT = (
