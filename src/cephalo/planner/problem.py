@@ -13,8 +13,8 @@ import numpy as np
 from cephalo.api.cluster import ClusterSpec
 from cephalo.api.job import CephaloJobSpec
 from cephalo.api.memory import state_bytes_per_parameter
-from cephalo.api.network import COLLECTIVE_EFFICIENCY
 from cephalo.api.models import ModelConfig
+from cephalo.api.network import COLLECTIVE_EFFICIENCY
 from cephalo.api.profile import CollectiveProfile, GpuProfile, model_key
 from cephalo.errors import CephaloError
 from cephalo.planner.catalog import ComputePrecision, GpuType, resolve_gpu, resolve_precision
