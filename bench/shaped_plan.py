@@ -165,6 +165,13 @@ class Outcome:
     measured_seconds: float
     compute_scale: float  # measured compute / the profile's
     normalised_seconds: float  # predicted, compute as measured
+    # The same plan as the planner prices it when told the shaped rate rather than given a
+    # measurement (planner.networkBandwidthGbps, 50 us): at gloo's efficiency of the rate,
+    # and at the rate itself (as it priced a described link before issue 46).
+    described_seconds: float = 0.0
+    line_rate_seconds: float = 0.0
+    described_normalised_seconds: float = 0.0  # both, compute as measured
+    line_rate_normalised_seconds: float = 0.0
 
     @property
     def ratio(self) -> float:
@@ -174,9 +181,59 @@ class Outcome:
     def normalised_ratio(self) -> float:
         return self.normalised_seconds / self.measured_seconds
 
+    @property
+    def described_ratio(self) -> float:
+        return self.described_seconds / self.measured_seconds
+
+    @property
+    def line_rate_ratio(self) -> float:
+        return self.line_rate_seconds / self.measured_seconds
+
+    @property
+    def described_normalised_ratio(self) -> float:
+        return self.described_normalised_seconds / self.measured_seconds
+
+    @property
+    def line_rate_normalised_ratio(self) -> float:
+        return self.line_rate_normalised_seconds / self.measured_seconds
+
+
+DESCRIBED_LATENCY_MICROSECONDS = 50.0  # the flat default: a job that gives the rate alone
+
+
+def described(spec: CephaloJobSpec, rate_mbit: float) -> CephaloJobSpec:
+    """The job told the link's rate (planner.networkBandwidthGbps) instead of measuring it."""
+    return spec.model_copy(update={"planner": spec.planner.model_copy(update={
+        "network_bandwidth_gbps": rate_mbit / 1000,
+        "network_latency_microseconds": DESCRIBED_LATENCY_MICROSECONDS})})
+
+
+def described_predictions(spec: CephaloJobSpec, planned: Planned, rate_mbit: float,
+                          profile: GpuProfile | None = None) -> tuple[float, float]:
+    """The planner's step for `planned`'s assignment when told the rate: (priced at the
+    backend's efficiency, priced at the rate itself as measured collectives would be), with
+    the CPU's `profile` (default: the plan's)."""
+    plan = planned.plan
+    assignment: list[tuple[int, int] | None] = [
+        (r.micro_batch_size, r.num_micro_batches) for r in plan.ranks]
+    assignment += [None] * (sum(g.count for g in planned.cluster.groups) - plan.world_size)
+    cpu = (profile or planned.profile).model_copy(update={"collectives": None})
+    recompute = plan.recompute is not False
+    # Without the local run's assumed bus (build_cluster), which wins over the job's figure.
+    cluster = planned.cluster.model_copy(update={"network_bandwidth_bytes_per_second": None,
+                                                 "network_latency_seconds": None})
+    told = evaluate(described(spec, rate_mbit), cluster, {"cpu": cpu}, assignment,
+                    recompute=recompute).step_seconds
+    line = cpu.model_copy(update={"collectives": CollectiveProfile(
+        bandwidth_bytes_per_second=rate_mbit * 1e6 / 8,
+        latency_seconds=DESCRIBED_LATENCY_MICROSECONDS * 1e-6, world_size=2)})
+    at_rate = evaluate(spec, planned.cluster, {"cpu": line}, assignment,
+                       recompute=recompute).step_seconds
+    return told, at_rate
+
 
 def run_and_score(spec: CephaloJobSpec, planned: Planned, nodes: Nodes, job_file: Path,
-                  work: Path) -> Outcome:
+                  work: Path, rate_mbit: float) -> Outcome:
     plan = planned.plan
     steps = run_plan(plan, nodes, job_file, work)
     measured = Measured(
@@ -191,9 +248,13 @@ def run_and_score(spec: CephaloJobSpec, planned: Planned, nodes: Nodes, job_file
     normalised = evaluate(spec, planned.cluster, {"cpu": scale_profile(planned.profile, scale)},
                           assignment, recompute=plan.recompute is not False)
     assert plan.predicted_step_seconds is not None  # plan_with checked
+    told, at_rate = described_predictions(spec, planned, rate_mbit)
+    told_normalised, at_rate_normalised = described_predictions(
+        spec, planned, rate_mbit, scale_profile(planned.profile, scale))
     return Outcome(plan.world_size, [r.batch_size for r in plan.ranks],
                    plan.predicted_step_seconds, measured.step_seconds, scale,
-                   normalised.step_seconds)
+                   normalised.step_seconds, told, at_rate, told_normalised,
+                   at_rate_normalised)
 
 
 @dataclass
@@ -225,7 +286,7 @@ def shape(rate_mbit: float, spec: CephaloJobSpec, job_file: Path, work: Path, pr
         plans = {"chosen": [chosen], "two": [plan_with(spec, cpu, fit, ranks=2)],
                  "both": [chosen, plan_with(spec, cpu, fit, ranks=3 - chosen.plan.world_size)]
                  }[run]
-        outcomes = [run_and_score(spec, p, nodes, job_file, work) for p in plans]
+        outcomes = [run_and_score(spec, p, nodes, job_file, work, rate_mbit) for p in plans]
     plan = chosen.plan
     assert plan.predicted_step_seconds is not None  # plan_with checked
     return Shape(rate_mbit, fit["bandwidth_bytes_per_second"] * 8e-6,
@@ -243,13 +304,16 @@ def prepare(work: Path, preset: str, batch: int, steps: int) -> tuple[CephaloJob
 def _row(o: Outcome) -> str:
     return (f"{o.ranks} ({'+'.join(map(str, o.batches))}) | {o.predicted_seconds:.3f} | "
             f"{o.measured_seconds:.3f} | {o.ratio:.2f} | {o.compute_scale:.2f} | "
-            f"{o.normalised_ratio:.2f}")
+            f"{o.normalised_ratio:.2f} | {o.described_ratio:.2f} | {o.line_rate_ratio:.2f} | "
+            f"{o.described_normalised_ratio:.2f} | {o.line_rate_normalised_ratio:.2f}")
 
 
 def table(shapes: list[Shape]) -> list[str]:
     rows = ["| shaped | AG / RS fit, Mbit/s (link implied / shaped) | plan | ranks (batch) | "
             "predicted s | measured s | predicted / measured | compute measured / profile | "
-            "same, compute as measured |", "|---|---|---|---|---|---|---|---|---|"]
+            "same, compute as measured | told the rate: predicted / measured | same, at the "
+            "full rate | told, compute as measured | at the full rate, compute as measured |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in shapes:
         link = link_figures(s.fit, s.rate_mbit)["link_vs_shaped"]
         fits = f"{s.all_gather_mbit:.0f} / {s.reduce_scatter_mbit:.0f} (link {link:.2f}x)"

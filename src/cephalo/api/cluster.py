@@ -4,6 +4,8 @@ optionally the nodes they sit on with each node's links (the planner's topology,
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_GPUS_PER_GROUP = 100_000
@@ -40,6 +42,11 @@ class ClusterNode(BaseModel):
     # The part of the NIC a ring over these GPUs gets: a pod of a job's ranks that may share
     # its node with others of the same job shares the node's NIC with them.
     nic_share: float = Field(default=1.0, gt=0, le=1)
+    # The NIC's / the intra-node link's figures were measured (the operator's network
+    # probe): the planner uses them as measured; any other figure is described and priced
+    # at the collective library's efficiency (cephalo.api.network).
+    nic_measured: bool = False
+    intra_measured: bool = False
 
     @model_validator(mode="after")
     def _positive(self) -> ClusterNode:
@@ -67,6 +74,11 @@ class ClusterSpec(BaseModel):
     # operator's network probe measured it on these GPUs (None: not measured; the planner
     # then assumes all of it, 1.0).
     collective_overlap_fraction: float | None = Field(default=None, ge=0, le=1)
+    # The library the ranks' collectives run on, as the trainer picks it: NCCL between GPUs,
+    # gloo between CPU ranks (`cephalo run` on the CPU, emulated GPUs included). None: NCCL
+    # unless every group is the CPU. A described network is priced at the library's
+    # efficiency (cephalo.api.network.COLLECTIVE_EFFICIENCY).
+    collective_backend: Literal["nccl", "gloo"] | None = None
 
     @model_validator(mode="after")
     def _nodes_hold_the_groups(self) -> ClusterSpec:
@@ -80,6 +92,12 @@ class ClusterSpec(BaseModel):
     @property
     def num_gpus(self) -> int:
         return sum(g.count for g in self.groups)
+
+    @property
+    def backend(self) -> Literal["nccl", "gloo"]:
+        if self.collective_backend is not None:
+            return self.collective_backend
+        return "gloo" if all(g.product.lower() == "cpu" for g in self.groups) else "nccl"
 
 
 def check_placement(counts: dict[str, int], nodes: list[tuple[dict[str, int], int]],

@@ -29,6 +29,22 @@ DEFAULT_INTER_NODE_GBPS = 10.0
 DEFAULT_INTER_NODE_LATENCY_MICROSECONDS = 50.0
 DEFAULT_INTRA_NODE_GBPS = 128.0
 DEFAULT_INTRA_NODE_LATENCY_MICROSECONDS = 10.0
+# What a collective library reaches of a described link's rate: the planner prices a
+# described bandwidth (the job's planner.network / networkBandwidthGbps, the operator's node
+# label, the defaults above, a local run's assumed bus) at this share of it. A measured one
+# (the profiler's collectives, the operator's network probe) already is what the library
+# reached and is used as measured. One figure for both collectives: the data does not tell
+# them apart (docs/network.md, "Described or measured").
+# gloo: this project's measurement, the median over 13 runs on a tc-shaped link (50-400
+# Mbit/s, 1+1 and 2+2 ranks) of the harmonic mean of the all-gather's and the
+# reduce-scatter's fit over the shaped rate (the table in docs/network.md; the test
+# test_collective_efficiency recomputes it from there).
+# NCCL: not measured here (no GPU). NCCL's maintainers' figure for a 100 / 200 Gbit/s
+# NIC, 12 / 24 GB/s of nccl-tests' bus bandwidth (NVIDIA/nccl-tests issue 119), whose bus
+# bandwidth is the ring model's per-rank bandwidth for all-gather and reduce-scatter.
+GLOO_EFFICIENCY = 0.47
+NCCL_EFFICIENCY = 0.96
+COLLECTIVE_EFFICIENCY = {"gloo": GLOO_EFFICIENCY, "nccl": NCCL_EFFICIENCY}
 # The node label the operator reads a node's NIC speed from (Gbit/s, a decimal number).
 NIC_GBPS_LABEL = "cephalo.dev/nic-gbps"
 MAX_GBPS = 100_000.0

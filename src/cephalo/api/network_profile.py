@@ -116,13 +116,13 @@ def with_measured_network(cluster: ClusterSpec,
                 table[pool] = figure
     nodes: list[ClusterNode] = []
     for node in cluster.nodes:
-        update: dict[str, float] = {}
+        update: dict[str, float | bool] = {}
         if node.name in nic:
             update.update(nic_bandwidth_bytes_per_second=nic[node.name][0],
-                          nic_latency_seconds=nic[node.name][1])
+                          nic_latency_seconds=nic[node.name][1], nic_measured=True)
         if node.name in intra:
             update.update(intra_bandwidth_bytes_per_second=intra[node.name][0],
-                          intra_latency_seconds=intra[node.name][1])
+                          intra_latency_seconds=intra[node.name][1], intra_measured=True)
         nodes.append(node.model_copy(update=update) if update else node)
     # A node left to its label (or the default) says so beside the measurement.
     whole = all(n.name in nic for n in cluster.nodes) or len(cluster.nodes) == 1

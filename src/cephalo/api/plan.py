@@ -188,6 +188,11 @@ class Plan(BaseModel):
     memory_fraction: float | None = None
     state_bytes: int | None = None  # training state of the whole model
     estimated_gpus: list[str] = Field(default_factory=list)  # timed from the catalog
+    # What the plan took as given (cephalo.planner.report prints it): the ring's priced
+    # network_bandwidth_bytes_per_second and network_latency_seconds, network_source, the
+    # topology's figures; collective_backend ('nccl' or 'gloo') and, where the ring crosses a
+    # described bandwidth, collective_efficiency (the share of the described rate it was
+    # priced at: what that library reaches of a link, docs/network.md); absent: measured.
     assumptions: dict[str, Any] = Field(default_factory=dict)
     search: dict[str, Any] = Field(default_factory=dict)  # how the optimum was found
     notes: list[str] = Field(default_factory=list)

@@ -284,9 +284,11 @@ def build_cluster(devices: list[LocalDevice], host_memory_bytes: int | None = No
             groups.append(GpuGroup(product=d.product, count=1, memory_bytes=memory,
                                    pool="local"))
     on_gpu = any(d.kind == "cuda" for d in devices)
+    # The ranks' library, as the trainer picks it: emulated GPUs are CPU ranks (gloo).
     return ClusterSpec(groups=groups, network_latency_seconds=LOCAL_LATENCY_SECONDS,
                        network_bandwidth_bytes_per_second=PCIE_BANDWIDTH_BYTES_PER_SECOND
-                       if on_gpu else LOOPBACK_BANDWIDTH_BYTES_PER_SECOND)
+                       if on_gpu else LOOPBACK_BANDWIDTH_BYTES_PER_SECOND,
+                       collective_backend="nccl" if on_gpu else "gloo")
 
 
 def _mlflow_run_url(state_file: Path) -> str | None:

@@ -14,6 +14,7 @@ from cephalo.api.cluster import ClusterSpec
 from cephalo.api.job import CephaloJobSpec
 from cephalo.api.memory import state_bytes_per_parameter
 from cephalo.api.models import ModelConfig
+from cephalo.api.network import COLLECTIVE_EFFICIENCY
 from cephalo.api.profile import CollectiveProfile, GpuProfile, model_key
 from cephalo.errors import CephaloError
 from cephalo.planner.catalog import ComputePrecision, GpuType, resolve_gpu, resolve_precision
@@ -245,7 +246,7 @@ def network_of(spec: CephaloJobSpec, cluster: ClusterSpec,
                 slowest.reduce_scatter_bandwidth_bytes_per_second),
             reduce_scatter_latency_seconds=slowest.reduce_scatter_latency_seconds,
             all_reduce_seconds=slowest.all_reduce_seconds), None, None, MEASURED,
-            f"collectives measured on {slowest.world_size} ranks")
+            f"collectives measured on {slowest.world_size} ranks", backend=cluster.backend)
     planner = spec.planner
     # The probe's overlap is the GPUs' (compute beside a collective), whatever the links.
     overlap = 1.0 if cluster.collective_overlap_fraction is None else \
@@ -264,8 +265,11 @@ def network_of(spec: CephaloJobSpec, cluster: ClusterSpec,
         # (a latency of 0 is a figure, not a missing one)
         given = planner.network_latency_microseconds
         latency = (FLAT_LATENCY_MICROSECONDS if given is None else given) * 1e-6
-    return Network(CommModel(bandwidth, latency, overlap_fraction=overlap), None, None, source,
-                   f"a flat ring ({why})")
+    # A described rate: the collectives reach only part of it (cephalo.api.network).
+    efficiency = COLLECTIVE_EFFICIENCY[cluster.backend]
+    return Network(CommModel(bandwidth * efficiency, latency, overlap_fraction=overlap), None,
+                   None, source, f"a flat ring ({why})", backend=cluster.backend,
+                   flat_efficiency=efficiency)
 
 
 def class_tables(problem: Problem, *, uneven: bool = True, max_ell: int | None = None,

@@ -84,8 +84,9 @@ def idle_lines(plan: Plan) -> list[str]:
 def assumptions_lines(plan: Plan) -> list[str]:
     """What the plan took as given and a preview must match to mean anything: the network
     (measured collectives, the job's planner.network or flat networkBandwidthGbps, the
-    operator's node labels, or the default: then "assumed" and how to set it) and the bytes
-    of state per parameter. None for a plan without them (written by hand)."""
+    operator's node labels, or the default: then "assumed" and how to set it; a described
+    rate priced at what the collective library reaches of it) and the bytes of state per
+    parameter. None for a plan without them (written by hand)."""
     given = plan.assumptions
     bandwidth = given.get("network_bandwidth_bytes_per_second")
     if not isinstance(bandwidth, int | float):
@@ -95,6 +96,12 @@ def assumptions_lines(plan: Plan) -> list[str]:
     over = f" (the slowest link of a ring over {plural(nodes, 'node')})" \
         if isinstance(nodes, int) else ""
     parts = [f"network {bandwidth * 8 / 1e9:.3g} Gbit/s per GPU for collectives{over}"]
+    efficiency = given.get("collective_efficiency")
+    if isinstance(efficiency, int | float):  # a described rate, not a measured one
+        backend = given.get("collective_backend")
+        library = LIBRARY_NAMES.get(str(backend), "the collective library")
+        parts.append(f"{efficiency:.2g} of the described rate (what {library} reaches of a "
+                     "link, docs/network.md)")
     latency = given.get("network_latency_seconds")
     if isinstance(latency, int | float):
         parts.append(f"latency {latency * 1e6:.3g} us per hop")
@@ -108,6 +115,9 @@ def assumptions_lines(plan: Plan) -> list[str]:
         lines.append(ASSUMED_NETWORK_HINT)
     return lines
 
+
+# The collective libraries as their projects write them (ClusterSpec.backend's values).
+LIBRARY_NAMES = {"nccl": "NCCL", "gloo": "gloo"}
 
 # How to replace an assumed network (docs/network.md has the rest).
 ASSUMED_NETWORK_HINT = (

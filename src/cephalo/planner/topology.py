@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from cephalo.api.cluster import ClusterNode, ClusterSpec, check_placement, fit_nodes
 from cephalo.api.job import CephaloJobSpec
 from cephalo.api.network import (
+    COLLECTIVE_EFFICIENCY,
     DEFAULT_INTER_NODE_GBPS,
     DEFAULT_INTER_NODE_LATENCY_MICROSECONDS,
     DEFAULT_INTRA_NODE_GBPS,
@@ -46,10 +47,16 @@ class NetworkSpecError(CephaloError, ValueError):
 
 @dataclass(frozen=True)
 class NodeLinks:
+    """One node's links as the planner prices them: a described bandwidth (not measured)
+    already times the collective library's efficiency, which `*_efficiency` records (1.0:
+    measured, used as measured)."""
+
     nic_bandwidth_bytes_per_second: float
     nic_latency_seconds: float
     intra_bandwidth_bytes_per_second: float
     intra_latency_seconds: float
+    nic_efficiency: float = 1.0
+    intra_efficiency: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,10 @@ class Network:
     placement: list[tuple[int, int]] | None
     source: str  # measured, job spec, the cluster's describer (flat rings: the only one)
     flat_reason: str = ""  # what gave a flat ring its figures
+    # The library the collectives run on ('nccl', 'gloo'), and for a flat ring the share of
+    # its described rate it was priced at (1.0: measured; a topology's nodes say per link).
+    backend: str = ""
+    flat_efficiency: float = 1.0
 
     def scaled(self, c: float) -> Network:
         """Every link c times slower (bandwidth / c, latency x c): a running job's
@@ -124,10 +135,11 @@ class Network:
                        / c, latency_seconds=self.base.latency_seconds * c)
         topology = self.topology
         if topology is not None:
-            topology = replace(topology, nodes=tuple(NodeLinks(
-                n.nic_bandwidth_bytes_per_second / c, n.nic_latency_seconds * c,
-                n.intra_bandwidth_bytes_per_second / c, n.intra_latency_seconds * c)
-                for n in topology.nodes))
+            topology = replace(topology, nodes=tuple(replace(
+                n, nic_bandwidth_bytes_per_second=n.nic_bandwidth_bytes_per_second / c,
+                nic_latency_seconds=n.nic_latency_seconds * c,
+                intra_bandwidth_bytes_per_second=n.intra_bandwidth_bytes_per_second / c,
+                intra_latency_seconds=n.intra_latency_seconds * c) for n in topology.nodes))
         return replace(self, base=base, topology=topology)
 
     def ring_over_all(self) -> tuple[float, float]:
@@ -135,6 +147,24 @@ class Network:
         if self.topology is None or self.placement is None:
             return self.base.bandwidth_bytes_per_second, self.base.latency_seconds
         return self.topology.ring([node for _, node in self.placement])
+
+    def efficiency_of(self, rank_nodes: Sequence[int]) -> float:
+        """The share of a described rate a ring over these ranks was priced at where it
+        crosses a described bandwidth (the backend's efficiency); 1.0 where every bandwidth
+        it crosses was measured."""
+        if self.topology is None:
+            return self.flat_efficiency
+        per_node: dict[int, int] = {}
+        for node in rank_nodes:
+            per_node[node] = per_node.get(node, 0) + 1
+        crossed = [1.0]
+        for node, ranks in per_node.items():
+            links = self.topology.nodes[node]
+            if len(per_node) > 1:
+                crossed.append(links.nic_efficiency)
+            if ranks > 1:
+                crossed.append(links.intra_efficiency)
+        return min(crossed)
 
     def source_of(self, rank_nodes: Sequence[int]) -> str:
         """Where the figures a ring over these ranks crosses came from ('job spec', the
@@ -199,6 +229,8 @@ def topology_network(spec: CephaloJobSpec, cluster: ClusterSpec, base: CommModel
     """The nodes (the cluster's, else the job's, else one GPU per node) and each figure:
     the job's planner.network, else the node's own (the operator's node label), else the
     documented default (assumed)."""
+    # What the collective library reaches of a described rate; a measured one is its own.
+    efficiency = COLLECTIVE_EFFICIENCY[cluster.backend]
     nodes = None if cluster.nodes is None else fit_nodes(cluster.groups, cluster.nodes)
     describer = cluster.network_source or "cluster"
     if nodes is None:
@@ -220,32 +252,45 @@ def topology_network(spec: CephaloJobSpec, cluster: ClusterSpec, base: CommModel
                 "intra_node_bandwidth": DEFAULT_INTRA_NODE_GBPS * GBIT,
                 "intra_node_latency": DEFAULT_INTRA_NODE_LATENCY_MICROSECONDS * 1e-6}
 
-    def figure(name: str, own: float | None, own_source: str) -> float:
-        # The job pins by hand (a node entry of its own first, then job-wide); then what the
-        # cluster said of this node; then the default.
+    def figure(name: str, own: float | None, own_source: str) -> tuple[float, bool]:
+        """The figure, and whether it is the cluster's own for this node. The job pins by
+        hand (a node entry of its own first, then job-wide); then what the cluster said of
+        this node; then the default."""
         for value, source in ((own if own_source == JOB else None, JOB),
                               (job_figures[name], JOB), (own, own_source)):
             if value is not None:
                 _note(sources, name, source)
-                return value
+                return value, source == own_source and own_source != JOB
         _note(sources, name, ASSUMED)
-        return defaults[name]
+        return defaults[name], False
+
+    def bandwidth(name: str, own: float | None, measured: bool) -> tuple[float, float]:
+        """(priced bandwidth, the share of the described rate it is priced at): what the
+        cluster measured as measured, any other figure at the library's efficiency."""
+        value, is_own = figure(name, own, describer)
+        share = 1.0 if is_own and measured else efficiency
+        return value * share, share
 
     links: list[NodeLinks] = []
     placement: list[tuple[int, int]] = []
     index = {g.key: i for i, g in enumerate(cluster.groups)}
     for node in nodes:
+        nic, nic_share = bandwidth("inter_node_bandwidth", node.nic_bandwidth_bytes_per_second,
+                                   node.nic_measured)
+        intra, intra_share = bandwidth("intra_node_bandwidth",
+                                       node.intra_bandwidth_bytes_per_second,
+                                       node.intra_measured)
         link = NodeLinks(
-            figure("inter_node_bandwidth", node.nic_bandwidth_bytes_per_second, describer) *
-            node.nic_share,
-            figure("inter_node_latency", node.nic_latency_seconds, describer),
-            figure("intra_node_bandwidth", node.intra_bandwidth_bytes_per_second, describer),
-            figure("intra_node_latency", node.intra_latency_seconds, describer))
+            nic * node.nic_share, figure("inter_node_latency", node.nic_latency_seconds,
+                                         describer)[0],
+            intra, figure("intra_node_latency", node.intra_latency_seconds, describer)[0],
+            nic_share, intra_share)
         for _ in range(node.count):
             for key in sorted(node.gpus, key=index.__getitem__):  # groups in cluster order
                 placement += [(index[key], len(links))] * node.gpus[key]
             links.append(link)
-    return Network(base, Topology(tuple(links), sources), placement, placed_by)
+    return Network(base, Topology(tuple(links), sources), placement, placed_by,
+                   backend=cluster.backend)
 
 
 def _micro(value: float | None) -> float | None:
@@ -269,6 +314,11 @@ def network_assumptions(network: Network | None, rank_nodes: Sequence[int]) -> d
     if network is None:
         return {}
     out: dict[str, object] = {"network_source": network.source_of(rank_nodes)}
+    if network.backend:
+        out["collective_backend"] = network.backend
+    efficiency = network.efficiency_of(rank_nodes)
+    if efficiency != 1.0:  # a described bandwidth, priced at what the library reaches of it
+        out["collective_efficiency"] = efficiency
     topology = network.topology
     if topology is None:
         out["network_model"] = network.flat_reason
