@@ -112,10 +112,11 @@ fi
 # Sizes: the GPU's, and the dry run's tiny ones.
 if [ "$DEVICE" = cuda ]; then
   PRESET=gpt-1.3b; MBS="[1, 2, 4, 8]"; RUN_STEPS=20; NCCL_ARGS=(); PREC_ARGS=(--batch 8 --steps 8)
-  FSDP2_ARGS=(--preset gpt-1.3b --rounds 3)
+  FSDP2_ARGS=(--preset gpt-1.3b --rounds 3); COST_PRESETS=gpt-small,llama-tiny
 else
   PRESET=gpt-tiny; MBS="[1, 2]"; RUN_STEPS=3; NCCL_ARGS=(--elements 65536)
   PREC_ARGS=(--quick --threads 1); FSDP2_ARGS=(--quick --rounds 1 --micro-batches 1)
+  COST_PRESETS=gpt-tiny
 fi
 
 # 1. Every collective the engine, the profiler and the probe issue, on one NCCL rank (at
@@ -190,7 +191,7 @@ step overhead "engine overhead at $PRESET scale (TFLOPS, MFU)" 60 - \
   "$PY" "$REPO/bench/engine_overhead.py" --device "$DEVICE" --preset "$PRESET" --batch 8 \
   --rounds 3
 step cost-model "cost-model accuracy on this $DEVICE" 60 - \
-  "$PY" "$REPO/bench/cost_model.py" --device "$DEVICE" --quick --presets gpt-small,llama-tiny
+  "$PY" "$REPO/bench/cost_model.py" --device "$DEVICE" --quick --presets "$COST_PRESETS"
 # Last, as time allows: the job end to end in fp16 (its loss scale agreed over NCCL); fp16
 # is a GPU precision.
 if [ "$DEVICE" = cuda ]; then
