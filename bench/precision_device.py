@@ -7,6 +7,14 @@ engines live side by side and take their steps **alternated**, step by step, in 
 that rotates every step (fp32/bf16/fp16, then bf16/fp16/fp32, ...), so warming, clocks and
 background load hit each alike; their loss curves are independent (each engine its own
 weights and optimizer), so the alternation changes no figure but the timing's fairness.
+`--alive K` keeps at most K engines at once (the precisions in groups of K, alternated
+within a group): three gpt-1.3b engines (~23 GB each, with their steps' transients) do not
+fit one 80 GB H100 safely, and `--alive 1` measures each engine's own peak memory.
+
+On CUDA, per precision: the peak bytes allocated over its group's build and steps
+(`max_memory_allocated` above what was allocated before) against the engine's
+`memory_estimate_bytes` (the planner's memory model, `cephalo.api.memory`: state, two
+gathered units, kept activations; the working set inside one unit comes on top).
 
 Per precision it prints the median seconds of the steps after `--warmup` (the first steps
 compile kernels and fill caches), useful TFLOP/s (the model FLOPs of the global batch per
@@ -20,8 +28,8 @@ fp16, the loss scale at the end and the steps the scale skipped (an overflow ski
 optimizer step, so the curve lags fp32 by that many steps).
 
 Run: `python bench/precision_device.py --device cuda --preset gpt-1.3b --batch 8 --steps 8
---output F.json` (what `scripts/device-check.sh` runs on an H200: three ~23 GB engines, the
-seeded weights drawn once); `--quick` is gpt-tiny for a few steps on CPU, in seconds
+--alive 1 --output F.json` (what `scripts/device-check.sh` runs on an H100: one ~23 GB engine
+at a time, the seeded weights drawn once); `--quick` is gpt-tiny for a few steps on CPU, in seconds
 (`tests/trainer/test_bench_precision_device.py`); `--json` prints the figures as JSON.
 """
 
@@ -52,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fsdp2_device import (  # the bench folder is not a package: its path, above
     UnitCache,
     device_peak,
+    measured_build,
     missing_device,
     synchronize,
     throughput,
@@ -81,29 +90,55 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     layout = Layout([args.batch], [args.micro_batch], [1.0])
     data = DataSource(config, DataSpec(synthetic=SyntheticData()), seed=0)
     cache = UnitCache()  # the seeded units drawn once (1.4 billion numbers for gpt-1.3b)
-    with cache.installed():
-        engines = {p: Engine(config, spec, layout, device=device, precision=p, standalone=True)
-                   for p in PRECISIONS}
-    del cache
     losses: dict[str, list[float]] = {p: [] for p in PRECISIONS}
     seconds: dict[str, list[float]] = {p: [] for p in PRECISIONS}
     skipped = dict.fromkeys(PRECISIONS, 0)
-    for step in range(args.steps):
-        batches = [(x.to(device), t.to(device))
-                   for x, t in data.micro_batches(step, 0, args.batch, args.micro_batch)]
-        for p in rotated(PRECISIONS, step):
-            synchronize(device)
-            began = time.perf_counter()
-            result = engines[p].step(batches)  # its loss is a Python float: synchronised
-            if step >= args.warmup:
-                seconds[p].append(time.perf_counter() - began)
-            losses[p].append(result.loss)
-            skipped[p] += result.skipped
-        # Progress on stderr, as it comes: a run cut short by a timeout still shows it.
-        print(f"[step {step + 1}/{args.steps}] " + ", ".join(
-            f"{p} loss {losses[p][-1]:.5f}" + (f" {seconds[p][-1]:.4f} s" if seconds[p] and
-                                               step >= args.warmup else "")
-            for p in PRECISIONS), file=sys.stderr, flush=True)
+    memory: dict[str, dict[str, Any]] = {}
+    scales: dict[str, float | None] = {}
+    # At most `alive` engines at once (each gpt-1.3b one holds ~23 GB): the precisions in
+    # groups of that many, alternated within a group; every curve is compared with fp32's
+    # all the same (each engine is seeded alike and sees the same batches).
+    groups = [PRECISIONS[i:i + args.alive] for i in range(0, len(PRECISIONS), args.alive)]
+    for group in groups:
+        def build(group: tuple[str, ...] = group) -> dict[str, Engine]:
+            with cache.installed():
+                return {p: Engine(config, spec, layout, device=device, precision=p,
+                                  standalone=True) for p in group}
+
+        def train(engines: dict[str, Engine]) -> None:
+            for step in range(args.steps):
+                batches = [(x.to(device), t.to(device)) for x, t in
+                           data.micro_batches(step, 0, args.batch, args.micro_batch)]
+                for p in rotated(tuple(engines), step):
+                    synchronize(device)
+                    began = time.perf_counter()
+                    result = engines[p].step(batches)  # its loss is a float: synchronised
+                    if step >= args.warmup:
+                        seconds[p].append(time.perf_counter() - began)
+                    losses[p].append(result.loss)
+                    skipped[p] += result.skipped
+                # Progress on stderr, as it comes: a run cut short still shows it.
+                print(f"[step {step + 1}/{args.steps}] " + ", ".join(
+                    f"{p} loss {losses[p][-1]:.5f}" + (f" {seconds[p][-1]:.4f} s"
+                                                       if step >= args.warmup else "")
+                    for p in engines), file=sys.stderr, flush=True)
+
+        # CUDA: the group's peak allocated bytes over its build and its steps, above what
+        # was allocated before (torch's exact count); on a CPU not measured (None).
+        if device.type == "cuda":
+            engines, peak_bytes = measured_build(build, train, device)
+        else:
+            engines, peak_bytes = build(), None
+            train(engines)
+        for p, engine in engines.items():
+            # The group's peak (its engines' build and steps) against their estimates
+            # together: per engine where one is alive at a time (--alive 1).
+            memory[p] = {"engines_alive": len(group), "peak_allocated_bytes": peak_bytes,
+                         "memory_estimate_bytes": engine.memory_estimate_bytes(),
+                         "group_memory_estimate_bytes": sum(
+                             e.memory_estimate_bytes() for e in engines.values())}
+            scales[p] = engine.scaler.scale if engine.loss_scaling else None
+        del engines
     flops_per_step = config.training_flops_per_sample() * args.batch
     median = {p: statistics.median(s) for p, s in seconds.items()}
     rows = {}
@@ -116,14 +151,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                    "peak_tflops": None if peak is None else peak / 1e12,
                    "losses": losses[p], "max_relative_loss_difference": worst,
                    "mean_relative_loss_difference": mean,
-                   "loss_scale": engines[p].scaler.scale if engines[p].loss_scaling else None,
-                   "skipped_steps": skipped[p]}
+                   "loss_scale": scales[p], "skipped_steps": skipped[p], **memory[p]}
     return {"device": device.type, "device_name": device_name,
             "model": {"preset": args.preset, "parameters": config.total_parameters(),
                       "sequence_length": config.sequence_length},
             "batch": args.batch, "micro_batch": args.micro_batch, "steps": args.steps,
             "warmup_steps": args.warmup, "flops_per_step": flops_per_step,
-            "order": "alternated step by step, rotating", "precisions": rows}
+            "order": f"in groups of {args.alive}, alternated step by step, rotating",
+            "precisions": rows}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -141,6 +176,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="gpt-tiny, batch 8 in microbatches of 4, 8 steps, 1 warm-up "
                         "(each where not given)")
+    parser.add_argument("--alive", type=int, default=len(PRECISIONS),
+                        help="engines alive at once (default all three, alternated): the "
+                        "precisions run in groups of this many; 1 gives each engine's own "
+                        "peak memory against its estimate")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's; 1 on a shared machine)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -153,7 +192,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                 setattr(args, key, value)
     args.micro_batch = args.micro_batch or args.batch
     args.learning_rate = args.learning_rate or (3e-3 if args.quick else 3e-4)
-    for flag in ("batch", "micro_batch", "steps", "threads"):
+    for flag in ("batch", "micro_batch", "steps", "threads", "alive"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     if not 0 <= args.warmup < args.steps:

@@ -40,6 +40,10 @@ class TrainOutcome:
     losses: list[float] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)
     stopped_by_signal: bool = False  # every rank agreed to stop early (SIGTERM)
+    # This rank's memory: the engine's estimate (the planner's model, cephalo.api.memory)
+    # and, on CUDA, torch's peak allocated bytes over the run (None on a CPU).
+    memory_estimate_bytes: int | None = None
+    peak_memory_bytes: int | None = None
 
 
 def _storage_group(engine: Engine, timeout_seconds: float) -> dist.ProcessGroup | None:
@@ -169,6 +173,9 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
                           f"(SIGTERM)", flush=True)
                 break
         outcome.last_step = engine.step_count
+        outcome.memory_estimate_bytes = engine.memory_estimate_bytes()
+        if engine.device.type == "cuda":
+            outcome.peak_memory_bytes = torch.cuda.max_memory_allocated(engine.device)
     finally:
         if writer is not None:
             writer.close()
@@ -178,6 +185,21 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
         if storage_group is not None:
             dist.destroy_process_group(storage_group)
     return outcome
+
+
+def memory_report(outcome: TrainOutcome, predicted_bytes: int | None) -> str | None:
+    """A GPU rank's peak memory against the plan (None on a CPU, where torch counts none):
+    `key=value` bytes, read by `scripts/device-check.sh` (bench/device_check_summary.py)."""
+    if outcome.peak_memory_bytes is None:
+        return None
+    mib = 2**20
+    text = (f"peak GPU memory {outcome.peak_memory_bytes / mib:.1f} MiB allocated, the "
+            f"engine's estimate {(outcome.memory_estimate_bytes or 0) / mib:.1f} MiB")
+    if predicted_bytes is not None:
+        text += f", the plan's prediction {predicted_bytes / mib:.1f} MiB"
+    return (f"{text} (peak_memory_bytes={outcome.peak_memory_bytes} "
+            f"memory_estimate_bytes={outcome.memory_estimate_bytes} "
+            f"predicted_memory_bytes={predicted_bytes})")
 
 
 class MemoryLimitError(RuntimeError):
@@ -278,6 +300,9 @@ def main() -> int:
         if env.rank == 0 and env.termination_log and not outcome.stopped_by_signal:
             # The operator reads it when the pod completes: its last scrape may be steps old.
             write_final_progress(env.termination_log, metrics.final_progress(outcome.last_step))
+        report = memory_report(outcome, env.plan.ranks[env.rank].predicted_memory_bytes)
+        if report is not None:
+            print(f"cephalo trainer (rank {env.rank}): {report}", flush=True)
         if env.rank == 0:
             print(f"cephalo trainer: {'stopped' if outcome.stopped_by_signal else 'done'} at "
                   f"step {outcome.last_step}; checkpoint "

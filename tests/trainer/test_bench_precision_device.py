@@ -22,9 +22,9 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "precision_device.py"
 TOLERANCE = {"cpu": {"bf16": 1e-3, "fp16": 1e-4}, "cuda": {"bf16": 1e-3, "fp16": 1e-3}}
 
 
-def _quick(device: str) -> dict:
+def _quick(device: str, *extra: str) -> dict:
     done = subprocess.run([sys.executable, "-I", str(BENCH), "--quick", "--json",
-                           "--device", device, "--threads", "1"],
+                           "--device", device, "--threads", "1", *extra],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
@@ -60,6 +60,19 @@ def test_quick_cpu_run_agrees_with_fp32_and_has_no_mfu() -> None:
         assert r["mfu"] is None and r["peak_tflops"] is None
 
 
+@pytest.mark.slow
+def test_one_engine_alive_at_a_time_agrees_and_reports_its_memory_estimate() -> None:
+    """`--alive 1` (the device check on an 80 GB H100: one gpt-1.3b engine at a time) runs
+    the precisions one after another, each curve still held to fp32's; each row carries its
+    engine's memory estimate, and its peak (CUDA only: None on a CPU)."""
+    summary = _quick("cpu", "--alive", "1")
+    _check_agreement(summary)
+    assert summary["order"].startswith("in groups of 1")
+    for r in summary["precisions"].values():
+        assert r["engines_alive"] == 1 and r["peak_allocated_bytes"] is None
+        assert r["memory_estimate_bytes"] == r["group_memory_estimate_bytes"] > 0
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
 def test_device_cuda_without_a_gpu_is_a_one_line_error() -> None:
     done = subprocess.run([sys.executable, "-I", str(BENCH), "--device", "cuda"],
@@ -80,3 +93,5 @@ def test_quick_gpu_run_reports_mfu_per_precision() -> None:
     if rows["fp32"]["peak_tflops"] is not None:  # a GPU in the planner's catalog (the H200 is)
         assert all(0 < r["mfu"] < 1 for r in rows.values())
         assert rows["bf16"]["peak_tflops"] >= rows["fp32"]["peak_tflops"]
+    for r in rows.values():  # the three engines' peak holds at least their three estimates
+        assert r["peak_allocated_bytes"] >= r["group_memory_estimate_bytes"] > 0
