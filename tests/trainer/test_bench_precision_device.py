@@ -52,23 +52,19 @@ def _check_agreement(summary: dict) -> None:
         assert r["tflops"] == pytest.approx(expected)
 
 
-def test_quick_cpu_run_agrees_with_fp32_and_has_no_mfu() -> None:
-    summary = _quick("cpu")
+def test_quick_cpu_run_one_engine_at_a_time_agrees_and_reports_its_memory_estimate(
+        ) -> None:
+    """One CPU run, as the device check runs it on an 80 GB H100 (`--alive 1`: one engine
+    at a time, the precisions one after another): each curve still held to fp32's, no MFU
+    without a catalog peak, each row with its engine's memory estimate and its peak (CUDA
+    only: None on a CPU). One run, not one per `--alive`: the grouping is a loop, the run
+    is most of a minute of the suite's two cores."""
+    summary = _quick("cpu", "--alive", "1")
     assert summary["device"] == "cpu" and summary["model"]["preset"] == "gpt-tiny"
     _check_agreement(summary)
+    assert summary["order"].startswith("in groups of 1")
     for r in summary["precisions"].values():  # no catalog peak for a CPU
         assert r["mfu"] is None and r["peak_tflops"] is None
-
-
-@pytest.mark.slow
-def test_one_engine_alive_at_a_time_agrees_and_reports_its_memory_estimate() -> None:
-    """`--alive 1` (the device check on an 80 GB H100: one gpt-1.3b engine at a time) runs
-    the precisions one after another, each curve still held to fp32's; each row carries its
-    engine's memory estimate, and its peak (CUDA only: None on a CPU)."""
-    summary = _quick("cpu", "--alive", "1")
-    _check_agreement(summary)
-    assert summary["order"].startswith("in groups of 1")
-    for r in summary["precisions"].values():
         assert r["engines_alive"] == 1 and r["peak_allocated_bytes"] is None
         assert r["memory_estimate_bytes"] == r["group_memory_estimate_bytes"] > 0
 
