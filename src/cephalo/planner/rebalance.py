@@ -47,8 +47,8 @@ class Decision:
     def describe(self) -> str:
         times = ", ".join("-" if t is None else f"{t * 1e3:.2f}" for t in self.seconds_per_sample)
         return (f"split {list(self.old_batch_sizes)} -> {list(self.new_batch_sizes)} after step "
-                f"{self.step}: predicted {self.predicted_gain:.0%} less compute on the slowest "
-                f"rank (ms per sample: {times})")
+                f"{self.step}: the slowest rank's compute predicted "
+                f"{1 + self.predicted_gain:.2f}x faster (ms per sample: {times})")
 
 
 def micro_batch_counts(batch_sizes: Sequence[int], micro_batch_sizes: Sequence[int]
