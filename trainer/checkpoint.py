@@ -315,6 +315,22 @@ def restore(engine: Engine, info: CheckpointInfo, reader: ShardReader | None = N
     engine.load_state_dict(state)
 
 
+def split_in_force(info: CheckpointInfo, engine: Engine) -> list[int] | None:
+    """The split of the global batch `info` was written under, where it is the same plan
+    that `engine` runs (the same ranks' planned batches and microbatch sizes) and that split
+    differs from the plan's; None otherwise (another plan starts from its own split, as does
+    a checkpoint older than live rebalancing). Every rank reads the same meta.json, so every
+    rank takes the same answer."""
+    meta = info.meta
+    split = meta.get("batch_sizes")
+    if split is None or meta.get("planned_batch_sizes") != engine.planned_batch_sizes or \
+            meta.get("micro_batch_sizes") != engine.layout.micro_batch_sizes or \
+            sum(split) != engine.layout.global_batch_size or \
+            split == engine.layout.batch_sizes:
+        return None
+    return [int(b) for b in split]
+
+
 def full_state_dict(info: CheckpointInfo) -> dict[str, torch.Tensor]:
     """The whole model as a plain state_dict for `build_model(info.config)`."""
     from cephalo.trainer.checkpoint_check import check_checkpoint

@@ -69,6 +69,13 @@ def _snapshot(engine: Engine, copy: bool) -> tuple[dict[str, Any], dict[str, Any
             "unit_numels": [u.numel for u in engine.units],
             "bounds": [u.bounds for u in engine.units],
             "global_batch_size": engine.layout.global_batch_size,
+            # The split in force for the steps after this one (live rebalancing moves it),
+            # the plan's, and the microbatch sizes: a resume under the same plan goes on
+            # under `batch_sizes` (checkpoint.split_in_force); any split reads the same
+            # samples (data.py).
+            "batch_sizes": list(engine.layout.batch_sizes),
+            "planned_batch_sizes": list(engine.planned_batch_sizes),
+            "micro_batch_sizes": list(engine.layout.micro_batch_sizes),
             "loss_scale": dict(state["loss_scale"])}
     return shard, meta
 

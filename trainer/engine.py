@@ -39,6 +39,7 @@ passes themselves are in `cephalo.trainer.passes`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -177,7 +178,8 @@ class Engine:
                                  "(a job's auto is resolved per rank by the planner)")
         self.config = config
         self.training = training
-        self.layout = layout
+        self.layout = layout  # set_batch_sizes moves its split; the plan's stays here:
+        self.planned_batch_sizes = list(layout.batch_sizes)
         self.device = device or torch.device("cpu")
         # This rank's compute precision (its plan entry's, else the job's).
         self.precision = precisions[self.rank] if layout.precisions else precision
@@ -342,14 +344,34 @@ class Engine:
             torch.cuda.synchronize(self.device)
         time.sleep((self.time_dilation - 1.0) * (clock() - began))
 
-    def memory_estimate_bytes(self) -> int:
+    def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None:
+        """Run the next steps under another split of the same global batch (live
+        rebalancing, cephalo.planner.rebalance): every rank calls it between the same two
+        steps with the same split. Microbatch sizes, shards and the fused tail (chosen from
+        the plan's split: every rank agrees on it, and its memory depends on the microbatch
+        size only) stay; a rank whose batch is no multiple of its microbatch size runs a
+        smaller last microbatch. The loss weight 1/B is unchanged, so one step still equals
+        single-device training on the global batch."""
+        old = self.layout
+        new = [int(b) for b in batch_sizes]
+        if len(new) != old.world_size or sum(new) != old.global_batch_size or min(new) < 0:
+            raise ValueError(f"split {new} is not one of {old.global_batch_size} samples over "
+                             f"{old.world_size} ranks")
+        for r, (b, m) in enumerate(zip(new, old.micro_batch_sizes, strict=True)):
+            if b > 0 and m < 1:
+                raise ValueError(f"rank {r} has microbatch size {m}: it cannot take samples")
+        self.layout = dataclasses.replace(old, batch_sizes=new)
+
+    def memory_estimate_bytes(self, samples: int | None = None) -> int:
         """Device bytes this rank needs at least (cephalo.api.memory, the planner's model
         too): the training state of its shards, the gathered unit buffers at the peak, and
         the boundary activations kept for backward when not offloaded and the graphs of
         the blocks this rank keeps (kept_blocks_bytes); without recompute, every block's
         graph and the gathered units kept alive instead (kept_graph_bytes). The working
-        set inside one unit's compute comes on top."""
-        samples = self.layout.batch_sizes[self.rank]
+        set inside one unit's compute comes on top. `samples`: this rank's batch (default:
+        the layout's), as a rebalanced split would give it."""
+        if samples is None:
+            samples = self.layout.batch_sizes[self.rank]
         c = self.config
         if self.recompute:
             # A rank without samples takes part in the tail one unit at a time (passes.py).

@@ -46,6 +46,7 @@ class TrainerEnv:
     stop_after_step: int | None
     num_threads: int | None = None  # CEPHALO_NUM_THREADS (local runs share the CPU)
     time_dilation: float = 1.0  # CEPHALO_TIME_DILATION: emulate a device this much slower
+    time_dilation_from_step: int = 0  # CEPHALO_TIME_DILATION_FROM_STEP: ...from this step
     memory_limit_bytes: int | None = None  # CEPHALO_MEMORY_LIMIT_BYTES: emulated capacity
     pod_uid: str | None = None  # CEPHALO_POD_UID: named on /metrics (whose page it is)
     metrics_address: str = ""  # CEPHALO_METRICS_ADDRESS: /metrics listens here ("": all)
@@ -176,6 +177,7 @@ def read_env(env: Mapping[str, str] | None = None) -> TrainerEnv:
         _check_storage_backend(checkpoint_dir)
     return TrainerEnv(
         num_threads=raw.num_threads or None, time_dilation=raw.time_dilation or 1.0,
+        time_dilation_from_step=raw.time_dilation_from_step or 0,
         memory_limit_bytes=raw.memory_limit_bytes or None, rank=rank,
         world_size=world_size, local_rank=raw.local_rank,
         plan=plan, job=job, checkpoint_dir=checkpoint_dir, metrics_port=raw.metrics_port or 0,

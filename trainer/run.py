@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 from cephalo.api import trainer_env
 from cephalo.api.job import CephaloJobSpec
+from cephalo.api.plan import Plan
+from cephalo.planner.rebalance import Rebalancer
 from cephalo.trainer import checkpoint
 from cephalo.trainer.checkpoint_write import CheckpointWriter
 from cephalo.trainer.data import DataSource
@@ -28,6 +30,7 @@ from cephalo.trainer.metrics import ProgressFile, TrainerMetrics, write_final_pr
 from cephalo.trainer.mlflow_log import RUN_ID_FILE, RunIdentity, open_mlflow
 from cephalo.trainer.nccl_env import init_group
 from cephalo.trainer.precision import PrecisionError, check_precision, pin_fp32_math
+from cephalo.trainer.rebalancing import LiveSplit, decision_record, max_samples
 from cephalo.trainer.step_log import StepLogger, Tracker
 from cephalo.trainer.storage import CheckpointError, Store, check_shared
 from cephalo.trainer.tensorboard_log import open_log
@@ -58,15 +61,50 @@ def _storage_group(engine: Engine, timeout_seconds: float) -> dist.ProcessGroup 
                           timeout=datetime.timedelta(seconds=timeout_seconds))
 
 
-def _votes(stop_requested: Callable[[], bool] | None, writer: CheckpointWriter | None
-           ) -> Callable[[], list[float]]:
+def _votes(stop_requested: Callable[[], bool] | None, writer: CheckpointWriter | None,
+           live: LiveSplit | None = None) -> Callable[[], list[float]]:
     """This rank's step-boundary votes, summed over ranks by the engine's end-of-step
-    all-reduce: [wants to stop, still uploading a checkpoint]. Read at that all-reduce, so
-    every rank sees the same sums after the same step: no collective of the loop's own."""
+    all-reduce: [wants to stop, still uploading a checkpoint, live rebalancing's figures].
+    Read at that all-reduce, so every rank sees the same sums after the same step: no
+    collective of the loop's own."""
     def votes() -> list[float]:
         return [1.0 if stop_requested is not None and stop_requested() else 0.0,
-                1.0 if writer is not None and writer.busy else 0.0]
+                1.0 if writer is not None and writer.busy else 0.0,
+                *(live.votes() if live is not None else [])]
     return votes
+
+
+def _follow_split(engine: Engine, logger: StepLogger) -> tuple[int, int]:
+    """The split in force from the next step: the logger's figures, and this rank's range
+    [start, end) of each global batch."""
+    if logger.batch_sizes is not None:
+        logger.batch_sizes = list(engine.layout.batch_sizes)
+    logger.local_batch_size = engine.layout.batch_sizes[engine.rank]
+    return engine.layout.sample_range(engine.rank)
+
+
+def _live_split(job: CephaloJobSpec, engine: Engine, memory_limit_bytes: int | None,
+                memory_headroom_bytes: int | None) -> LiveSplit | None:
+    """Live rebalancing for this run: None when the job opts out or one rank holds the
+    whole batch (nothing to move)."""
+    settings = job.planner.rebalance
+    working = sum(1 for m in engine.layout.micro_batch_sizes if m > 0)
+    if not settings.enabled or engine.comm.world_size < 2 or working < 2:
+        return None
+    layout = engine.layout
+    rebalancer = Rebalancer(layout.batch_sizes, layout.micro_batch_sizes,
+                            interval_steps=settings.interval_steps, min_gain=settings.min_gain)
+    return LiveSplit(engine, rebalancer,
+                     max_samples(engine, memory_limit_bytes, memory_headroom_bytes))
+
+
+def memory_headroom_bytes(plan: Plan, rank: int, memory_fraction: float) -> int | None:
+    """What rank's plan leaves of its memory budget (capacity x planner.memoryFraction)
+    above its predicted peak; None where the plan does not say (a plan written by hand)."""
+    mine = plan.ranks[rank]
+    if mine.memory_capacity_bytes is None or mine.predicted_memory_bytes is None:
+        return None
+    return int(mine.memory_capacity_bytes * memory_fraction) - mine.predicted_memory_bytes
 
 
 def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None, *,
@@ -79,7 +117,9 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
           async_checkpoints: bool = True, recompute: bool | None = None,
           offload: bool | None = None,
           trackers: Sequence[Tracker] = (),
-          link_bytes_per_second: float | None = None) -> TrainOutcome:
+          link_bytes_per_second: float | None = None,
+          time_dilation_from_step: int = 0,
+          memory_headroom_bytes: int | None = None) -> TrainOutcome:
     """Train `job` under `layout`, resuming from the newest intact checkpoint in
     `checkpoint_dir` (a shared folder or an fsspec URL; None or "" = no checkpoints at all);
     checkpoints every `intervalSteps` and always at the end (or at `stop_after_step`, which
@@ -94,13 +134,19 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
     default, offloaded to host on CUDA devices only). The block graph sizes the plan priced kept
     blocks with travel in `layout` (the memory check uses this rank's). `trackers`: rank
     0's experiment trackers (spec.tracking: TensorBoard, MLflow), fed as steps are logged.
-    `link_bytes_per_second`: emulate a network this slow (collectives.py)."""
+    `link_bytes_per_second`: emulate a network this slow (collectives.py).
+    `time_dilation_from_step`: the dilation applies from this step (0-based) on, real speed
+    before it (a device that slows down mid-run, for live rebalancing's tests).
+    Live rebalancing (spec.planner.rebalance, trainer/rebalancing.py) moves samples between
+    the ranks at step boundaries; a rank's batch grows only as far as `memory_limit_bytes`
+    and the plan's `memory_headroom_bytes` on this rank (its memory budget minus its
+    predicted peak) allow."""
     config = job.model.resolve()
     spec = job.training
     engine = Engine(config, spec, layout, group=group, device=device,
                     precision=job.precision, gather_precision=job.gather_precision,
                     reduce_precision=job.reduce_precision,
-                    time_dilation=time_dilation,
+                    time_dilation=time_dilation if time_dilation_from_step <= 0 else 1.0,
                     recompute=True if recompute is None else recompute, offload=offload)
     engine.comm.link_bytes_per_second = link_bytes_per_second
     if memory_limit_bytes is not None:
@@ -109,6 +155,7 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
     # None when training.evalIntervalSteps is off; else holds out the validation data now.
     validation = evaluator(engine, data, spec, job.data, verbose)
     world = engine.comm.world_size
+    live = _live_split(job, engine, memory_limit_bytes, memory_headroom_bytes)
     storage_group = _storage_group(
         engine, checkpoint.storage_timeout_seconds(engine, collective_timeout_seconds))
     store = Store(checkpoint_dir) if checkpoint_dir and str(checkpoint_dir).strip() else None
@@ -126,6 +173,9 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
             if found is not None:
                 info, reader = found
                 checkpoint.restore(engine, info, reader)
+                split = checkpoint.split_in_force(info, engine)
+                if live is not None and split is not None:
+                    live.adopt(split)  # the same plan: go on under the split it had reached
                 if verbose and engine.rank == 0:
                     print(f"cephalo trainer: resumed from {info.path} at step {info.step}",
                           flush=True)
@@ -136,11 +186,11 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
         init_from_pretrained(engine, job.model, store, verbose)
         outcome = TrainOutcome(first_step=engine.step_count, last_step=engine.step_count)
         progress = ProgressFile(progress_file) if progress_file and engine.rank == 0 else None
-        start, end = layout.sample_range(engine.rank)
         micro = layout.micro_batch_sizes[engine.rank]
         last = spec.steps if stop_after_step is None else min(spec.steps, stop_after_step)
         logger = StepLogger(rank=engine.rank, global_batch_size=layout.global_batch_size,
                             local_batch_size=layout.batch_sizes[engine.rank],
+                            batch_sizes=layout.batch_sizes if live is not None else None,
                             tokens_per_sample=config.tokens_per_sample,
                             flops_per_sample=config.training_flops_per_sample(),
                             total_steps=spec.steps, interval_steps=spec.log_interval_steps,
@@ -148,19 +198,30 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
                             wait_seconds=engine.comm.stats.wait_seconds,
                             local_rank=local_rank, verbose=verbose,
                             trackers=trackers)
-        votes = _votes(stop_requested, writer)
+        start, end = _follow_split(engine, logger)  # a resumed run's split may be another
+        votes = _votes(stop_requested, writer, live)
         while engine.step_count < last:
             step = engine.step_count
+            if time_dilation_from_step > 0 and step >= time_dilation_from_step:
+                engine.time_dilation = time_dilation
             result = engine.step(data.micro_batches(step, start, end, micro), votes)
             outcome.losses.append(result.loss)
             stop, uploading = result.votes[0] > 0, result.votes[1] > 0
+            decision = live.after_step(result, result.votes[2:]) if live is not None else None
             final = stop or result.step == last
             # Every rank evaluates together (a collective) on the same steps; not on a stop
             # request, whose grace period is for the checkpoint.
             val_loss = validation.loss() if validation is not None and \
                 validation.due(result.step, final=result.step == last) else None
-            if val_loss is not None or result.skipped or logger.due(result.step, final=final):
-                logger.log(result, val_loss)
+            rebalanced = None if decision is None else \
+                decision_record(decision, engine.layout.micro_batch_sizes)
+            if val_loss is not None or result.skipped or decision is not None or \
+                    logger.due(result.step, final=final):
+                logger.log(result, val_loss, rebalanced)
+            if decision is not None:  # from the next step on, on every rank
+                start, end = _follow_split(engine, logger)
+                if verbose and engine.rank == 0:
+                    print(f"cephalo trainer: rebalanced: {decision.describe()}", flush=True)
             if writer is not None:
                 if writer.has_pending and not uploading:  # every rank's upload is done
                     outcome.checkpoints.append(writer.finish())
@@ -281,7 +342,10 @@ def main() -> int:
                             recompute=env.plan.recompute,
                             offload=env.plan.ranks[env.rank].offload_activations,
                             trackers=[t for t in (tensorboard, mlflow) if t is not None],
-                            link_bytes_per_second=env.link_bytes_per_second)
+                            link_bytes_per_second=env.link_bytes_per_second,
+                            time_dilation_from_step=env.time_dilation_from_step,
+                            memory_headroom_bytes=memory_headroom_bytes(
+                                env.plan, env.rank, env.job.planner.memory_fraction))
         except MemoryLimitError as err:
             print(f"cephalo trainer (rank {env.rank}): error: {err}", file=sys.stderr,
                   flush=True)

@@ -49,9 +49,13 @@ def rank_timings(result: StepResult) -> list[dict[str, float | int]]:
 
 
 def progress_record(result: StepResult, rate: Throughput,
-                    validation_loss: float | None = None) -> dict[str, Any]:
+                    validation_loss: float | None = None,
+                    batch_sizes: Sequence[int] | None = None,
+                    rebalanced: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """One line of the progress file (`cephalo run` and local/report.py read it);
-    `validation_loss` only on the steps that measured it (trainer/eval.py)."""
+    `validation_loss` only on the steps that measured it (trainer/eval.py); `batch_sizes`:
+    the split the step ran under (with live rebalancing); `rebalanced`: the new split
+    decided after it (trainer/rebalancing.decision_record)."""
     record = {"step": result.step, "loss": result.loss,
               "samples_per_second": rate.samples_per_second,
               "tokens_per_second": rate.tokens_per_second, "step_seconds": result.step_seconds,
@@ -59,6 +63,10 @@ def progress_record(result: StepResult, rate: Throughput,
               "tflops": rate.tflops, "time": time.time(), "ranks": rank_timings(result)}
     if validation_loss is not None:
         record["validation_loss"] = validation_loss
+    if batch_sizes is not None:
+        record["batch_sizes"] = list(batch_sizes)
+    if rebalanced is not None:
+        record["rebalanced"] = dict(rebalanced)
     if result.skipped:
         record.update(skipped=True, loss_scale=result.loss_scale)
     return record
@@ -89,12 +97,15 @@ class StepLogger:
                  interval_steps: int = 1, progress: ProgressFile | None = None,
                  metrics: TrainerMetrics | None = None,
                  wait_seconds: Mapping[str, float] | None = None, local_rank: int = 0,
-                 verbose: bool = False, trackers: Sequence[Tracker] = ()) -> None:
+                 verbose: bool = False, trackers: Sequence[Tracker] = (),
+                 batch_sizes: Sequence[int] | None = None) -> None:
         if interval_steps < 1:
             raise ValueError(f"interval_steps must be >= 1, got {interval_steps}")
         self.rank = rank
         self.global_batch_size = global_batch_size
         self.local_batch_size = local_batch_size
+        # The split in force (live rebalancing moves it; None: the plan's, never recorded).
+        self.batch_sizes = list(batch_sizes) if batch_sizes is not None else None
         self.tokens_per_sample = tokens_per_sample
         self.flops_per_sample = flops_per_sample
         self.total_steps = total_steps
@@ -111,7 +122,8 @@ class StepLogger:
         """Whether step `step` is logged: every `interval_steps`, and the run's last one."""
         return final or step % self.interval_steps == 0
 
-    def log(self, result: StepResult, validation_loss: float | None = None) -> None:
+    def log(self, result: StepResult, validation_loss: float | None = None,
+            rebalanced: Mapping[str, Any] | None = None) -> None:
         rate = throughput(step_seconds=result.step_seconds,
                           global_batch_size=self.global_batch_size,
                           local_batch_size=self.local_batch_size,
@@ -120,7 +132,8 @@ class StepLogger:
         if self.metrics is not None:
             self.observe(result, rate, validation_loss)
         if self.progress is not None or self.trackers:
-            record = progress_record(result, rate, validation_loss)
+            record = progress_record(result, rate, validation_loss, self.batch_sizes,
+                                     rebalanced)
             if self.progress is not None:
                 self.progress.write(record)
             for tracker in self.trackers:

@@ -63,3 +63,36 @@ def test_summary_and_loss_plot_show_the_validation_loss(tmp_path: Path,
     else:
         assert summary.validation == [] and "validation" not in text
         assert _validation_pixels(loss_png) == 0
+
+
+def test_summary_shows_the_split_history_of_live_rebalancing() -> None:
+    plan = Plan.model_validate({
+        "global_batch_size": 8, "world_size": 2, "predicted_samples_per_second": 8.0,
+        "ranks": [{"rank": r, "gpu": "cpu", "batch_size": 4, "micro_batch_size": 2,
+                   "num_micro_batches": 2, "shard_ratio": 0.5} for r in range(2)]})
+    timing = [{"rank": r, "compute_seconds": 0.4, "collective_wait_seconds": 0.0}
+              for r in range(2)]
+    records = [{"step": s, "loss": 1.0, "step_seconds": 1.0, "samples_per_second": 8.0,
+                "ranks": timing, "batch_sizes": [4, 4] if s <= 4 else [6, 2]}
+               for s in range(1, 9)]
+    records[3]["rebalanced"] = {"step": 4, "from": [4, 4], "to": [6, 2],
+                                "micro_batches": [3, 1], "predicted_gain": 0.5,
+                                "seconds_per_sample": [0.1, 0.3]}
+    summary = summarize(records, plan)
+    assert summary is not None and summary.final_batch_sizes == [6, 2]
+    text = format_summary(summary, plan, ["cpu", "cpu"])
+    assert "split       [4, 4] (the plan's), rebalanced 1 time(s) without a restart:" in text
+    assert "after step     4: [4, 4] -> [6, 2] ([3, 1] microbatches; the slowest rank's " \
+           "compute predicted 1.50x faster)" in text
+    assert "rank 1 cpu                          batch    2" in text
+    # Rebalancing on but never moved: said so; off (no split recorded): nothing said.
+    for r in records:
+        r.pop("rebalanced", None)
+        r["batch_sizes"] = [4, 4]
+    summary = summarize(records, plan)
+    assert summary is not None
+    assert "for the whole run: no rebalancing" in format_summary(summary, plan, ["cpu"] * 2)
+    for r in records:
+        del r["batch_sizes"]
+    summary = summarize(records, plan)
+    assert summary is not None and "split " not in format_summary(summary, plan, ["cpu"] * 2)

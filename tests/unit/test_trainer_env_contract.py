@@ -45,7 +45,8 @@ def test_every_field_round_trips_through_the_reader() -> None:
         time_dilation=2.5, memory_limit_bytes=10**9, collective_timeout_seconds=90.0,
         stop_after_step=5, data_cache="/cache/tokens", tokenize_workers=4, ranks_per_pod=2,
         pod_uid="0b4e-uid", metrics_address="127.0.0.1",
-        termination_log="/dev/termination-log", link_bytes_per_second=1.25e6)
+        termination_log="/dev/termination-log", link_bytes_per_second=1.25e6,
+        time_dilation_from_step=3)
     environ = to_environ(full)
     assert set(environ) == names.ALL_NAMES and all(isinstance(v, str) for v in environ.values())
     assert read_env(environ) == full

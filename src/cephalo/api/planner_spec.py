@@ -8,6 +8,7 @@ from pydantic import ConfigDict, Field, model_validator
 from pydantic.config import JsonValue
 
 from cephalo.api.network import NetworkSpec
+from cephalo.api.rebalance import RebalanceSpec
 from cephalo.api.replan import ReplanSpec
 from cephalo.api.wire import CamelModel
 
@@ -84,6 +85,9 @@ class PlannerSpec(CamelModel):
     replan: ReplanSpec = Field(default_factory=ReplanSpec, description=(
         "Re-plan a running job on the GPUs it holds once its measured steps show the cost "
         "model was off (docs/replanning.md); enabled: false opts out."))
+    rebalance: RebalanceSpec = Field(default_factory=RebalanceSpec, description=(
+        "Move samples between the running job's ranks from their measured compute, at a "
+        "step boundary and without a restart (docs/rebalancing.md); enabled: false opts out."))
 
     @model_validator(mode="after")
     def _floor_needs_cost(self) -> PlannerSpec:

@@ -42,6 +42,9 @@ RESTART_ATTEMPT = "CEPHALO_RESTART_ATTEMPT"  # the operator's gang-restart count
 METRICS_FILE = "CEPHALO_METRICS_FILE"  # rank 0's JSON-lines progress file (local runs)
 NUM_THREADS = "CEPHALO_NUM_THREADS"  # torch intra-op threads (local ranks share the CPU)
 TIME_DILATION = "CEPHALO_TIME_DILATION"  # emulate a device this much slower (>= 1)
+# The dilation applies from this step (0-based) on, real speed before it: a device that slows
+# down mid-run (live rebalancing's tests, docs/rebalancing.md). Unset or 0: from the start.
+TIME_DILATION_FROM_STEP = "CEPHALO_TIME_DILATION_FROM_STEP"
 # Emulate a slow network (tests, docs/replanning.md): every collective also crosses one
 # serial link of this many bytes/s.
 LINK_BYTES_PER_SECOND = "CEPHALO_LINK_BYTES_PER_SECOND"
@@ -109,6 +112,7 @@ class TrainerVars:
     metrics_address: str | None = None
     termination_log: str | None = None
     link_bytes_per_second: float | None = None
+    time_dilation_from_step: int | None = None
 
 
 # field name -> variable name, in writing order.
@@ -127,6 +131,7 @@ NAMES: dict[str, str] = {
     "pod_uid": POD_UID, "metrics_address": METRICS_ADDRESS,
     "termination_log": TERMINATION_LOG,
     "link_bytes_per_second": LINK_BYTES_PER_SECOND,
+    "time_dilation_from_step": TIME_DILATION_FROM_STEP,
 }
 assert list(NAMES) == [f.name for f in fields(TrainerVars)], "NAMES must follow TrainerVars"
 ALL_NAMES = frozenset(NAMES.values())
@@ -230,6 +235,7 @@ def _check_ranges(v: TrainerVars) -> None:
                         (NUM_MICRO_BATCHES, v.num_micro_batches),
                         (RESTART_ATTEMPT, v.restart_attempt),
                         (STOP_AFTER_STEP, v.stop_after_step),
+                        (TIME_DILATION_FROM_STEP, v.time_dilation_from_step),
                         (TOKENIZE_WORKERS, v.tokenize_workers)):
         if count is not None and count < 0:
             raise EnvError(f"{name}={count} must be >= 0")

@@ -63,6 +63,11 @@ class Summary:
     first_step: int = 1  # > 1: a resumed run segment
     # (step, mean loss on the held-out set) of every evaluation (training.evalIntervalSteps)
     validation: list[tuple[int, float]] = field(default_factory=list)
+    # Live rebalancing (spec.planner.rebalance): every change of the split, as the trainer
+    # recorded it (step, from, to, micro_batches, predicted_gain), and the split in force at
+    # the end (None: the trainer recorded none, e.g. rebalancing off).
+    rebalances: list[dict[str, Any]] = field(default_factory=list)
+    final_batch_sizes: list[int] | None = None
 
 
 def summarize(records: Sequence[dict], plan: Plan) -> Summary | None:
@@ -81,10 +86,14 @@ def summarize(records: Sequence[dict], plan: Plan) -> Summary | None:
     wait = [statistics.median(r["ranks"][i]["collective_wait_seconds"] for r in steady)
             for i in range(world)]
     idle = [max(0.0, step_s - c - w) for c, w in zip(compute, wait, strict=True)]
+    last = records[-1]
+    final = last.get("rebalanced", {}).get("to", last.get("batch_sizes"))
     return Summary(plan.global_batch_size / step_s, plan.predicted_samples_per_second,
-                   records[0]["loss"], records[-1]["loss"], int(records[-1]["step"]),
+                   records[0]["loss"], last["loss"], int(last["step"]),
                    compute, wait, idle, step_s, int(records[0]["step"]),
-                   validation_points(records))
+                   validation_points(records),
+                   [r["rebalanced"] for r in records if r.get("rebalanced")],
+                   None if final is None else [int(b) for b in final])
 
 
 def validation_points(records: Sequence[dict]) -> list[tuple[int, float]]:
@@ -113,13 +122,31 @@ def format_summary(summary: Summary, plan: Plan, labels: list[str]) -> str:
         lines.append(f"  validation  loss {trend} on the held-out set "
                      f"({len(summary.validation)} evaluations)")
     lines.append(f"  step time   {summary.step_seconds:.3f} s (median after the first step)")
+    lines += split_history(summary, plan)
     lines.append("  per rank    compute / waiting on collectives / idle (seconds per step)")
+    batches = summary.final_batch_sizes or [rp.batch_size for rp in plan.ranks]
     for r in range(plan.world_size):
-        rp = plan.ranks[r]
-        lines.append(f"    rank {r} {labels[r]:<28} batch {rp.batch_size:>4}  "
+        lines.append(f"    rank {r} {labels[r]:<28} batch {batches[r]:>4}  "
                      f"{summary.rank_compute_seconds[r]:.3f} / {summary.rank_wait_seconds[r]:.3f}"
                      f" / {summary.rank_idle_seconds[r]:.3f}")
     return "\n".join(lines)
+
+
+def split_history(summary: Summary, plan: Plan) -> list[str]:
+    """The split's changes by live rebalancing (none: one line saying it stayed)."""
+    planned = [rp.batch_size for rp in plan.ranks]
+    if summary.final_batch_sizes is None:
+        return []
+    if not summary.rebalances:
+        return [f"  split       {planned} (the plan's) for the whole run: no rebalancing "
+                f"predicted a gain"]
+    lines = [f"  split       {planned} (the plan's), rebalanced {len(summary.rebalances)} "
+             f"time(s) without a restart:"]
+    for change in summary.rebalances:
+        lines.append(f"    after step {change['step']:>5}: {change['from']} -> {change['to']} "
+                     f"({change['micro_batches']} microbatches; the slowest rank's compute "
+                     f"predicted {1 + change['predicted_gain']:.2f}x faster)")
+    return lines
 
 
 def read_history(metrics_file: Path) -> list[dict]:
