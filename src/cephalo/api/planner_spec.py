@@ -87,7 +87,8 @@ class PlannerSpec(CamelModel):
         "model was off (docs/replanning.md); enabled: false opts out."))
     rebalance: RebalanceSpec = Field(default_factory=RebalanceSpec, description=(
         "Move samples between the running job's ranks from their measured compute, at a "
-        "step boundary and without a restart (docs/rebalancing.md); enabled: false opts out."))
+        "step boundary and without a restart (docs/rebalancing.md); off by default for now, "
+        "enabled: true opts in."))
 
     @model_validator(mode="after")
     def _floor_needs_cost(self) -> PlannerSpec:
