@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from cephalo.api import GpuProfile
-from cephalo.api.profile import merge_points, profiled_sizes
+from cephalo.api.profile import merge_points
 from cephalo.operator import metrics
 from cephalo.operator.discovery import Pool
 from cephalo.operator.kube import core_path, job_path, not_owned, owned_by
@@ -68,28 +68,42 @@ async def cached_profiles(ctx: JobContext, pools: list[Pool]) -> tuple[dict[str,
                                                                         list[Pool]]:
     """The pools' cached profiles, each with the points of the extra passes measured for it
     (the job's annotation), and the pools without one."""
+    profiles, missing, _ = await _cached_with_passes(ctx, pools)
+    return profiles, missing
+
+
+async def _cached_with_passes(ctx: JobContext, pools: list[Pool]) -> tuple[
+        dict[str, GpuProfile], list[Pool], list[tuple[Pool, list[int]]]]:
+    """`cached_profiles`, and (pool, sizes) of each extra pass not cached yet: one pool of
+    each product measures it. A pass is done once its cache entry exists, whatever sizes it
+    delivered: a profiler that came back without a size it was asked for is not asked again
+    (the planner then plans with what was measured, never in a loop)."""
     profiles: dict[str, GpuProfile] = {}
     missing: list[Pool] = []
+    pending: list[tuple[Pool, list[int]]] = []
     passes = extra_passes(ctx)
     for pool in pools:
         assert pool.catalog_name is not None
+        if pool.catalog_name in profiles:
+            continue
         found = await _cached(ctx, pool.catalog_name)
         if found is None:
             missing.append(pool)
             continue
         for sizes in passes.get(pool.catalog_name, []):
             extra = await _cached(ctx, pool.catalog_name, sizes)
-            if extra is not None:
+            if extra is None:
+                pending.append((pool, sizes))
+            else:
                 found = merge_points(found, extra)
         profiles[pool.catalog_name] = found
-    return profiles, missing
+    return profiles, missing, pending
 
 
 async def profile(ctx: JobContext, pools: list[Pool]) -> dict[str, GpuProfile] | None:
     """All profiles, with every extra pass a plan asked for, or None while profiler pods
     are still running. Raises ProfilingFailed."""
-    profiles, missing = await cached_profiles(ctx, pools)
-    pending = _pending_passes(ctx, pools, profiles)
+    profiles, missing, pending = await _cached_with_passes(ctx, pools)
     if not missing and not pending:
         return profiles
     await ensure_spec_config_map(ctx)
@@ -109,7 +123,9 @@ async def profile(ctx: JobContext, pools: list[Pool]) -> dict[str, GpuProfile] |
     # Sizes a plan assigned beyond the profiled ones (measure_beyond): after the products'
     # first passes, whose profiles say what "beyond" is.
     wanted: dict[str, list[int]] = {}
-    for pool, sizes in _pending_passes(ctx, pools, profiles):
+    if missing:  # the products' first passes just came in: which extra passes they lack
+        profiles, _, pending = await _cached_with_passes(ctx, pools)
+    for pool, sizes in pending:
         assert pool.catalog_name is not None
         done = await profile_one(ctx, pool, attempts, sizes)
         if done is None:
@@ -139,23 +155,6 @@ def _extra_state(ctx: JobContext) -> dict[str, Any]:
             for k, v in dict(state.get("passes", {})).items()}}
     except (ValueError, TypeError, AttributeError):  # edited by hand: start over
         return {"rounds": 0, "passes": {}}
-
-
-def _pending_passes(ctx: JobContext, pools: list[Pool],
-                    profiles: dict[str, GpuProfile]) -> list[tuple[Pool, list[int]]]:
-    """(pool, sizes) of each extra pass whose points `profiles` still lacks: one pool of
-    each product measures it."""
-    pending: list[tuple[Pool, list[int]]] = []
-    seen: set[str] = set()
-    for pool in pools:
-        name = pool.catalog_name
-        if name is None or name in seen or name not in profiles:
-            continue
-        seen.add(name)
-        have = set(profiled_sizes(profiles[name]))
-        pending += [(pool, sizes) for sizes in extra_passes(ctx).get(name, [])
-                    if not set(sizes) <= have]
-    return pending
 
 
 async def measure_beyond(ctx: JobContext, wanted: dict[str, list[int]],

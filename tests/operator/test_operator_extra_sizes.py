@@ -102,3 +102,35 @@ async def test_a_plan_with_an_unmeasured_size_profiles_it_once_then_runs(
 
 def parse_profile(cm: dict[str, Any]) -> GpuProfile:
     return GpuProfile.model_validate_json(cm["data"]["profile.json"])
+
+
+async def test_a_pass_that_comes_back_without_its_sizes_is_not_asked_again(
+        emulator: ApiEmulator, operator: OperatorProcess) -> None:
+    """Regression (found by test_operator_netprobe_shared, whose simulated profiler ignores
+    --micro-batch-sizes): a profiler whose extra pass came back without the sizes it was
+    asked for had its pod deleted and made again, Profiling <-> Planning without end. A pass
+    is done once its result is cached: the job plans with what was measured, marked
+    extrapolated, and runs; at most MAX_MEASURE_ROUNDS passes per product."""
+    body = job_body("stubborn", gpuPools=[{"product": "L4"}],
+                    planner={"chooseGpus": False, "profileMicroBatchSizes": PROFILED})
+    await apply_job(emulator, body)
+    answered: set[str] = set()
+    for _ in range(4):  # the first pass, then at most MAX_MEASURE_ROUNDS extra ones
+        pod = await wait_for("a profiler pod or Running", lambda: next(
+            (p for p in pods(emulator, NS, "profiler", "stubborn")
+             if p["metadata"]["name"] not in answered
+             and not p["metadata"].get("deletionTimestamp")), None) or
+            job_status(emulator, NS, "stubborn").get("phase") == "Pending")
+        if pod is True:  # planned, its ranks created
+            break
+        answered.add(pod["metadata"]["name"])
+        own = {**pod, "spec": {**pod["spec"], "containers": [
+            {**pod["spec"]["containers"][0], "command": ["profile"]}]}}
+        await set_pod(emulator, NS, pod["metadata"]["name"], "Succeeded",
+                      message=_measured_json(own, body))
+    ranks = await run_ranks(emulator, "stubborn")
+    profilers = [name for _, name in emulator.created("pods") if "-profile-" in name]
+    assert 2 <= len(profilers) <= 3 and set(profilers) == answered, profilers
+    plan = plan_of(emulator, "stubborn")
+    assert len(ranks) == plan.world_size
+    assert any(r.extrapolated for r in plan.ranks if r.batch_size), plan.to_json()
