@@ -88,6 +88,10 @@ class JobContext:
         """One condition, written with this pass's status (the phase left as it is)."""
         self._conditions[type_] = (status, reason, message)
 
+    def has_condition(self, type_: str) -> bool:
+        """This pass has decided condition `type_` already."""
+        return type_ in self._conditions
+
     def decided(self, name: str) -> Any:
         """A status field as this pass has decided it so far, else as it read it."""
         return self._decided[name] if name in self._decided else self.status.get(name)

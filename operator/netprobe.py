@@ -26,8 +26,10 @@ namespace, until CEPHALO_NETWORK_PROFILE_MAX_AGE_SECONDS old. Only a pool whose 
 measured is probed (a pool measured in any pair answers every pair it is in).
 
 Never waited on in a re-plan (issue 46 item 8): a job planned before plans at once with what
-the cache knows (any age), the rest assumed and said so; a measurement another job caches
-later enters its next re-plan (spec.planner.replan) through the usual gain rule.
+the cache knows (any age), the rest assumed and said so; once its gang runs, a link never
+measured is probed beside it on free GPUs (netprobe_background.py), and that measurement, or
+one another job caches, enters its next re-plan (spec.planner.replan) through the usual gain
+rule.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cephalo.operator")
 NETWORK_MEASURED = "NetworkMeasured"  # condition type
+NOT_MEASURED = "NotMeasured"  # its reason: a re-plan left a link unmeasured (not failed)
 ANNOTATION_PROBES_FAILED = "cephalo.dev/network-probes-failed"  # probe key -> why, JSON
 JOIN_TIMEOUT_SECONDS = 60.0  # the ranks' rendezvous (a node that cannot reach the other)
 
@@ -73,7 +76,7 @@ def cache_namespace(ctx: JobContext) -> str:
     return ctx.config.operator_namespace or ctx.namespace
 
 
-async def _cached_all(ctx: JobContext) -> list[NetworkProfile]:
+async def cached_all(ctx: JobContext) -> list[NetworkProfile]:
     """Every readable measurement in the cache (one LIST: a few per pair of pools)."""
     return read_cache(await ctx.kube.list(core_path(cache_namespace(ctx), "configmaps"),
                                           f"{LABEL_NETWORK_PROFILE}=true"))
@@ -86,11 +89,11 @@ async def cached_network(ctx: JobContext, cluster: ClusterSpec, pools: list[Pool
     needed = probes_needed(ctx.job.spec, cluster, pools, nic_identities(pools, nodes))
     if not needed:
         return []
-    return answer(needed, await _cached_all(ctx), now=ctx.now,
+    return answer(needed, await cached_all(ctx), now=ctx.now,
                   max_age_seconds=float("inf")).measured
 
 
-def _failed(ctx: JobContext) -> dict[str, str]:
+def failed_probes(ctx: JobContext) -> dict[str, str]:
     raw = (ctx.body["metadata"].get("annotations") or {}).get(ANNOTATION_PROBES_FAILED, "{}")
     try:
         data = json.loads(raw)
@@ -112,41 +115,48 @@ async def measure(ctx: JobContext, cluster: ClusterSpec, pools: list[Pool],
     probes = probes_needed(ctx.job.spec, cluster, pools, nic_identities(pools, nodes))
     if not probes:
         return []
-    cached = await _cached_all(ctx)
+    cached = await cached_all(ctx)
     if ctx.status.get("plan"):  # planned before: never wait
         known = answer(probes, cached, now=ctx.now, max_age_seconds=float("inf"))
-        _say_measured(ctx, known.measured, "NotMeasured", {
+        say_measured(ctx, known.measured, NOT_MEASURED, {
             p.describe(): "never measured (a re-plan does not wait on a probe: planned with "
-            "the node labels or the assumed figure)" for p in known.to_probe})
+            "the node labels or the assumed figure; probed beside the running gang on free "
+            "GPUs)" for p in known.to_probe})
         return known.measured
-    failed = _failed(ctx)
+    failed = failed_probes(ctx)
     while True:
         known = answer(probes, cached, now=ctx.now,
                        max_age_seconds=ctx.config.network_profile_max_age_seconds)
         probe = next((p for p in known.to_probe if p.key not in failed), None)
         if probe is None:
             break
-        outcome = await _run(ctx, probe)
+        outcome = await run_probe(ctx, probe)
         if outcome is None:
             what = probe.describe()
             await ctx.write_status(JobPhase.PROFILING, f"measuring the network: {what}", {
                 NETWORK_MEASURED: ("False", "Measuring", f"network probe running: {what}")})
             return None
         if isinstance(outcome, str):
-            failed[probe.key] = outcome
-            await ctx.kube.patch(job_path(ctx.namespace, ctx.name), {"metadata": {"annotations": {
-                ANNOTATION_PROBES_FAILED: json.dumps(failed, sort_keys=True)}}})
-            ctx.event("Warning", "NetworkProbeFailed",
-                      f"{probe.describe()}: {outcome}; planned without it (set "
-                      "spec.planner.network or label the nodes cephalo.dev/nic-gbps)")
+            await record_failure(ctx, failed, probe, outcome, "planned without it")
             continue
         cached.append(outcome)  # may answer the probes after it (a pool's NIC)
-    _say_measured(ctx, known.measured, "ProbeFailed",
+    say_measured(ctx, known.measured, "ProbeFailed",
                   {p.describe(): failed[p.key] for p in known.to_probe})
     return known.measured
 
 
-def _say_measured(ctx: JobContext, measured: list[NetworkProfile], reason: str,
+async def record_failure(ctx: JobContext, failed: dict[str, str], probe: Probe, why: str,
+                         what_now: str) -> None:
+    """A probe that failed: in the job's annotation (never tried again for it) and an Event."""
+    failed[probe.key] = why
+    await ctx.kube.patch(job_path(ctx.namespace, ctx.name), {"metadata": {"annotations": {
+        ANNOTATION_PROBES_FAILED: json.dumps(failed, sort_keys=True)}}})
+    ctx.event("Warning", "NetworkProbeFailed",
+              f"{probe.describe()}: {why}; {what_now} (set spec.planner.network or label the "
+              "nodes cephalo.dev/nic-gbps)")
+
+
+def say_measured(ctx: JobContext, measured: list[NetworkProfile], reason: str,
                   missing: dict[str, str]) -> None:
     """Condition NetworkMeasured: the figures planned with, or the links left unmeasured
     (`reason` says why)."""
@@ -158,7 +168,7 @@ def _say_measured(ctx: JobContext, measured: list[NetworkProfile], reason: str,
             p.describe(ctx.now) for p in measured)[:1000])
 
 
-async def _run(ctx: JobContext, probe: Probe) -> NetworkProfile | str | None:
+async def run_probe(ctx: JobContext, probe: Probe) -> NetworkProfile | str | None:
     """The probe's measurement once done, a failure (why), or None while it runs (its pods
     created here when there are none)."""
     objects = render_netprobe(ctx.job, probe.digest, list(probe.pools),
@@ -248,5 +258,6 @@ async def delete_probes(ctx: JobContext) -> None:
                                       f"{group['metadata']['name']}")
 
 
-__all__ = ["NETWORK_MEASURED", "Probe", "cache_namespace", "cached_network", "delete_probes",
-           "measure", "probes_needed"]
+__all__ = ["NETWORK_MEASURED", "NOT_MEASURED", "Probe", "cache_namespace", "cached_all",
+           "cached_network", "delete_probes", "failed_probes", "measure", "probes_needed",
+           "record_failure", "run_probe", "say_measured"]

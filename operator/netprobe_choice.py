@@ -179,5 +179,65 @@ def _fastest_pair(side: tuple[str, str], fresh: Sequence[NetworkProfile]
                default=None)
 
 
-__all__ = ["INSTANCE_TYPE_LABEL", "LABEL_NETWORK_PROFILE", "Answer", "Probe", "answer",
-           "nic_identities", "nic_identity", "pinned", "probes_needed", "read_cache"]
+@dataclass(frozen=True)
+class Background:
+    """What a Running job probes beside its gang (issue 46 item 8): at most one probe, and
+    why each other never-measured link is left alone for now."""
+
+    probe: Probe | None  # to start, or to keep watching (it runs already)
+    left: dict[str, str]  # Probe.describe() -> why it is not measured now
+
+
+def background_probe(to_probe: Sequence[Probe], failed: Mapping[str, str],
+                     free: Sequence[Pool], running: frozenset[str] = frozenset()
+                     ) -> Background:
+    """The probe a Running job should run now, of the links nothing cached answers
+    (`to_probe`, from `answer`). `failed`: probe key -> why, never tried again for the job;
+    `free`: the pools as free of *every* pod, the job's own ranks included (a probe must
+    never take a GPU its gang holds, nor one another workload holds); `running`: digests of
+    the job's probe pods that exist. A running probe that still answers a link is kept (its
+    pods hold their GPUs: they are no longer free); else the first that fits in `free`."""
+    left: dict[str, str] = {}
+    wanted = [p for p in to_probe if p.key not in failed]
+    for probe in to_probe:
+        if probe.key in failed:
+            left[probe.describe()] = f"probe failed: {failed[probe.key]}"
+    chosen = next((p for p in wanted if p.digest in running), None)
+    if chosen is None:
+        chosen = next((p for p in wanted if _room(p, free)), None)
+    for probe in wanted:
+        if probe is not chosen:
+            left[probe.describe()] = (
+                "not measured yet: one probe at a time" if chosen is not None and
+                _room(probe, free) else f"not measured: no free GPUs to probe "
+                f"{probe.describe()} without the job's own")
+    return Background(chosen, left)
+
+
+def _room(probe: Probe, free: Sequence[Pool]) -> bool:
+    """The probe's pods fit on free GPUs: one GPU on each of two nodes (inter-node), or two
+    GPUs of one node (intra-node), with the GPUs other jobs planned in a pool and have not
+    placed yet (`Pool.reserved`) left to them."""
+    by_product = {p.product: p for p in free}
+    pools = [by_product.get(name) for name in probe.pools]
+    if any(p is None for p in pools):
+        return False
+    wanted: dict[str, int] = {}
+    for name in probe.pools:
+        wanted[name] = wanted.get(name, 0) + (2 if probe.kind == INTRA else 1)
+    for name, gpus in wanted.items():
+        pool = by_product[name]
+        if sum(_free_nodes(pool)) - pool.reserved < gpus:
+            return False
+    if probe.kind == INTRA:
+        return max(_free_nodes(by_product[probe.pools[0]]), default=0) >= 2
+    first, second = (by_product[n] for n in probe.pools)
+    # two distinct nodes, one free GPU on each (a node belongs to one pool: two pools are
+    # two nodes; one pool needs two of its nodes with a free GPU)
+    return len(_free_nodes(first)) >= 2 if first is second else bool(
+        _free_nodes(first) and _free_nodes(second))
+
+
+__all__ = ["INSTANCE_TYPE_LABEL", "LABEL_NETWORK_PROFILE", "Answer", "Background", "Probe",
+           "answer", "background_probe", "nic_identities", "nic_identity", "pinned",
+           "probes_needed", "read_cache"]

@@ -24,7 +24,7 @@ import kopf
 from cephalo.api import CephaloJob, ClusterSpec, JobFileError, Plan, parse_job
 from cephalo.api.network_profile import with_measured_network
 from cephalo.api.plan import PlanError, parse_plan
-from cephalo.operator import metrics, netprobe, replan, rescale
+from cephalo.operator import metrics, netprobe, netprobe_background, replan, rescale
 from cephalo.operator.config import OperatorConfig
 from cephalo.operator.context import JobContext, _replacing  # noqa: F401 (tests use it)
 from cephalo.operator.discovery import (
@@ -239,6 +239,9 @@ async def _step(ctx: JobContext) -> None:
     await ensure_pod_group(ctx, plan)  # Volcano/coscheduling: the PodGroup before its pods
     await ensure_network_policy(ctx)  # opt-in: only the job's own ranks reach its ranks
     await train(ctx, plan)
+    # A link the plan left unmeasured (a re-plan never waits on a probe): probed beside the
+    # running gang on free GPUs; stopped whenever the gang is not running.
+    await netprobe_background.probe_beside(ctx, nodes, plan)
 
 
 async def _count(counter: Any, ctx: JobContext) -> None:

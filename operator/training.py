@@ -301,12 +301,13 @@ async def _count(counter: Any, ctx: JobContext) -> None:
 
 
 async def stop_unfinished(ctx: JobContext) -> None:
-    """Free the GPUs of ranks still waiting on a failed gang, and of a profiler still
-    measuring a pool for elastic growth (elastic_profiling.py) when the job finished; keep
-    finished pods for logs."""
+    """Free the GPUs of ranks still waiting on a failed gang, of a profiler still measuring
+    a pool for elastic growth (elastic_profiling.py) and of a network probe still running
+    beside the gang (netprobe_background.py) when the job finished; keep finished pods for
+    logs."""
     pods_path = core_path(ctx.namespace, "pods")
     for pod in await ctx.kube.list(pods_path, f"{LABEL_JOB}={ctx.name},"
-                                   f"{LABEL_ROLE} in (trainer,profiler)"):
+                                   f"{LABEL_ROLE} in (trainer,profiler,netprobe)"):
         if (owned_by(pod, ctx.uid) and pod_state(pod).phase not in POD_DONE
                 and not pod["metadata"].get("deletionTimestamp")):
             await ctx.kube.delete(f"{pods_path}/{pod['metadata']['name']}",

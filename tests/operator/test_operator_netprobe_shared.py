@@ -52,12 +52,22 @@ class Cluster:
     def __init__(self, api: ApiEmulator, sim: TrainingSim, operator: OperatorProcess) -> None:
         self.api, self.sim, self.operator = api, sim, operator
         self.probe_pods: list[tuple[float, str]] = []  # (monotonic time, ns/name) created
+        # What happened, in the order the API server saw it (no clock): ("probe", name) when
+        # a probe pod is created, ("running", uid) when a rank pod first runs.
+        self.order: list[tuple[str, str]] = []
         api.on_change.append(self._changed)
 
     def _changed(self, key: tuple[Any, ...], kind: str, obj: dict[str, Any]) -> None:
         labels = obj.get("metadata", {}).get("labels") or {}
-        if key[:2] == ("", "pods") and kind == "ADDED" and PROBE_LABEL in labels:
+        if key[:2] != ("", "pods"):
+            return
+        if kind == "ADDED" and PROBE_LABEL in labels:
             self.probe_pods.append((time.monotonic(), f"{key[2]}/{key[3]}"))
+            self.order.append(("probe", key[3]))
+        running = ("running", str(obj["metadata"].get("uid")))
+        if labels.get("cephalo.dev/role") == "trainer" and running not in self.order and \
+                (obj.get("status") or {}).get("phase") == "Running":
+            self.order.append(running)
 
 
 async def _operated(api: ApiEmulator, tmp_path: Path, nodes: list[dict[str, Any]],
@@ -94,6 +104,16 @@ async def lossy_fixture(emulator: ApiEmulator, tmp_path: Path) -> AsyncIterator[
     async for cluster in _operated(emulator, tmp_path, [
             gpu_node("a10g-0", "NVIDIA-A10G", 4, 23028),
             gpu_node("a10g-1", "NVIDIA-A10G", 4, 23028),
+            gpu_node("t4-0", "Tesla-T4", 1, 15360)], scheduled=True):
+        yield cluster
+
+
+@pytest_asyncio.fixture(name="replaced")
+async def replaced_fixture(emulator: ApiEmulator, tmp_path: Path) -> AsyncIterator[Cluster]:
+    async for cluster in _operated(emulator, tmp_path, [
+            gpu_node("a10g-0", "NVIDIA-A10G", 4, 23028),
+            gpu_node("a10g-1", "NVIDIA-A10G", 4, 23028),
+            gpu_node("l4-0", "NVIDIA-L4", 2, 23034, ready=False),  # Ready when t4-0 goes
             gpu_node("t4-0", "Tesla-T4", 1, 15360)], scheduled=True):
         yield cluster
 
@@ -191,3 +211,62 @@ async def test_a_job_that_loses_a_node_restarts_without_waiting_on_a_probe(
     assert status["plan"]["networkSource"] == MEASURED_SOURCE, status["plan"]
     measured = {c["type"]: c for c in status["conditions"]}["NetworkMeasured"]
     assert measured["status"] == "True", measured
+
+
+def _condition(api: ApiEmulator, name: str, type_: str) -> dict[str, Any]:
+    return {c["type"]: c for c in _status(api, "default", name).get("conditions") or []}.get(
+        type_) or {}
+
+
+async def test_a_pool_never_measured_is_probed_beside_the_recovered_gang(
+        replaced: Cluster) -> None:
+    """The T4 node goes and an L4 node takes its place: the re-plan runs on 6 A10G + 1 L4 at
+    once (the L4 pool's NIC never measured, so assumed), then the A10G <-> L4 probe runs on
+    the GPUs neither the job nor anyone else holds (2 A10G, 1 L4), its measurement is cached
+    and the job's NetworkMeasured turns True, with the gang never restarted for it."""
+    api = replaced.api
+    replaced.sim.idle_jobs.add("r")  # ranks that hold their GPUs and never finish
+    await apply_job(api, job_body("r", training={"steps": 100_000}, globalBatchSize=14, gpuPools=[
+        {"product": "A10G", "maxGpus": 6}, {"product": "T4"}, {"product": "L4", "maxGpus": 1}]))
+    await wait_for("r Running on 6 A10G + 1 T4, its links measured", lambda: (
+        s := _status(api, "default", "r")).get("phase") == "Running"
+        and (s.get("plan") or {}).get("pools") == {"NVIDIA-A10G": 6, "Tesla-T4": 1}
+        and _ranks_running(api, "r", 7)
+        and _condition(api, "r", "NetworkMeasured").get("status") == "True")
+    before = [name for _, name in replaced.probe_pods]
+    assert before, "the first plan measured nothing"
+    old = {p["metadata"]["uid"] for p in pods(api, "default", "trainer")}
+
+    await call(api, "PATCH", "/api/v1/nodes/l4-0/status", {"status": {
+        "conditions": [{"type": "Ready", "status": "True"}]}})
+    await call(api, "PATCH", "/api/v1/nodes/t4-0/status", {"status": {
+        "conditions": [{"type": "Ready", "status": "False"}]}})
+
+    def restarted() -> list[dict[str, Any]] | None:
+        ranks = _ranks_running(api, "r", 7)
+        return ranks if ranks and not {p["metadata"]["uid"] for p in ranks} & old else None
+
+    ranks = await wait_for("r's 7 new ranks Running", restarted, WAIT_SECONDS)
+    assert {p["spec"]["nodeName"] for p in ranks} == {"a10g-0", "a10g-1", "l4-0"}
+    new = {p["metadata"]["uid"] for p in ranks}
+
+    measured = await wait_for("NetworkMeasured True after the probe beside the gang", lambda: (
+        c if (c := _condition(api, "r", "NetworkMeasured")).get("status") == "True"
+        and "beside the running gang" in c.get("message", "") else None))
+    assert "NVIDIA-A10G <-> NVIDIA-L4" in measured["message"], measured
+    # The recovery waited on nothing: every new rank ran before the probe's first pod existed.
+    probes = [name for kind, name in replaced.order if kind == "probe" and
+              f"default/{name}" not in before]
+    assert len(probes) == 2, replaced.order  # one probe: a pod on each side of the link
+    first_probe = replaced.order.index(("probe", probes[0]))
+    ran = [replaced.order.index(("running", uid)) for uid in new]
+    assert max(ran) < first_probe, replaced.order
+    # Cached for every job on these pools, in the operator's namespace.
+    cached = [NetworkProfile.model_validate_json(cm["data"][NETWORK_PROFILE_KEY])
+              for cm in _network_config_maps(api).values()]
+    assert any(sorted(p.pools) == ["NVIDIA-A10G", "NVIDIA-L4"] for p in cached), cached
+    # The probe never touched the gang: the same ranks run, no restart was counted for it.
+    assert _ranks_running(api, "r", 7) and {
+        p["metadata"]["uid"] for p in pods(api, "default", "trainer")
+        if not p["metadata"].get("deletionTimestamp")} == new
+    assert not _status(api, "default", "r").get("restarts")

@@ -22,7 +22,7 @@ from cephalo.api.network_profile import (
 from cephalo.api.profile import CollectiveProfile
 from cephalo.operator.discovery import Pool
 from cephalo.operator.netprobe import Probe, probes_needed
-from cephalo.operator.netprobe_choice import answer, nic_identity
+from cephalo.operator.netprobe_choice import Background, answer, background_probe, nic_identity
 from cephalo.operator.netprobe_render import render_netprobe
 from cephalo.planner import solve
 from cephalo.planner.comm_model import CommModel
@@ -231,3 +231,47 @@ def test_the_nic_identity_is_the_nodes_machine_type_and_nic_label() -> None:
                 if p.kind == INTER]
     assert probe.nics == ("g5.12xlarge", "g5.12xlarge")
     assert "team" not in probe.key and "gpt" not in probe.key  # no job or namespace in it
+
+
+# ---- issue 46 item 8: what a Running job probes beside its gang ---------------------------
+L4 = "NVIDIA-L4"
+PAIR = Probe(INTER, (A10G, L4))  # the L4 pool's NIC never measured
+
+
+def test_a_background_probe_runs_only_on_gpus_free_of_everyone() -> None:
+    # Free of every pod (the job's own ranks counted): 2 A10G GPUs and the L4 node's spare.
+    free = [_pool(A10G, (2, 0)), _pool(L4, (1,))]
+    assert background_probe([PAIR], {}, free) == Background(PAIR, {})
+    # The job's ranks hold every L4 GPU: nothing runs, and the condition says why.
+    held = [_pool(A10G, (2, 0))]
+    assert background_probe([PAIR], {}, held) == Background(None, {
+        f"inter-node {A10G} <-> {L4}": f"not measured: no free GPUs to probe inter-node "
+        f"{A10G} <-> {L4} without the job's own"})
+    # A free L4 GPU another job planned and has not placed yet is not free for a probe.
+    reserved = [_pool(A10G, (2, 0)), Pool(L4, "L4", 0, None, ("l4-0",), (1,), 1)]
+    assert background_probe([PAIR], {}, reserved).probe is None
+
+
+def test_a_background_probe_fits_its_shape_on_nodes() -> None:
+    same = Probe(INTER, (A10G, A10G))
+    assert background_probe([same], {}, [_pool(A10G, (2, 0))]).probe is None  # one node
+    assert background_probe([same], {}, [_pool(A10G, (1, 1))]).probe == same  # two nodes
+    intra = Probe(INTRA, (A10G,))
+    assert background_probe([intra], {}, [_pool(A10G, (1, 1))]).probe is None  # 1 a node
+    assert background_probe([intra], {}, [_pool(A10G, (0, 2))]).probe == intra
+
+
+def test_one_background_probe_at_a_time_and_none_retried_after_a_failure() -> None:
+    intra = Probe(INTRA, (A10G,))
+    free = [_pool(A10G, (2, 2)), _pool(L4, (1,))]
+    got = background_probe([PAIR, intra], {}, free)
+    assert got.probe == PAIR
+    assert got.left == {f"intra-node {A10G} x2": "not measured yet: one probe at a time"}
+    # A probe that runs keeps its turn although its own pods now hold the GPUs it needed.
+    assert background_probe([PAIR, intra], {}, [_pool(A10G, (0, 0))],
+                            running=frozenset({intra.digest})).probe == intra
+    # A failed probe is never tried again for the job; the next one is.
+    got = background_probe([PAIR, intra], {PAIR.key: "timed out"}, free)
+    assert got.probe == intra
+    assert got.left == {f"inter-node {A10G} <-> {L4}": "probe failed: timed out"}
+    assert background_probe([PAIR], {PAIR.key: "timed out"}, free).probe is None
