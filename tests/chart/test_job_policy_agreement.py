@@ -90,8 +90,10 @@ def _admission_refuses(policy: dict[str, Any], job: dict[str, Any]) -> list[str]
 
 def _operator_policy(objects: list[dict[str, Any]]) -> JobPolicy:
     container = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    # (the operator's namespace comes by the downward API, a valueFrom: not a policy's)
     return OperatorConfig.from_env({e["name"]: e["value"] for e in container["env"]
-                                    if e["name"].startswith("CEPHALO_")}).job_policy()
+                                    if e["name"].startswith("CEPHALO_") and "value" in e}
+                                   ).job_policy()
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +132,7 @@ def test_unset_lists_restrict_nothing_new() -> None:
 
 def test_the_operator_gets_the_lists_as_rendered() -> None:
     env = {e["name"]: e["value"] for e in one(render(RESTRICTED), "Deployment")["spec"][
-        "template"]["spec"]["containers"][0]["env"]}
+        "template"]["spec"]["containers"][0]["env"] if "value" in e}
     assert env["CEPHALO_ALLOWED_IMAGE_PREFIXES"] == \
         "registry.example.com/,ghcr.io/cephalo/cephalo-trainer"
     assert env["CEPHALO_ALLOWED_PRIORITY_CLASS_NAMES"] == "batch,batch-low"
