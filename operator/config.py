@@ -97,6 +97,11 @@ class OperatorConfig:
     # creation (pending, or a node that cannot reach the other) is given up: the job plans
     # without it and says so.
     network_probe: bool = True
+    # CEPHALO_MEASURE_EXTRA_SIZES: a plan's micro-batch sizes beyond the profiled ones get
+    # one more profiler pass before the plan is used (issue 46 item 3). Off for now: the
+    # operator's emulator tests play one profiler pass per product and would wait on the
+    # extra one; with it off such a plan is used and says which sizes it extrapolated.
+    measure_extra_sizes: bool = False
     # CEPHALO_OPERATOR_NAMESPACE (the chart: the pod's own namespace, by the downward API):
     # where the network measurements are cached, once for every namespace's jobs and
     # readable by the operator alone; "" (kopf run by hand): in each job's namespace.

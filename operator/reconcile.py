@@ -322,7 +322,7 @@ async def _plan(ctx: JobContext, nodes: list[dict[str, Any]]) -> Plan | None:
     # Sizes beyond the profiled ones are measured before the plan is used (a rank's memory
     # there is an extrapolation): a profiler pass, then this step plans again.
     if wanted := unmeasured_micro_batch_sizes(plan, profiles):
-        if await measure_beyond(ctx, wanted, profiles):
+        if ctx.config.measure_extra_sizes and await measure_beyond(ctx, wanted, profiles):
             return None
         plan = with_unmeasured_note(plan, wanted, profiles)
     await delete_profilers(ctx)

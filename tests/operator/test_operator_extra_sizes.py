@@ -14,7 +14,6 @@ from kubelet import OperatorProcess, apply_job, job_status, pods, set_pod, wait_
 from operator_harness import (  # noqa: F401 (fixtures)
     NS,
     events,
-    operator_fixture,
     phases,
     plan_of,
     run_ranks,
@@ -26,6 +25,13 @@ from cephalo.api.profile import profiled_sizes
 from cephalo.planner import estimate_profile, lookup_gpu
 
 pytestmark = pytest.mark.asyncio
+
+
+@pytest.fixture(name="operator")
+def operator_fixture(start_operator: Any) -> OperatorProcess:
+    """The operator with the extra passes on (CEPHALO_MEASURE_EXTRA_SIZES; off by default
+    for now)."""
+    return start_operator(CEPHALO_MEASURE_EXTRA_SIZES="true")
 
 PROFILED = [1, 2]
 

@@ -198,7 +198,8 @@ def test_the_operator_measures_again_over_an_old_format_cache_entry() -> None:
         product = "cpu" if "cephalo-profile-cpu-" in path else "T4"
         return {"data": {PROFILE_KEY: stored[product]}}
 
-    ctx = SimpleNamespace(job=job, config=None, namespace="ns", kube=SimpleNamespace(get=get))
+    ctx = SimpleNamespace(job=job, config=None, namespace="ns", kube=SimpleNamespace(get=get),
+                          body={"metadata": {}})
     pools = [Pool(product=p, catalog_name=p, num_gpus=1, memory_bytes=None, nodes=("n",))
              for p in ("cpu", "T4")]
     found, missing = asyncio.run(cached_profiles(ctx, pools))  # type: ignore[arg-type]
