@@ -66,6 +66,7 @@ from cephalo.operator.render import (
     checkpoint_target,
     profile_config_map_name,
 )
+from cephalo.planner.measured_sizes import unmeasured_micro_batch_sizes, with_unmeasured_note
 from cephalo.planner.worker import encode_request, run_request
 
 MEMORY_BYTES = 512 * 1024**2  # only named in the worker's out-of-memory message
@@ -149,6 +150,8 @@ def plan_on_cluster(session: Session, job: CephaloJob, namespace: str,
         result.error, result.error_reason = str(outcome[2]), str(outcome[1])
         return result
     plan = parse_plan(json.loads(outcome[1]))
+    if wanted := unmeasured_micro_batch_sizes(plan, profiles):  # as reconcile._plan says
+        plan = with_unmeasured_note(plan, wanted, profiles)
     if spec.ranks_per_pod != 1:  # as the operator packs them (reconcile._plan)
         plan = with_pod_ranks(plan, pack_ranks(
             plan, {p.product: p.node_gpus for p in pools}, spec.ranks_per_pod))
