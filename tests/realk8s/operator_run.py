@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .cluster import Cluster
+from .cluster import OPERATOR_NAMESPACE, Cluster
 from .controlplane import dies_with_its_starter, free_port
 from .rest import wait_until
 
@@ -43,6 +43,9 @@ class Operator:
                # The network probe is its own test's (test_operator_netprobe): elsewhere a
                # job is planned as soon as profiled.
                "CEPHALO_NETWORK_PROBE": "false",
+               # As the chart's Deployment sets it (the downward API): the network cache is
+               # read in the operator's namespace, where the chart's Role lets it list.
+               "CEPHALO_OPERATOR_NAMESPACE": OPERATOR_NAMESPACE,
                "KUBECONFIG": str(self.kubeconfig), **self.extra_env}
         with log_path.open("ab") as log:
             return subprocess.Popen(dies_with_its_starter(
