@@ -37,6 +37,25 @@ def test_no_guess_at_a_gpu(local_rank: int | None, visible: int, message: str) -
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def _gpus_without_local_rank(monkeypatch: pytest.MonkeyPatch, env: dict[str, str],
+                             gpus: int) -> list[object]:
+    """`env` set, LOCAL_RANK unset, `gpus` fake CUDA GPUs visible, and no process group may
+    form: returns the list of GPUs the code under test claims."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    claimed: list[object] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", claimed.append)
+
+    def no_group(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the process group formed")
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", no_group)
+    return claimed
+
+
 def test_a_rank_without_local_rank_on_a_multi_gpu_host_stops(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
@@ -44,21 +63,10 @@ def test_a_rank_without_local_rank_on_a_multi_gpu_host_stops(
     before any GPU is claimed or the process group forms (it used to take GPU 3 % 4)."""
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(JOB))
     (tmp_path / "plan.json").write_text(json.dumps(PLAN))
-    for name, value in {"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": "29999", "CEPHALO_JOB": str(tmp_path / "job.yaml"),
-                        "CEPHALO_PLAN": str(tmp_path / "plan.json"),
-                        "CEPHALO_CHECKPOINT_DIR": ""}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    claimed: list[object] = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    monkeypatch.setattr(torch.cuda, "set_device", claimed.append)
-
-    def no_group(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the process group formed")
-
-    monkeypatch.setattr(run.dist, "init_process_group", no_group)
+    claimed = _gpus_without_local_rank(monkeypatch, {
+        "RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999",
+        "CEPHALO_JOB": str(tmp_path / "job.yaml"), "CEPHALO_PLAN": str(tmp_path / "plan.json"),
+        "CEPHALO_CHECKPOINT_DIR": ""}, gpus=4)
     monkeypatch.setattr(run, "check_precision", lambda device, precision: None)
     monkeypatch.setattr(run.signal, "signal", lambda *args: None)  # pytest keeps its own
     assert run.main() == 2
@@ -74,19 +82,9 @@ def test_the_network_probe_takes_no_gpu_without_local_rank(
     LOCAL_RANK): exit 2 with one line before any GPU is claimed or a group forms."""
     from cephalo.trainer import netprobe
 
-    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": "29999"}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    claimed: list[object] = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "set_device", claimed.append)
-
-    def no_group(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the process group formed")
-
-    monkeypatch.setattr(torch.distributed, "init_process_group", no_group)
+    claimed = _gpus_without_local_rank(monkeypatch, {
+        "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"},
+        gpus=2)
     assert netprobe.main(["--output", "-"]) == 2
     assert claimed == []
     err = capsys.readouterr().err.strip()
