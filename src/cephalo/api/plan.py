@@ -42,7 +42,8 @@ def _omit_empty(data: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
 # by hand, still loads: the trainer needs only the batch and shard fields.
 OPTIONAL_PLAN_FIELDS = ("idle_gpus", "optimality_gap_seconds", "unit_shard_ratios", "cost",
                         "recompute", "pod_ranks", "model", "precision", "memory_fraction",
-                        "state_bytes", "estimated_gpus", "assumptions", "search", "notes")
+                        "state_bytes", "estimated_gpus", "assumptions", "search", "notes",
+                        "replica_groups")
 
 
 class RankPlan(BaseModel):
@@ -182,6 +183,15 @@ class Plan(BaseModel):
     # spec.ranksPerPod); empty: one rank per pod. A grouping that does not add up to the
     # ranks of one pool per pod is ignored where it is used (operator/podspec.py).
     pod_ranks: list[int] = Field(default_factory=list)
+    # Hybrid sharding (docs/hybrid-sharding.md): the ranks split into replica groups, each
+    # holding the whole training state sharded unevenly among its own ranks (FSDP on the
+    # group's ranks), the gradient shards all-reduced across groups once a step. Every group
+    # has the same number of ranks, listed in position order; the ranks at one position in
+    # every group hold the same slice, so a rank's `shard_ratio` (and every list of
+    # `unit_shard_ratios`) is its share *within its group*: each group's ratios sum to 1 and
+    # agree position by position. Batches stay per rank over the whole job. Empty
+    # (omitted): flat sharding, one group of every rank.
+    replica_groups: list[list[int]] = Field(default_factory=list)
     # What the planner assumed, for humans and `cephalo plan` (the trainer ignores them).
     model: dict[str, Any] | None = None  # the resolved ModelConfig
     precision: str | None = None
@@ -229,9 +239,39 @@ def check_invariants(plan: Plan) -> None:
     if total != plan.global_batch_size:
         raise PlanError(f"rank batch sizes sum to {total}, not global_batch_size "
                         f"{plan.global_batch_size}")
+    if plan.replica_groups:
+        check_replica_groups(plan.replica_groups, [r.shard_ratio for r in plan.ranks],
+                             "shard ratios")
+        return
     ratio_sum = sum(r.shard_ratio for r in plan.ranks)
     if abs(ratio_sum - 1.0) > SHARD_RATIO_TOLERANCE:
         raise PlanError(f"shard ratios sum to {ratio_sum!r}, not 1")
+
+
+def check_replica_groups(groups: list[list[int]], ratios: list[float], what: str) -> None:
+    """Replica groups partition the ranks into groups of one size, and `ratios` (one per
+    rank) sum to 1 within every group and agree position by position across groups."""
+    world = len(ratios)
+    members = sorted(r for g in groups for r in g)
+    if members != list(range(world)):
+        raise PlanError(f"replica_groups must list every rank 0..{world - 1} exactly once, "
+                        f"got {groups}")
+    size = len(groups[0])
+    if any(len(g) != size for g in groups):
+        raise PlanError(f"replica_groups must all have the same number of ranks, got sizes "
+                        f"{[len(g) for g in groups]}")
+    for g in groups:
+        total = sum(ratios[r] for r in g)
+        if abs(total - 1.0) > SHARD_RATIO_TOLERANCE:
+            raise PlanError(f"{what} of replica group {g} sum to {total!r}, not 1")
+    for position in range(size):
+        first = ratios[groups[0][position]]
+        for g in groups[1:]:
+            if abs(ratios[g[position]] - first) > SHARD_RATIO_TOLERANCE:
+                raise PlanError(f"{what}: rank {g[position]} holds {ratios[g[position]]!r} "
+                                f"but rank {groups[0][position]} at the same position of "
+                                f"replica group {groups[0]} holds {first!r}; ranks at one "
+                                "position hold the same slice")
 
 
 def parse_plan(data: Any, source: str = "plan") -> Plan:
