@@ -41,6 +41,9 @@ import torch.distributed as dist
 
 from cephalo.trainer.wait_clock import HostWaitClock, WaitClock, cuda_wait_clock
 
+# The kind (in the stats) of hybrid sharding's gradient all-reduce across replica groups.
+CROSS_ALL_REDUCE = "cross_all_reduce"
+
 
 @dataclass
 class Pending:
@@ -267,6 +270,27 @@ class UnevenCollectives:
 
         return self._over_link(Pending(works, out, "reduce_scatter", self.stats,
                                        finish=slice_out), buf)
+
+    def all_reduce(self, shard: torch.Tensor, unit: int,
+                   wire_dtype: torch.dtype | None = None) -> Pending:
+        """Asynchronous SUM all-reduce of a gradient shard in place (hybrid sharding's
+        cross-group sum, cephalo.trainer.replicas); the result is `shard`, summed.
+        `wire_dtype` (e.g. bf16 for an fp32 shard): rounded to it and summed in it by the
+        backend, as the reduce-scatters do, and widened back into `shard`."""
+        narrow = wire_dtype is not None and wire_dtype != shard.dtype and \
+            self.world_size > 1
+        buf = shard.to(wire_dtype) if narrow else shard
+        self._count(CROSS_ALL_REDUCE, unit, buf.numel(), buf.dtype)
+        if self.world_size == 1:
+            return Pending([], shard, CROSS_ALL_REDUCE, self.stats, done=True)
+        self.stats.native_calls[CROSS_ALL_REDUCE] += 1
+        work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+        def widen() -> None:
+            shard.copy_(buf)
+
+        return self._over_link(Pending([work], shard, CROSS_ALL_REDUCE, self.stats,
+                                       finish=widen if narrow else None), buf)
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Blocking SUM all-reduce of a small tensor (once per step: grad-norm, loss, and what

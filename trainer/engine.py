@@ -58,6 +58,13 @@ from cephalo.trainer.flat import FlatUnit
 from cephalo.trainer.models import build_unit
 from cephalo.trainer.optim import OptimizerState, ShardedAdamW, learning_rate
 from cephalo.trainer.precision import PRECISIONS, LossScaler, LossScaleState
+from cephalo.trainer.replicas import (
+    GradientSync,
+    ReplicaGroups,
+    build_replica_groups,
+    check_groups,
+    group_ratios,
+)
 from cephalo.trainer.unit_ops import ActivationStore, BlockTiming, run_unit_for_profile
 
 __all__ = ["BlockTiming", "Engine", "Layout", "StepResult", "run_unit_for_profile"]
@@ -83,6 +90,10 @@ class Layout:
     agree on the tail they run per microbatch (`cephalo.api.memory.fused_tail_blocks`).
     `precisions`: per rank, the precision it computes in (a plan's ``ranks[i].precision``;
     None or empty: the job's); every rank reads all of them to agree on loss scaling.
+    `replica_groups`: hybrid sharding (a plan's ``replica_groups``, cephalo.trainer.replicas):
+    the ranks in groups of one size, each holding the whole state sharded among its ranks;
+    a rank's shard ratios (and each unit's) are then its share within its group. Empty:
+    flat, one group of every rank. Batches stay per rank over the whole job either way.
     """
 
     batch_sizes: list[int]
@@ -92,9 +103,17 @@ class Layout:
     kept_blocks: list[int] = field(default_factory=list)
     graph_bytes_per_sample: list[float | None] = field(default_factory=list)
     precisions: list[str | None] = field(default_factory=list)
+    replica_groups: list[list[int]] = field(default_factory=list)
 
     def ratios_for(self, unit: int) -> list[float]:
+        """Unit `unit`'s ratios by rank (under hybrid sharding: within each rank's group;
+        `group_ratios` gives them by position)."""
         return self.unit_shard_ratios.get(unit, self.shard_ratios)
+
+    def group_ratios_for(self, unit: int) -> list[float]:
+        """Unit `unit`'s ratios by position in a shard group: every rank's when flat."""
+        ratios = self.ratios_for(unit)
+        return group_ratios(self.replica_groups, ratios) if self.replica_groups else ratios
 
     @property
     def global_batch_size(self) -> int:
@@ -143,17 +162,30 @@ class Engine:
                  precision: str = "fp32", recompute: bool = True,
                  offload: bool | None = None, time_dilation: float = 1.0,
                  standalone: bool = False, gather_precision: str = "fp32",
-                 reduce_precision: str = "fp32") -> None:
+                 reduce_precision: str = "fp32",
+                 replicas: ReplicaGroups | None = None) -> None:
+        """`replicas`: the process groups of `layout.replica_groups`, built once per run
+        (None: built here when the layout has groups; a collective over the default group)."""
         # standalone: a single rank that needs no process group (see UnevenCollectives).
+        # `comm` spans the world (the end-of-step all-reduce, evaluation, the loop's
+        # checks); `shard_comm` gathers and reduce-scatters the units: `comm` itself when
+        # flat, the rank's replica group's under hybrid sharding.
         self.comm = UnevenCollectives(group, standalone=standalone)
         self.rank = self.comm.rank
         if layout.world_size != self.comm.world_size:
             raise ValueError(f"layout has {layout.world_size} ranks, process group has "
                              f"{self.comm.world_size}")
         for unit, ratios in layout.unit_shard_ratios.items():
-            if len(ratios) != layout.world_size or abs(sum(ratios) - 1) > 1e-9:
+            if len(ratios) != layout.world_size or (
+                    not layout.replica_groups and abs(sum(ratios) - 1) > 1e-9):
                 raise ValueError(f"unit_shard_ratios[{unit}] needs {layout.world_size} ratios "
                                  f"summing to 1, got {ratios}")
+        self.shard_comm = self.comm
+        self.sync: GradientSync | None = None  # hybrid: the cross-group gradient sum
+        self.position = self.rank  # this rank's slice: its place in its shard group
+        self.group_index = 0  # its replica group (the one that writes checkpoints: 0)
+        if layout.replica_groups:
+            self._join_replica_groups(layout, replicas, reduce_precision)
         if layout.kept_blocks:
             if len(layout.kept_blocks) != layout.world_size:
                 raise ValueError(f"kept_blocks needs one count per rank ({layout.world_size}), "
@@ -229,7 +261,7 @@ class Engine:
         masters = []
         for i in range(config.num_units):
             module = build_unit(config, i, seed=training.seed)
-            unit = FlatUnit(i, module, layout.ratios_for(i), self.rank)
+            unit = FlatUnit(i, module, layout.group_ratios_for(i), self.position)
             masters.append(unit.flatten()[unit.start:unit.end].clone().to(self.device))
             unit.detach_parameters()
             module.to(self.device)  # buffers (e.g. RoPE tables)
@@ -237,6 +269,41 @@ class Engine:
         self.optimizer = ShardedAdamW(masters, [u.decay_mask_shard.to(self.device)
                                                 for u in self.units], training)
         self.step_count = 0
+
+    def _join_replica_groups(self, layout: Layout, replicas: ReplicaGroups | None,
+                             reduce_precision: str) -> None:
+        """Hybrid sharding: shard within this rank's replica group, sum across groups."""
+        groups = layout.replica_groups
+        check_groups(groups, layout.shard_ratios, "shard ratios")
+        for unit, ratios in layout.unit_shard_ratios.items():
+            check_groups(groups, ratios, f"unit_shard_ratios[{unit}]")
+        if self.comm.group is not None and self.comm.world_size != dist.get_world_size():
+            raise ValueError("replica groups are built over the default process group; "
+                             "run a hybrid layout on it")
+        if replicas is None:
+            replicas = build_replica_groups(groups, self.rank)
+        elif replicas.groups != groups:
+            raise ValueError(f"replicas were built for {replicas.groups}, the layout has "
+                             f"{groups}")
+        self.position, self.group_index = replicas.position, replicas.index
+        self.shard_comm = UnevenCollectives(replicas.shard_group)
+        cross = UnevenCollectives(replicas.cross_group)
+        # One account of every collective, whichever group ran it: the step's wait seconds
+        # and the per-kind counts add up as they do when flat.
+        self.shard_comm.stats = cross.stats = self.comm.stats
+        self.sync = GradientSync(cross, WIRE_DTYPES.get(reduce_precision))
+
+    @property
+    def collectives(self) -> list[UnevenCollectives]:
+        """Every group's collectives this engine runs (one when flat)."""
+        found = [self.comm, self.shard_comm] + ([self.sync.comm] if self.sync else [])
+        return list({id(c): c for c in found}.values())
+
+    @property
+    def writes_checkpoint(self) -> bool:
+        """This rank writes its shard of the state: every rank when flat, replica group 0's
+        under hybrid sharding (the other groups hold the same slices)."""
+        return self.group_index == 0
 
     # ---- checkpoint state (torch.distributed.checkpoint's Stateful protocol) --------
     def state_dict(self) -> EngineState:
@@ -268,8 +335,9 @@ class Engine:
         owner's shard (the overflow verdict, `_optimizer_step`)."""
         if self.precision == "fp16":
             full_grad.mul_(1.0 / self.scaler.scale)
-        return self.comm.reduce_scatter(full_grad, self.units[u].bounds, u,
-                                        wire_dtype=self.reduce_dtype)
+        pending = self.shard_comm.reduce_scatter(full_grad, self.units[u].bounds, u,
+                                                 wire_dtype=self.reduce_dtype)
+        return pending if self.sync is None else self.sync.follow(u, pending)
 
     # ---- parameters ----------------------------------------------------------------
     @property
@@ -279,13 +347,13 @@ class Engine:
     def _gather(self, index: int) -> Pending:
         """Unit `index`'s parameters for compute (in the job's gather precision)."""
         unit = self.units[index]
-        return self.comm.all_gather(self.master_shards[index], unit.bounds, index,
-                                    wire_dtype=self.gather_dtype)
+        return self.shard_comm.all_gather(self.master_shards[index], unit.bounds, index,
+                                          wire_dtype=self.gather_dtype)
 
     def full_parameters(self) -> list[torch.Tensor]:
         """Every unit's full flat fp32 master weights (a collective: all ranks must call
         it), never rounded by the gather precision."""
-        return [self.comm.all_gather(self.master_shards[i], u.bounds, i).wait().detach()
+        return [self.shard_comm.all_gather(self.master_shards[i], u.bounds, i).wait().detach()
                 .to("cpu", copy=True) for i, u in enumerate(self.units)]
 
     # ---- evaluation -----------------------------------------------------------------
@@ -316,6 +384,8 @@ class Engine:
             raise ValueError(f"rank {self.rank} got {got} samples, its plan says {expected}")
         inputs = [x.to(self.device, non_blocking=True) for x, _ in micro_batches]
         targets = [t.to(self.device, non_blocking=True) for _, t in micro_batches]
+        if self.sync is not None:
+            self.sync.begin()
         if self.recompute:
             loss_sum, grads = passes.forward_backward_recompute(self, inputs, targets)
         else:
@@ -407,6 +477,8 @@ class Engine:
                         started: float | None = None, wait_before: float = 0.0,
                         votes: Callable[[], Sequence[float]] | None = None) -> StepResult:
         grads = [p.wait() for p in scatters]
+        if self.sync is not None:  # hybrid: the shards summed over the groups as well
+            grads = self.sync.finish(len(grads))
         opt = self.optimizer
         world = self.comm.world_size
         # [Σ grad², Σ loss, compute seconds by rank, wait seconds by rank, votes]: each rank
@@ -423,8 +495,13 @@ class Engine:
         extra[self.rank] = elapsed - waited
         extra[world + self.rank] = waited
         mine = [float(v) for v in votes()] if votes is not None else []
-        totals = torch.cat([torch.stack([opt.squared_norm(grads).to(self.device),
-                                         loss_sum.float()]).double(),
+        # Under hybrid sharding every group holds the same summed shards: only group 0's
+        # ranks add theirs to Σ grad² (the others add an exact 0), so each slice counts
+        # once and the norm is the flat one; loss, timings and votes stay every rank's.
+        squared = opt.squared_norm(grads).to(self.device)
+        if self.group_index != 0:
+            squared = torch.zeros_like(squared)
+        totals = torch.cat([torch.stack([squared, loss_sum.float()]).double(),
                             torch.cat([extra, torch.tensor(mine, dtype=torch.float64)]
                                       ).to(self.device)])
         values = self.comm.all_reduce_sum(totals).cpu().tolist()

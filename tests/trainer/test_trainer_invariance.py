@@ -12,8 +12,8 @@ from cephalo.api.models import preset
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Engine, Layout
 from cephalo.trainer.models import build_model
-from cephalo.trainer.optim import learning_rate
 from cephalo.trainer.spawn import spawn_ranks
+from tests.pytorch_reference import pytorch_training
 
 STEPS = 3
 TOLERANCE = 1e-5
@@ -104,31 +104,10 @@ def test_single_rank_engine_matches_plain_pytorch() -> None:
     torch.set_num_threads(1)
     results = spawn_ranks(_single_worker, 1, timeout_seconds=60)
     losses, params = results[0]
-    config = preset("gpt-tiny")
-    spec = _spec()
-    data = DataSource(config, DataSpec(synthetic=SyntheticData()), seed=0)
-    model = build_model(config, seed=0)
-    matrices = [p for p in model.parameters() if p.dim() >= 2]
-    others = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": matrices, "weight_decay": spec.weight_decay},
-         {"params": others, "weight_decay": 0.0}],
-        lr=spec.learning_rate, betas=(spec.adam_beta1, spec.adam_beta2), eps=spec.adam_epsilon)
-    ref_losses = []
-    for step in range(STEPS):
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(spec, step)
-        inputs, targets = data.batch(step, 0, 8)
-        optimizer.zero_grad()
-        loss = model(inputs, targets).mean()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), spec.gradient_clip_norm)
-        optimizer.step()
-        ref_losses.append(loss.item())
+    ref_losses, ref_params = pytorch_training(preset("gpt-tiny"), _spec(), STEPS, 8)
     assert losses == pytest.approx(ref_losses, rel=TOLERANCE)
-    for u, unit in enumerate(model.units):
-        flat = torch.cat([p.detach().reshape(-1) for p in unit.parameters()])
-        assert _relative(params[u], flat) <= TOLERANCE
+    for got, want in zip(params, ref_params, strict=True):
+        assert _relative(got, want) <= TOLERANCE
 
 
 def _single_worker(rank: int, world_size: int) -> tuple[list[float], list[torch.Tensor]]:
