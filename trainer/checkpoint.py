@@ -192,9 +192,16 @@ def storage_timeout_seconds(engine: Engine, configured_seconds: float) -> float:
     return max(configured_seconds, 60.0 + total / SLOWEST_STORAGE_BYTES_PER_SECOND)
 
 
-def files_needed(meta: dict[str, Any], ranges: list[tuple[int, int]], rank: int) -> set[int]:
-    """Old ranks whose files hold any element in `ranges` (per unit), plus the RNG's."""
-    need = {rank if rank < int(meta["world_size"]) else 0}
+def rng_file(meta: dict[str, Any], position: int) -> int:
+    """The file whose RNG state a rank takes: the one of its own slice's number (its rank
+    when flat, its position in its replica group under hybrid sharding) where it exists."""
+    return position if position < int(meta["world_size"]) else 0
+
+
+def files_needed(meta: dict[str, Any], ranges: list[tuple[int, int]], position: int
+                 ) -> set[int]:
+    """Old files that hold any element in `ranges` (per unit), plus the RNG's."""
+    need = {rng_file(meta, position)}
     for unit, (start, end) in enumerate(ranges):
         for old, (s, e) in enumerate(meta["bounds"][unit]):
             if max(s, start) < min(e, end):
@@ -304,8 +311,7 @@ def restore(engine: Engine, info: CheckpointInfo, reader: ShardReader | None = N
                 for key, target in (("param", opt["param"][i]), ("exp_avg", opt["exp_avg"][i]),
                                     ("exp_avg_sq", opt["exp_avg_sq"][i])):
                     target.copy_(reader.read(i, u.start, u.end, key).to(target.device))
-        same_rank_exists = engine.rank < int(info.meta["world_size"])
-        torch.set_rng_state(reader.rng_state(engine.rank if same_rank_exists else 0))
+        torch.set_rng_state(reader.rng_state(rng_file(info.meta, engine.position)))
     finally:
         reader.close()
     opt["num_steps"] = int(info.meta["optimizer_steps"])
@@ -365,7 +371,8 @@ def resume_point(store: Store, engine: Engine, group: dist.ProcessGroup | None,
     ranges = [(u.start, u.end) for u in engine.units]
     for name, meta in listed:
         info = CheckpointInfo(store, name, meta)
-        local, error = verify_files(info, files_needed(meta, ranges, rank), cache_dir)
+        local, error = verify_files(info, files_needed(meta, ranges, engine.position),
+                                    cache_dir)
         errors = gather(group, world, error)
         if not any(errors):
             return info, ShardReader(info, local, cache_dir)

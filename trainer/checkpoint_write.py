@@ -59,12 +59,17 @@ def _snapshot(engine: Engine, copy: bool) -> tuple[dict[str, Any], dict[str, Any
             return t.cpu()  # a copy already
         return t.clone() if copy else t  # the optimizer updates its tensors in place
 
-    shard = {"rank": engine.rank, "rng": torch.get_rng_state(), "units": [
+    # Files are numbered by the writer's slice: its rank when flat, its position in replica
+    # group 0 under hybrid sharding (the groups hold the same slices; one writes them).
+    shard = {"rank": engine.position, "rng": torch.get_rng_state(), "units": [
         {"start": u.start, "end": u.end, "param": cpu(opt["param"][i]),
          "exp_avg": cpu(opt["exp_avg"][i]), "exp_avg_sq": cpu(opt["exp_avg_sq"][i])}
         for i, u in enumerate(engine.units)]}
     meta = {"format_version": FORMAT_VERSION, "step": state["step_count"],
-            "optimizer_steps": opt["num_steps"], "world_size": engine.comm.world_size,
+            # world_size: how many shard files (the ranks of one shard group); bounds: the
+            # global [start, end) of each file's shard of each unit, which is all a reader
+            # needs whatever plan it runs (flat, hybrid, another group count).
+            "optimizer_steps": opt["num_steps"], "world_size": engine.shard_comm.world_size,
             "model": engine.config.model_dump(mode="json"),
             "unit_numels": [u.numel for u in engine.units],
             "bounds": [u.bounds for u in engine.units],
@@ -77,11 +82,18 @@ def _snapshot(engine: Engine, copy: bool) -> tuple[dict[str, Any], dict[str, Any
             "planned_batch_sizes": list(engine.planned_batch_sizes),
             "micro_batch_sizes": list(engine.layout.micro_batch_sizes),
             "loss_scale": dict(state["loss_scale"])}
+    if engine.layout.replica_groups:  # for humans: who wrote it (readers use the bounds)
+        meta["replica_groups"] = [list(g) for g in engine.layout.replica_groups]
     return shard, meta
 
 
+# A rank that writes no file (hybrid sharding: outside replica group 0) reports this.
+NO_FILE: Report = ("", None, None)
+
+
 def _write_shard(store: Store, name: str, rank: int, shard: dict[str, Any]) -> Report:
-    """I/O only (no collective): this rank's file, or the one-line reason it failed."""
+    """I/O only (no collective): this rank's file (`rank`: the file's number, the shard's
+    "rank"), or the one-line reason it failed."""
     file_name = rank_file_name(rank)
     try:
         store.makedirs(name)  # every rank makes its own folder: nothing relies on rank 0
@@ -100,7 +112,7 @@ def _commit(store: Store, name: str, meta: dict[str, Any], mine: Report, keep: i
     error = None
     if rank == 0:
         try:
-            files = {n: f for n, f, _ in reports}
+            files = {n: f for n, f, _ in reports if f is not None}
             listed = store.sizes(name)
             absent = [n for n, f in files.items() if listed.get(n) != f["size_bytes"]]
             if absent:  # storage that is not shared (or lost writes): never write a marker
@@ -131,6 +143,12 @@ def prune(store: Store, keep: int) -> None:
     for n in store.folders(".step-"):
         if n.endswith(".partial"):
             store.remove(n, recursive=True)
+
+
+def _done(report: Report) -> Future[Report]:
+    future: Future[Report] = Future()
+    future.set_result(report)
+    return future
 
 
 class CheckpointWriter:
@@ -164,11 +182,14 @@ class CheckpointWriter:
         _prepare(self.store, name, engine.step_count, rank, world, self.group)
         if self._executor is None or wait:
             shard, meta = _snapshot(engine, copy=False)
-            report = _write_shard(self.store, name, rank, shard)
+            report = _write_shard(self.store, name, engine.position, shard) \
+                if engine.writes_checkpoint else NO_FILE
             return [*committed, _commit(self.store, name, meta, report, self.keep, rank,
                                         world, self.group)]
-        shard, meta = _snapshot(engine, copy=True)
-        future = self._executor.submit(_write_shard, self.store, name, rank, shard)
+        shard, meta = _snapshot(engine, copy=engine.writes_checkpoint)
+        future: Future[Report] = self._executor.submit(
+            _write_shard, self.store, name, engine.position, shard) \
+            if engine.writes_checkpoint else _done(NO_FILE)
         self._pending = (name, meta, future)
         return committed
 

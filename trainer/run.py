@@ -148,7 +148,8 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
                     reduce_precision=job.reduce_precision,
                     time_dilation=time_dilation if time_dilation_from_step <= 0 else 1.0,
                     recompute=True if recompute is None else recompute, offload=offload)
-    engine.comm.link_bytes_per_second = link_bytes_per_second
+    for comm in engine.collectives:  # every group's collectives cross the emulated link
+        comm.link_bytes_per_second = link_bytes_per_second
     if memory_limit_bytes is not None:
         _check_memory(engine, memory_limit_bytes)
     data = DataSource(config, job.data, spec.seed)

@@ -4,15 +4,20 @@ PyTorch trains one model on the global batch."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
-from cephalo.api.job import DataSpec, SyntheticData, TrainingSpec
+from cephalo.api.job import CephaloJobSpec, DataSpec, SyntheticData, TrainingSpec
 from cephalo.api.models import preset
+from cephalo.trainer import checkpoint
 from cephalo.trainer.collectives import CROSS_ALL_REDUCE
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Engine, Layout
 from cephalo.trainer.models import build_model
+from cephalo.trainer.run import train
 from cephalo.trainer.spawn import spawn_ranks
 from tests.pytorch_reference import pytorch_training
 
@@ -112,3 +117,74 @@ def test_hybrid_bf16_reduce_precision_stays_close() -> None:
     for got, want in zip(rank0["params"], ref_params, strict=True):
         assert _relative(got, want) <= BF16_UNIT_TOLERANCE
     assert rank0["losses"] != pytest.approx(ref_losses, rel=1e-7)  # rounding happened
+
+
+# ---- checkpoints across flat <-> hybrid and group counts ------------------------------
+CKPT_STEPS = 4
+FLAT = Layout([5, 3], [5, 1], [0.6, 0.4])
+# Group 0 is ranks 1 and 3 (rank 0, which commits meta.json, writes no shard); groups of 3
+# and 5 samples.
+TWO_GROUPS = Layout([2, 1, 3, 2], [2, 1, 3, 1], [0.7, 0.7, 0.3, 0.3],
+                    replica_groups=[[1, 3], [0, 2]])
+# Four groups of one rank: every rank holds the whole state (data parallel).
+FOUR_GROUPS = Layout([2, 2, 2, 2], [1, 2, 1, 2], [1.0, 1.0, 1.0, 1.0],
+                     replica_groups=[[0], [1], [2], [3]])
+
+
+def _job() -> CephaloJobSpec:
+    return CephaloJobSpec.model_validate({
+        "model": {"preset": "llama-tiny"}, "globalBatchSize": 8, "precision": "fp32",
+        "training": {"steps": CKPT_STEPS, "learningRate": 1e-3, "weightDecay": 0.1,
+                     "adamEpsilon": 1e-6, "warmupSteps": 1},
+        "checkpoint": {"intervalSteps": 2, "keep": 3}})
+
+
+def _run_worker(rank: int, world_size: int, layout: Layout, root: str,
+                stop_after_step: int | None) -> dict:
+    outcome = train(_job(), layout, Path(root), stop_after_step=stop_after_step,
+                    verbose=False)
+    return {"first": outcome.first_step, "last": outcome.last_step, "losses": outcome.losses}
+
+
+def _weights(root: Path) -> dict[str, torch.Tensor]:
+    info = checkpoint.find_latest(root)
+    assert info is not None
+    return checkpoint.full_state_dict(info)
+
+
+def _max_relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(_relative(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_checkpoints_resume_across_flat_and_hybrid_and_group_counts(tmp_path: Path) -> None:
+    full, hybrid_first, flat_first = tmp_path / "full", tmp_path / "hybrid", tmp_path / "flat"
+    ref = spawn_ranks(_run_worker, 2, FLAT, str(full), None, timeout_seconds=120)
+    # Saved under two groups of two, resumed flat on two ranks.
+    spawn_ranks(_run_worker, 4, TWO_GROUPS, str(hybrid_first), 2, timeout_seconds=120)
+    saved = checkpoint.find_latest(hybrid_first)
+    assert saved is not None and saved.step == 2
+    assert sorted(saved.meta["files"]) == ["rank-00000.pt", "rank-00001.pt"]  # group 0's
+    assert saved.meta["world_size"] == 2 and saved.meta["replica_groups"] == [[1, 3], [0, 2]]
+    to_flat = spawn_ranks(_run_worker, 2, FLAT, str(hybrid_first), None, timeout_seconds=120)
+    # Saved flat (the reference's step 2), resumed under four groups of one.
+    shutil.copytree(full, flat_first)
+    shutil.rmtree(flat_first / checkpoint.step_dir_name(CKPT_STEPS))
+    to_hybrid = spawn_ranks(_run_worker, 4, FOUR_GROUPS, str(flat_first), None,
+                            timeout_seconds=120)
+    last = checkpoint.find_latest(flat_first)
+    assert last is not None and last.step == CKPT_STEPS
+    assert last.meta["world_size"] == 1 and list(last.meta["files"]) == ["rank-00000.pt"]
+    want = _weights(full)
+    for resumed, root in ((to_flat, hybrid_first), (to_hybrid, flat_first)):
+        assert resumed[0]["first"] == 2 and resumed[0]["last"] == CKPT_STEPS
+        assert resumed[0]["losses"] == pytest.approx(ref[0]["losses"][2:], rel=TOLERANCE)
+        assert _max_relative(_weights(root), want) <= TOLERANCE
+    # The Adam moments came back too.
+    a = checkpoint.ShardReader(checkpoint.find_latest(full))  # type: ignore[arg-type]
+    for root in (hybrid_first, flat_first):
+        b = checkpoint.ShardReader(checkpoint.find_latest(root))  # type: ignore[arg-type]
+        for unit, numel in enumerate(last.meta["unit_numels"]):
+            m_a, m_b = a.read(unit, 0, numel, "exp_avg"), b.read(unit, 0, numel, "exp_avg")
+            assert _relative(m_b, m_a) <= TOLERANCE
