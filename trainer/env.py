@@ -19,6 +19,7 @@ from cephalo.api.plan import Plan, PlanError, load_plan
 from cephalo.api.trainer_env import DEFAULT_COLLECTIVE_TIMEOUT_SECONDS, REQUIRED, EnvError
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Layout
+from cephalo.trainer.replicas import check_groups
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_SECONDS", "REQUIRED", "EnvError", "TrainerEnv",
            "cuda_device_index", "layout_from_plan", "read_env"]
@@ -104,17 +105,26 @@ def layout_from_plan(plan: Plan) -> Layout:
     except (TypeError, ValueError, AttributeError):
         raise EnvError("plan unit_shard_ratios must map unit indices to lists of ratios, got "
                        f"{overrides!r}") from None
+    groups = plan.replica_groups
     for unit, ratios in unit_ratios.items():
-        if len(ratios) != plan.world_size or abs(sum(ratios) - 1) > 1e-9 or min(ratios) < 0:
+        if len(ratios) != plan.world_size or min(ratios) < 0 or (
+                not groups and abs(sum(ratios) - 1) > 1e-9):
+            within = " within each replica group" if groups else ""
             raise EnvError(f"plan unit_shard_ratios[{unit}] must hold {plan.world_size} "
-                           f"non-negative ratios summing to 1, got {ratios}")
+                           f"non-negative ratios summing to 1{within}, got {ratios}")
+        if groups:
+            try:  # hybrid: ratios are shares within a group, the same at each position
+                check_groups(groups, ratios, f"unit_shard_ratios[{unit}]")
+            except ValueError as err:
+                raise EnvError(f"plan {err}") from None
     return Layout(batch_sizes=[r.batch_size for r in plan.ranks],
                   micro_batch_sizes=[r.micro_batch_size for r in plan.ranks],
                   shard_ratios=[r.shard_ratio for r in plan.ranks],
                   unit_shard_ratios=unit_ratios,
                   kept_blocks=[r.kept_blocks for r in plan.ranks],
                   graph_bytes_per_sample=[r.block_graph_bytes_per_sample for r in plan.ranks],
-                  precisions=[r.precision for r in plan.ranks])
+                  precisions=[r.precision for r in plan.ranks],
+                  replica_groups=[list(g) for g in groups])
 
 
 def read_env(env: Mapping[str, str] | None = None) -> TrainerEnv:

@@ -187,3 +187,36 @@ def test_plan_precisions_are_read_and_auto_needs_them(tmp_path: Path) -> None:
     plan["ranks"][0]["precision"] = "fp8"
     with pytest.raises(EnvError, match=r"ranks.0.precision: Input should be 'fp32', 'bf16' or"):
         read_env(_env(_files(tmp_path, plan), 0, 2))
+
+
+def test_plan_replica_groups_are_read_and_checked(tmp_path: Path) -> None:
+    """Hybrid sharding: the groups reach the layout; groups that do not partition the world,
+    and per-unit ratios that break the group invariants, are one line each."""
+    plan = {**_plan([5, 3, 6, 2], [5, 1, 3, 1], [0.7, 0.3, 0.7, 0.3], total=16),
+            "replica_groups": [[0, 1], [2, 3]], "unit_shard_ratios": {"1": [1, 0, 1, 0]}}
+    job = {**JOB, "spec": {**JOB["spec"], "globalBatchSize": 16}}
+
+    def read(plan: dict) -> Layout:
+        base = _files(tmp_path, plan)
+        (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+        return read_env(_env(base, 2, 4)).layout
+
+    layout = read(plan)
+    assert layout.replica_groups == [[0, 1], [2, 3]]
+    assert layout.group_ratios_for(0) == [0.7, 0.3] and layout.group_ratios_for(1) == [1, 0]
+    for change, message in [
+        ({"replica_groups": [[0, 1], [2]]},
+         "replica_groups must list every rank 0..3 exactly once, got [[0, 1], [2]]"),
+        ({"replica_groups": [[0, 1, 2], [3]]},
+         "replica_groups must all have the same number of ranks, got sizes [3, 1]"),
+        ({"unit_shard_ratios": {"1": [0.5, 0.5, 0.4, 0.6]}},
+         "unit_shard_ratios[1]: rank 2 holds 0.4 but rank 0 at the same position"),
+        ({"unit_shard_ratios": {"1": [0.25, 0.25, 0.25, 0.25]}},
+         "unit_shard_ratios[1] of replica group [0, 1] sum to 0.5, not 1"),
+        ({"unit_shard_ratios": {"1": [1, 0]}},
+         "unit_shard_ratios[1] must hold 4 non-negative ratios summing to 1 within each "
+         "replica group"),
+    ]:
+        with pytest.raises(EnvError) as err:
+            read({**plan, **change})
+        assert message in str(err.value) and "\n" not in str(err.value)
