@@ -153,3 +153,35 @@ def test_the_collective_profiler_hands_nccl_only_device_tensors() -> None:
     (rank0, probe), (rank1, _) = spawn_ranks(_profiler_worker, 2, timeout_seconds=240)
     assert rank0 and not rank1
     assert probe is not None and probe > 0.0  # the engine probe ran
+
+
+def _hybrid_engine_worker(rank: int, world_size: int, reduce_precision: str) -> float:
+    """A hybrid-sharding step, evaluation and full parameters: the gathers and
+    reduce-scatters in each replica group, the cross-group all-reduces (in bf16 too) and
+    the world's end-of-step all-reduce all take only device tensors."""
+    from cephalo.api.job import DataSpec, SyntheticData, TrainingSpec
+    from cephalo.trainer.data import DataSource
+    from cephalo.trainer.engine import Engine, Layout
+
+    config = preset("llama-tiny")
+    layout = Layout(batch_sizes=[2, 1, 1, 0], micro_batch_sizes=[1, 1, 1, 0],
+                    shard_ratios=[0.7, 0.3, 0.7, 0.3], replica_groups=[[0, 1], [2, 3]])
+    data = DataSource(config, DataSpec(synthetic=SyntheticData()), seed=0)
+    start, end = layout.sample_range(rank)
+
+    def run() -> float:
+        engine = Engine(config, TrainingSpec(steps=1), layout, device=torch.device("cpu"),
+                        reduce_precision=reduce_precision)
+        loss = engine.step(data.micro_batches(0, start, end, max(1, end - start))).loss
+        engine.evaluate(data.micro_batches(1, start, end, max(1, end - start)))
+        engine.full_parameters()
+        return loss
+
+    return _as_nccl_would(run)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reduce_precision", ["fp32", "bf16"])
+def test_hybrid_sharding_hands_nccl_only_device_tensors(reduce_precision: str) -> None:
+    losses = spawn_ranks(_hybrid_engine_worker, 4, reduce_precision, timeout_seconds=120)
+    assert len(set(losses)) == 1 and losses[0] > 0.0

@@ -15,7 +15,13 @@ import torch.distributed as dist
 
 from cephalo.api.job import DataSpec, SyntheticData, TrainingSpec
 from cephalo.api.models import preset
-from cephalo.trainer.collectives import CollectiveStats, Pending, UnevenCollectives
+from cephalo.trainer.collectives import (
+    CROSS_ALL_REDUCE,
+    CollectiveStats,
+    Pending,
+    UnevenCollectives,
+)
+from cephalo.trainer.replicas import GradientSync
 from cephalo.trainer.spawn import spawn_ranks
 from cephalo.trainer.wait_clock import StreamWaitClock
 
@@ -123,12 +129,15 @@ class DeferredClock:
         self.pending.clear()
 
 
-def _engine_worker(rank: int, world_size: int) -> dict:
+def _engine_worker(rank: int, world_size: int, hybrid: bool) -> dict:
     from cephalo.trainer.data import DataSource
     from cephalo.trainer.engine import Engine, Layout
 
     config = preset("llama-tiny")
     layout = Layout(batch_sizes=[2, 1], micro_batch_sizes=[1, 1], shard_ratios=[0.7, 0.3])
+    if hybrid:  # two replica groups of one rank: the waits are the cross-group all-reduces'
+        layout = Layout(batch_sizes=[2, 1], micro_batch_sizes=[1, 1], shard_ratios=[1, 1],
+                        replica_groups=[[0], [1]])
     engine = Engine(config, TrainingSpec(steps=2), layout)
     clock = DeferredClock()
     engine.comm.stats.clock = clock
@@ -143,14 +152,62 @@ def _engine_worker(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.slow
-def test_the_engine_counts_stream_timed_waits_before_it_reports_them() -> None:
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_the_engine_counts_stream_timed_waits_before_it_reports_them(hybrid: bool) -> None:
     """The waits before the end-of-step all-reduce ride on it (every rank's wait seconds);
-    the all-reduce's own and the evaluation's are counted by the time they return."""
-    results = spawn_ranks(_engine_worker, 2, timeout_seconds=120)
+    the all-reduce's own and the evaluation's are counted by the time they return. Under
+    hybrid sharding the cross-group all-reduces' waits are among them."""
+    results = spawn_ranks(_engine_worker, 2, hybrid, timeout_seconds=120)
     for rank, r in enumerate(results):
         before_reduce = [k for k in r["step_stops"] if k != "all_reduce"]
+        assert (CROSS_ALL_REDUCE in before_reduce) == hybrid
         assert r["step_stops"][-1] == "all_reduce" and len(before_reduce) > 0
         assert r["rank_wait"][rank] == len(before_reduce)
         assert r["wait"] == len(r["step_stops"])
         assert sum(r["settled"].values()) == len(r["all_stops"]) > len(r["step_stops"])
     assert results[0]["rank_wait"] == results[1]["rank_wait"]  # everyone's, by rank
+
+
+@dataclass
+class StreamCollectives:
+    """A cross-group `UnevenCollectives` as NCCL makes it: each all-reduce a `NcclWork` that
+    ends `transfer_ms` after it is issued, on the stream's timeline; records the issue order."""
+
+    stream: Stream
+    stats: CollectiveStats
+    transfer_ms: float
+    issued: list[int] = field(default_factory=list)
+
+    def all_reduce(self, shard: torch.Tensor, unit: int,
+                   wire_dtype: torch.dtype | None = None) -> Pending:
+        self.issued.append(unit)
+        work = NcclWork(self.stream, self.stream.now_ms + self.transfer_ms)
+        return Pending([work], shard, CROSS_ALL_REDUCE, self.stats)
+
+
+def test_hybrid_gradient_sums_start_in_order_and_their_stalls_are_timed_on_the_stream() -> None:
+    """GradientSync (hybrid sharding) under waits that return at once: unit u's cross-group
+    all-reduce starts when the next reduce-scatter is followed (not before: its shard is not
+    summed in the group yet), in the reduce-scatters' order; only the stall left at the end
+    of backward counts as the all-reduces' wait, once the stream has passed it."""
+    stream = Stream()
+    stats = CollectiveStats(clock=StreamWaitClock(lambda: FakeEvent(stream)))
+    cross = StreamCollectives(stream, stats, transfer_ms=50.0)
+    sync = GradientSync(cross, None)  # type: ignore[arg-type]  # the fake's one method
+    sync.begin()
+    shards = {u: torch.full((2,), float(u)) for u in range(3)}
+    for u in (2, 1, 0):  # backward: the head first; each reduce-scatter ends 10 ms on
+        scatter = Pending([NcclWork(stream, stream.now_ms + 10.0)], shards[u],
+                          "reduce_scatter", stats)
+        assert sync.follow(u, scatter) is scatter
+        assert cross.issued == [2, 1, 0][:2 - u]  # the one before it, no more
+        stream.enqueue(100.0)  # the next unit's backward: covers the transfers
+    got = sync.finish(3)
+    assert cross.issued == [2, 1, 0]
+    assert [g[0].item() for g in got] == [0.0, 1.0, 2.0]  # by unit
+    assert dict(stats.wait_seconds) == {}  # not counted before the stream passed them
+    stats.settle()
+    # Units 2 and 1 were summed under 100 ms of backward each: no stall. Unit 0's
+    # reduce-scatter had its backward; its all-reduce starts at finish(): a 50 ms stall.
+    assert stats.wait_seconds[CROSS_ALL_REDUCE] == pytest.approx(0.05)
+    assert stats.wait_seconds["reduce_scatter"] == pytest.approx(0.0)
