@@ -16,6 +16,7 @@ from cephalo.trainer import checkpoint
 from cephalo.trainer.collectives import CROSS_ALL_REDUCE
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Engine, Layout
+from cephalo.trainer.flat import param_specs, unflatten
 from cephalo.trainer.models import build_model
 from cephalo.trainer.run import train
 from cephalo.trainer.spawn import spawn_ranks
@@ -117,6 +118,64 @@ def test_hybrid_bf16_reduce_precision_stays_close() -> None:
     for got, want in zip(rank0["params"], ref_params, strict=True):
         assert _relative(got, want) <= BF16_UNIT_TOLERANCE
     assert rank0["losses"] != pytest.approx(ref_losses, rel=1e-7)  # rounding happened
+
+
+
+# Another split of the same 15 samples (live rebalancing's move), microbatch sizes kept.
+REBALANCED = [2, 6, 6, 1]
+EVAL_STEP = 100  # a batch no training step reads
+
+
+def _around_training_worker(rank: int, world_size: int) -> dict:
+    """Two steps, a rebalanced split for three more, an evaluation of the global batch and
+    the memory estimate, under HYBRID."""
+    config = preset(MODEL)
+    data = DataSource(config, DataSpec(synthetic=SyntheticData()), seed=0)
+    engine = Engine(config, _spec(), HYBRID)
+    losses = []
+    for step in range(STEPS):
+        if step == 2:
+            engine.set_batch_sizes(REBALANCED)
+        start, end = engine.layout.sample_range(rank)
+        losses.append(engine.step(data.micro_batches(
+            step, start, end, HYBRID.micro_batch_sizes[rank])).loss)
+    start, end = HYBRID.sample_range(rank)
+    loss_sum, count = engine.evaluate(data.micro_batches(EVAL_STEP, start, end, 2))
+    return {"losses": losses, "eval": (loss_sum, count), "params": engine.full_parameters(),
+            "memory": [engine.memory_estimate_bytes(b) for b in (1, 6)],
+            "shard_elements": sum(u.shard_numel for u in engine.units)}
+
+
+@pytest.mark.slow
+def test_evaluation_rebalancing_and_memory_under_hybrid() -> None:
+    results = spawn_ranks(_around_training_worker, 4, timeout_seconds=120)
+    rank0 = results[0]
+    # A moved split is the same global batch: still plain PyTorch's step.
+    ref_losses, ref_params = pytorch_training(preset(MODEL), _spec(), STEPS,
+                                              HYBRID.global_batch_size)
+    assert rank0["losses"] == pytest.approx(ref_losses, rel=TOLERANCE)
+    assert _max_relative_by_parameter(rank0["params"], ref_params) <= TOLERANCE
+    # Evaluation: every rank's samples, the world over, as the trained model computes them.
+    model = build_model(preset(MODEL))
+    state: dict[str, torch.Tensor] = {}
+    for u, (unit, flat) in enumerate(zip(model.units, rank0["params"], strict=True)):
+        state.update(unflatten(param_specs(unit), flat, f"units.{u}."))
+    model.load_state_dict(state)
+    data = DataSource(preset(MODEL), DataSpec(synthetic=SyntheticData()), seed=0)
+    with torch.no_grad():
+        want = float(model(*data.batch(EVAL_STEP, 0, HYBRID.global_batch_size)).double().sum())
+    for r in results:
+        loss_sum, count = r["eval"]
+        assert count == HYBRID.global_batch_size
+        assert loss_sum == pytest.approx(want, rel=TOLERANCE)
+    # Memory: each rank holds its group share of the state, so one position's ranks need
+    # the same, and a group's shards add up to the whole model.
+    total = sum(int(p.numel()) for p in model.parameters())
+    assert results[0]["memory"] == results[2]["memory"]
+    assert results[1]["memory"] == results[3]["memory"]
+    assert results[0]["memory"] != results[1]["memory"]
+    for group in HYBRID.replica_groups:
+        assert sum(results[r]["shard_elements"] for r in group) == total
 
 
 # ---- checkpoints across flat <-> hybrid and group counts ------------------------------
