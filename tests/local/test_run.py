@@ -257,3 +257,35 @@ def test_resume_onto_more_ranks_summarizes_only_the_new_segment(tmp_path, tiny_j
     steps = [json.loads(line)["step"] for line in
              (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]  # the run's whole history stays in the metrics file
+
+
+def test_hand_written_hybrid_plan_runs_end_to_end(tmp_path, tiny_job) -> None:
+    """Hybrid sharding through `cephalo run`: two replica groups of two CPU ranks, the state
+    sharded 0.6/0.4 in each (one block evenly), batches uneven over the job."""
+    plan = json.loads(_plan_file(tmp_path, [("cpu", 2), ("cpu", 1), ("cpu", 2),
+                                            ("cpu", 1)]).read_text())
+    for rank, ratio in zip(plan["ranks"], [0.6, 0.4, 0.6, 0.4], strict=True):
+        rank["shard_ratio"] = ratio
+    plan["replica_groups"] = [[0, 1], [2, 3]]
+    plan["unit_shard_ratios"] = {"1": [0.5, 0.5, 0.5, 0.5]}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    done = run_cephalo(tmp_path, "run", str(tiny_job(steps=3)), "--plan", "plan.json",
+                       "--devices", "cpu:4")
+    assert done.returncode == 0, done.stdout + done.stderr
+    run_dir = _run_dir(tmp_path, "tiny")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r][-1] == 3
+    (meta,) = [json.loads(p.read_text()) for p in run_dir.rglob("meta.json")
+               if json.loads(p.read_text())["step"] == 3]
+    assert meta["replica_groups"] == [[0, 1], [2, 3]]
+    assert sorted(meta["files"]) == ["rank-00000.pt", "rank-00001.pt"]  # group 0 wrote
+    # Per-unit ratios that differ between the groups at one position: refused up front.
+    plan["unit_shard_ratios"] = {"1": [0.5, 0.5, 0.4, 0.6]}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    bad = run_cephalo(tmp_path, "run", str(tiny_job(steps=3)), "--plan", "plan.json",
+                      "--devices", "cpu:4")
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == [
+        "cephalo run: error: plan.json: unit_shard_ratios[1]: rank 2 holds 0.4 but rank 0 at "
+        "the same position of replica group [0, 1] holds 0.5; ranks at one position hold the "
+        "same slice"]

@@ -19,7 +19,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from cephalo.api.job import CephaloJob, CephaloJobSpec, TrainingSpec, format_validation_error
-from cephalo.api.plan import Plan
+from cephalo.api.plan import Plan, PlanError, check_replica_groups
 from cephalo.corpus import check_remote_file, check_text
 from cephalo.errors import CephaloError
 from cephalo.local.devices import LocalDevice
@@ -321,9 +321,17 @@ def check_plan_fits_job(plan: Plan, spec: CephaloJobSpec, source: str) -> None:
         if not 0 <= index < units:
             raise RunError(f"{source}: unit_shard_ratios key {str(unit)[:20]!r} is not a unit "
                            f"index 0..{units - 1} of this model")
+        groups = plan.replica_groups  # hybrid: ratios are shares within each group
         ok = isinstance(ratios, list) and len(ratios) == plan.world_size and all(
             isinstance(r, int | float) and not isinstance(r, bool) and 0 <= r <= 1
-            for r in ratios) and abs(sum(ratios) - 1) <= 1e-9
+            for r in ratios) and (groups or abs(sum(ratios) - 1) <= 1e-9)
         if not ok:
+            within = " within each replica group" if groups else ""
             raise RunError(f"{source}: unit_shard_ratios[{index}] must hold {plan.world_size} "
-                           "ratios in [0, 1] summing to 1")
+                           f"ratios in [0, 1] summing to 1{within}")
+        if groups:
+            try:
+                check_replica_groups(groups, [float(r) for r in ratios],
+                                     f"unit_shard_ratios[{index}]")
+            except PlanError as err:
+                raise RunError(f"{source}: {err}") from None
