@@ -16,6 +16,9 @@ inputShape[0]`; only `reduce_scatter(list)` takes uneven sizes), so:
   `reduce_scatter(list)` does, less the flat copy of its inputs it makes first). Outside
   NCCL's even path the full gradient's storage is freed when the shard is out.
 
+* **All-reduce of a shard** (SUM, asynchronous, in place; hybrid sharding's sum across
+  replica groups, `cephalo.trainer.replicas`): one `all_reduce`, in bf16 where asked.
+
 No NCCL form has run here (NCCL wants one GPU per rank; the device machine has one). The
 uneven ones are the same calls the tests run on gloo (the gathers are shared code;
 `reduce_by_owner` runs the per-owner reduce there).

@@ -22,6 +22,12 @@ head):
 So each unit is gathered once per pass (the head once per step) and reduce-scattered once
 per step, whatever ℓ_i. A rank with no batch runs the same collectives on empty work.
 
+Under hybrid sharding (`Layout.replica_groups`, docs/hybrid-sharding.md) the gathers and
+reduce-scatters run inside the rank's replica group (`shard_comm`), each reduce-scattered
+shard is then all-reduced across the groups (`cephalo.trainer.replicas.GradientSync`,
+started as the next reduce-scatter is issued), and the end-of-step all-reduce spans the
+world (`comm`).
+
 Between recomputing everything and keeping everything, a rank may keep the autograd graphs
 of its last k blocks (`Layout.kept_blocks`, a plan's `kept_blocks`): their forward runs
 with autograd and their backward needs no recompute, but their gathered parameters are
