@@ -292,8 +292,9 @@ class UnevenCollectives:
         def widen() -> None:
             shard.copy_(buf)
 
+        # A ring all-reduce is a reduce-scatter and an all-gather: two passes on the link.
         return self._over_link(Pending([work], shard, CROSS_ALL_REDUCE, self.stats,
-                                       finish=widen if narrow else None), buf)
+                                       finish=widen if narrow else None), buf, passes=2)
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Blocking SUM all-reduce of a small tensor (once per step: grad-norm, loss, and what
@@ -312,13 +313,15 @@ class UnevenCollectives:
                 self.stats.wait_seconds["all_reduce"] += slept
         return values
 
-    def _over_link(self, pending: Pending, buffer: torch.Tensor | None = None) -> Pending:
+    def _over_link(self, pending: Pending, buffer: torch.Tensor | None = None,
+                   passes: int = 1) -> Pending:
         """`pending` (of the full `buffer`, default its result) also crossing the emulated
-        link, if one is set: queued behind the collectives issued before it."""
+        link, if one is set: queued behind the collectives issued before it. `passes`: how
+        many times a ring moves (n-1)/n of the buffer."""
         if self.link_bytes_per_second is None:
             return pending
         full = pending.result if buffer is None else buffer
-        seconds = (self.world_size - 1) / self.world_size * full.numel() * \
+        seconds = passes * (self.world_size - 1) / self.world_size * full.numel() * \
             full.element_size() / self.link_bytes_per_second
         self._link_free = max(time.perf_counter(), self._link_free) + seconds
         pending.not_before = self._link_free
