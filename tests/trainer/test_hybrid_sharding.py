@@ -20,6 +20,7 @@ from cephalo.trainer.flat import param_specs, unflatten
 from cephalo.trainer.models import build_model
 from cephalo.trainer.run import train
 from cephalo.trainer.spawn import spawn_ranks
+from tests.checkpoint_weights import latest_weights, max_relative
 from tests.pytorch_reference import pytorch_training
 
 STEPS = 5
@@ -205,17 +206,6 @@ def _run_worker(rank: int, world_size: int, layout: Layout, root: str,
     return {"first": outcome.first_step, "last": outcome.last_step, "losses": outcome.losses}
 
 
-def _weights(root: Path) -> dict[str, torch.Tensor]:
-    info = checkpoint.find_latest(root)
-    assert info is not None
-    return checkpoint.full_state_dict(info)
-
-
-def _max_relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(_relative(a[k], b[k]) for k in a)
-
-
 @pytest.mark.slow
 def test_checkpoints_resume_across_flat_and_hybrid_and_group_counts(tmp_path: Path) -> None:
     full, hybrid_first, flat_first = tmp_path / "full", tmp_path / "hybrid", tmp_path / "flat"
@@ -235,11 +225,11 @@ def test_checkpoints_resume_across_flat_and_hybrid_and_group_counts(tmp_path: Pa
     last = checkpoint.find_latest(flat_first)
     assert last is not None and last.step == CKPT_STEPS
     assert last.meta["world_size"] == 1 and list(last.meta["files"]) == ["rank-00000.pt"]
-    want = _weights(full)
+    want = latest_weights(full)
     for resumed, root in ((to_flat, hybrid_first), (to_hybrid, flat_first)):
         assert resumed[0]["first"] == 2 and resumed[0]["last"] == CKPT_STEPS
         assert resumed[0]["losses"] == pytest.approx(ref[0]["losses"][2:], rel=TOLERANCE)
-        assert _max_relative(_weights(root), want) <= TOLERANCE
+        assert max_relative(latest_weights(root), want) <= TOLERANCE
     # The Adam moments came back too.
     a = checkpoint.ShardReader(checkpoint.find_latest(full))  # type: ignore[arg-type]
     for root in (hybrid_first, flat_first):

@@ -17,6 +17,7 @@ from cephalo.trainer.engine import Engine, Layout
 from cephalo.trainer.models import build_model
 from cephalo.trainer.run import train
 from cephalo.trainer.spawn import spawn_ranks
+from tests.checkpoint_weights import latest_weights, max_relative
 
 STEPS = 4
 
@@ -40,17 +41,6 @@ UNEVEN = Layout([5, 2, 1], [1, 2, 1], [0.5, 0.3, 0.2])
 OTHER = Layout([3, 5], [3, 1], [0.7, 0.3])
 
 
-def _weights(root: Path) -> dict[str, torch.Tensor]:
-    info = checkpoint.find_latest(root)
-    assert info is not None
-    return checkpoint.full_state_dict(info)
-
-
-def _max_relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)) for k in a)
-
-
 @pytest.mark.slow
 def test_resume_same_and_other_plan_matches_uninterrupted(tmp_path: Path) -> None:
     full, first, other = tmp_path / "full", tmp_path / "first", tmp_path / "other"
@@ -63,9 +53,9 @@ def test_resume_same_and_other_plan_matches_uninterrupted(tmp_path: Path) -> Non
     moved = spawn_ranks(_train_worker, 2, OTHER, str(other), None, 2)
     assert same[0]["first"] == 2 and moved[0]["first"] == 2
     assert same[0]["last"] == moved[0]["last"] == STEPS
-    want = _weights(full)
-    assert _max_relative(_weights(first), want) <= 1e-6  # same plan: same arithmetic
-    assert _max_relative(_weights(other), want) <= 1e-5  # 2 ranks, other shards/batches
+    want = latest_weights(full)
+    assert max_relative(latest_weights(first), want) <= 1e-6  # same plan: same arithmetic
+    assert max_relative(latest_weights(other), want) <= 1e-5  # 2 ranks, other shards/batches
     assert same[0]["losses"] == pytest.approx(ref[0]["losses"][2:], rel=1e-6)
     assert moved[0]["losses"] == pytest.approx(ref[0]["losses"][2:], rel=1e-5)
     # Optimizer state came back too: Adam moments of the resumed run match.
@@ -121,9 +111,9 @@ def test_fp16_resume_matches_uninterrupted_with_the_loss_scale(tmp_path: Path) -
     same = spawn_ranks(_fp16_worker, 3, UNEVEN, str(first), None)
     moved = spawn_ranks(_fp16_worker, 2, OTHER, str(other), None)
     assert same[0]["first"] == moved[0]["first"] == 2
-    want = _weights(full)
-    assert _max_relative(_weights(first), want) <= 1e-6
-    assert _max_relative(_weights(other), want) <= FP16_OTHER_PLAN_TOLERANCE
+    want = latest_weights(full)
+    assert max_relative(latest_weights(first), want) <= 1e-6
+    assert max_relative(latest_weights(other), want) <= FP16_OTHER_PLAN_TOLERANCE
     assert same[0]["losses"] == pytest.approx(ref[0]["losses"][2:], rel=1e-6)
     for root in (full, first, other):
         info = checkpoint.find_latest(root)
