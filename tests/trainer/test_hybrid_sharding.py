@@ -43,6 +43,12 @@ HYBRID = Layout(batch_sizes=[5, 3, 6, 1], micro_batch_sizes=[5, 1, 3, 1],
                 shard_ratios=[0.7, 0.3, 0.7, 0.3],
                 unit_shard_ratios={1: [0.5, 0.5, 0.5, 0.5], 2: [0.0, 1.0, 0.0, 1.0]},
                 replica_groups=[[0, 1], [2, 3]])
+# Kept blocks (the last block of every working rank runs per microbatch with the head: the
+# fused tail, whose reduce-scatters are issued from autograd hooks) and a rank without
+# samples, which runs its group's and its position's collectives on zeros.
+HYBRID_TAIL = Layout(batch_sizes=[6, 0, 6, 3], micro_batch_sizes=[2, 0, 3, 1],
+                     shard_ratios=[0.6, 0.4, 0.6, 0.4], kept_blocks=[2, 0, 2, 1],
+                     replica_groups=[[0, 1], [2, 3]])
 
 
 def _spec() -> TrainingSpec:
@@ -51,11 +57,13 @@ def _spec() -> TrainingSpec:
                         adam_epsilon=1e-6, gradient_clip_norm=1.0, seed=0)
 
 
-def _hybrid_worker(rank: int, world_size: int, layout: Layout, reduce_precision: str
-                   ) -> dict:
+def _hybrid_worker(rank: int, world_size: int, layout: Layout, reduce_precision: str,
+                   recompute: bool = True) -> dict:
     config = preset(MODEL)
     data = DataSource(config, DataSpec(synthetic=SyntheticData()), seed=0)
-    engine = Engine(config, _spec(), layout, reduce_precision=reduce_precision)
+    # Without recompute, boundary activations offloaded to host as on a GPU.
+    engine = Engine(config, _spec(), layout, reduce_precision=reduce_precision,
+                    recompute=recompute, offload=not recompute)
     start, end = layout.sample_range(rank)
     losses, norms = [], []
     for step in range(STEPS):
@@ -66,7 +74,8 @@ def _hybrid_worker(rank: int, world_size: int, layout: Layout, reduce_precision:
     shards = sum(u.shard_numel for u in engine.units)
     return {"losses": losses, "norms": norms, "params": engine.full_parameters(),
             "cross_bytes": engine.comm.stats.payload_bytes[CROSS_ALL_REDUCE],
-            "shard_elements": shards, "position": engine.position}
+            "shard_elements": shards, "position": engine.position,
+            "fused_tail": engine.fused_tail}
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -88,15 +97,19 @@ def _max_relative_by_parameter(got: list[torch.Tensor], want: list[torch.Tensor]
 
 
 @pytest.mark.slow
-def test_hybrid_fp32_equals_plain_pytorch_on_the_global_batch() -> None:
-    results = spawn_ranks(_hybrid_worker, 4, HYBRID, "fp32", timeout_seconds=120)
+@pytest.mark.parametrize(("layout", "recompute", "fused_tail"),
+                         [(HYBRID, True, 0), (HYBRID_TAIL, True, 1), (HYBRID, False, 0)])
+def test_hybrid_fp32_equals_plain_pytorch_on_the_global_batch(layout: Layout, recompute: bool,
+                                                              fused_tail: int) -> None:
+    results = spawn_ranks(_hybrid_worker, 4, layout, "fp32", recompute, timeout_seconds=120)
     rank0 = results[0]
     for r in results[1:]:  # every rank of every group ends with the same model
         assert all(torch.equal(a, b) for a, b in zip(r["params"], rank0["params"], strict=True))
         assert r["losses"] == rank0["losses"] and r["norms"] == rank0["norms"]
     assert [r["position"] for r in results] == [0, 1, 0, 1]
+    assert [r["fused_tail"] for r in results] == [fused_tail] * 4
     ref_losses, ref_params = pytorch_training(preset(MODEL), _spec(), STEPS,
-                                              HYBRID.global_batch_size)
+                                              layout.global_batch_size)
     assert rank0["losses"] == pytest.approx(ref_losses, rel=TOLERANCE)
     assert _max_relative_by_parameter(rank0["params"], ref_params) <= TOLERANCE
     assert rank0["losses"][-1] != rank0["losses"][0]  # it trained
