@@ -34,6 +34,12 @@ MIXED = ["fp32", "bf16", "fp16"]
 UNEVEN = Layout(batch_sizes=[5, 2, 1], micro_batch_sizes=[1, 2, 1],
                 shard_ratios=[0.5, 0.3, 0.2], precisions=list(MIXED))
 SINGLE = Layout([8], [8], [1.0])
+# Hybrid sharding, two replica groups with an fp16 rank in each: an overflow in group 1
+# reaches group 0's shards through the cross-group all-reduce, and with it the norm (only
+# group 0's ranks add to it).
+HYBRID = Layout(batch_sizes=[3, 2, 2, 1], micro_batch_sizes=[1, 2, 1, 1],
+                shard_ratios=[0.6, 0.4, 0.6, 0.4], precisions=["fp32", "fp16", "bf16", "fp16"],
+                replica_groups=[[0, 1], [2, 3]])
 CURVE_STEPS = 12
 # Per-step relative loss difference to the fp32 single device allowed over CURVE_STEPS:
 # measured 8.6e-5 at most (bench/mixed_precision.py runs 50 steps). An fp16 rank that does
@@ -109,14 +115,14 @@ def test_fp32_bf16_fp16_ranks_follow_the_fp32_single_device_curve() -> None:
 OVERFLOW_STEP = 2
 
 
-def _overflow_worker(rank: int, world_size: int, bad_rank: int) -> dict:
+def _overflow_worker(rank: int, world_size: int, layout: Layout, bad_rank: int) -> dict:
     seen: list[list[torch.Tensor]] = []  # full weights before each step (a collective)
 
     def inject(engine: Engine, u: int, grad: torch.Tensor) -> None:
         if engine.rank == bad_rank and engine.step_count == OVERFLOW_STEP and u == 1:
             grad[grad.numel() // 2] = float("inf")  # as an fp16 overflow leaves it
 
-    engine, results = run_engine(UNEVEN, rank, OVERFLOW_STEP + 2, on_gradient=inject,
+    engine, results = run_engine(layout, rank, OVERFLOW_STEP + 2, on_gradient=inject,
                                  each_step=lambda e: seen.append(e.full_parameters()))
     return {"skipped": [r.skipped for r in results], "scales": [r.loss_scale for r in results],
             "before": seen[OVERFLOW_STEP], "after": seen[OVERFLOW_STEP + 1],
@@ -125,9 +131,14 @@ def _overflow_worker(rank: int, world_size: int, bad_rank: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bad_rank", [2, 0])  # the fp16 rank, and the fp32 one
-def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(bad_rank: int) -> None:
-    results = spawn_ranks(_overflow_worker, 3, bad_rank, timeout_seconds=180)
+@pytest.mark.parametrize(("layout", "bad_rank"), [
+    (UNEVEN, 2), (UNEVEN, 0),  # the fp16 rank, and the fp32 one
+    (HYBRID, 3),  # an fp16 rank of replica group 1
+])
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(layout: Layout,
+                                                               bad_rank: int) -> None:
+    results = spawn_ranks(_overflow_worker, layout.world_size, layout, bad_rank,
+                          timeout_seconds=180)
     skipped = [False] * (OVERFLOW_STEP + 2)
     skipped[OVERFLOW_STEP] = True
     for r in results:
