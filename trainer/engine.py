@@ -190,8 +190,6 @@ class Engine:
         self.sync: GradientSync | None = None  # hybrid: the cross-group gradient sum
         self.position = self.rank  # this rank's slice: its place in its shard group
         self.group_index = 0  # its replica group (the one that writes checkpoints: 0)
-        if layout.replica_groups:
-            self._join_replica_groups(layout, replicas, reduce_precision)
         if layout.kept_blocks:
             if len(layout.kept_blocks) != layout.world_size:
                 raise ValueError(f"kept_blocks needs one count per rank ({layout.world_size}), "
@@ -258,6 +256,8 @@ class Engine:
         # followed by a sleep of (d - 1) x its duration. Sleeping frees the core, so the
         # other ranks and in-flight collectives run as they would beside a slow GPU.
         self.time_dilation = time_dilation
+        if layout.replica_groups:  # after every check of the arguments: it makes groups
+            self._join_replica_groups(layout, replicas)
         use_offload = self.device.type == "cuda" if offload is None else offload
         self.store = ActivationStore(self.device, use_offload)
         # Every rank builds the same seeded units one at a time, keeps its shard of each and
@@ -276,8 +276,7 @@ class Engine:
                                                 for u in self.units], training)
         self.step_count = 0
 
-    def _join_replica_groups(self, layout: Layout, replicas: ReplicaGroups | None,
-                             reduce_precision: str) -> None:
+    def _join_replica_groups(self, layout: Layout, replicas: ReplicaGroups | None) -> None:
         """Hybrid sharding: shard within this rank's replica group, sum across groups."""
         groups = layout.replica_groups
         check_groups(groups, layout.shard_ratios, "shard ratios")
@@ -297,7 +296,7 @@ class Engine:
         # One account of every collective, whichever group ran it: the step's wait seconds
         # and the per-kind counts add up as they do when flat.
         self.shard_comm.stats = cross.stats = self.comm.stats
-        self.sync = GradientSync(cross, WIRE_DTYPES.get(reduce_precision))
+        self.sync = GradientSync(cross, self.reduce_dtype)
 
     @property
     def collectives(self) -> list[UnevenCollectives]:

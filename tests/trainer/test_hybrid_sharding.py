@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from cephalo.api.job import CephaloJobSpec, DataSpec, SyntheticData, TrainingSpec
 from cephalo.api.models import preset
@@ -18,6 +19,7 @@ from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Engine, Layout
 from cephalo.trainer.flat import param_specs, unflatten
 from cephalo.trainer.models import build_model
+from cephalo.trainer.replicas import group_ratios, locate, positions
 from cephalo.trainer.run import train
 from cephalo.trainer.spawn import spawn_ranks
 from tests.checkpoint_weights import latest_weights, max_relative
@@ -49,6 +51,35 @@ HYBRID = Layout(batch_sizes=[5, 3, 6, 1], micro_batch_sizes=[5, 1, 3, 1],
 HYBRID_TAIL = Layout(batch_sizes=[6, 0, 6, 3], micro_batch_sizes=[2, 0, 3, 1],
                      shard_ratios=[0.6, 0.4, 0.6, 0.4], kept_blocks=[2, 0, 2, 1],
                      replica_groups=[[0, 1], [2, 3]])
+
+
+def test_positions_and_group_ratios() -> None:
+    groups = [[1, 3], [0, 2]]
+    assert positions(groups) == [[1, 0], [3, 2]]  # a rank of each group per position
+    assert [locate(groups, r) for r in range(4)] == [(1, 0), (0, 0), (1, 1), (0, 1)]
+    assert group_ratios(groups, [0.7, 0.7, 0.3, 0.3]) == [0.7, 0.3]
+    with pytest.raises(ValueError, match="rank 4 is in no replica group"):
+        locate(groups, 4)
+
+
+@pytest.mark.parametrize(("layout", "message"), [
+    (Layout([2, 2], [1, 1], [1.0, 1.0], replica_groups=[[0], [2]]),
+     r"replica_groups must list every rank 0\.\.1 exactly once"),
+    (Layout([2, 2], [1, 1], [0.5, 0.5], replica_groups=[[0], [1]]),
+     r"shard ratios of replica group \[0\] sum to 0\.5, not 1"),
+    (Layout([2, 2], [1, 1], [1.0, 1.0], unit_shard_ratios={1: [1.0, 0.0]},
+            replica_groups=[[0], [1]]),
+     r"unit_shard_ratios\[1\] of replica group \[1\] sum to 0\.0"),
+])
+def test_the_engine_refuses_groups_that_break_the_rules(layout: Layout, message: str,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Checked before any process group is made (the world is faked: none exists here)."""
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    with pytest.raises(ValueError, match=message):
+        Engine(preset(MODEL), _spec(), layout)
 
 
 def _spec() -> TrainingSpec:
