@@ -11,6 +11,10 @@ Layout of a checkpoint root (a folder every rank sees, or an fsspec URL such as
                         sha256, the job's loss scale (fp16 ranks)
         COMPLETE        written last; its presence (and matching files) = loadable
 
+Under hybrid sharding (docs/hybrid-sharding.md) only replica group 0 writes, one file per
+position in the group (meta.json's ``world_size`` counts the files); the other groups hold
+the same slices. Readers go by the offsets, so any plan reads any checkpoint.
+
 Protocol (the same on POSIX and object storage, because object stores have no rename;
 written by `checkpoint_write`, optionally in the background while training goes on):
 
