@@ -19,9 +19,9 @@ import aiohttp
 from pydantic import ValidationError
 
 from cephalo.api.status import FinalProgress
-from cephalo.operator import metrics
+from cephalo.operator import metrics, rebalance_status
 from cephalo.operator.eta import with_estimate
-from cephalo.operator.status import SERVED_BY, now_iso, parse_progress, parse_time
+from cephalo.operator.status import REBALANCE, SERVED_BY, now_iso, parse_progress, parse_time
 
 if TYPE_CHECKING:
     from cephalo.operator.context import JobContext
@@ -95,7 +95,7 @@ def parse_progress_checked(text: str) -> dict[str, Any]:
         found = parse_progress(text)
     except (ValueError, OverflowError, TypeError, IndexError) as err:
         raise ValueError(f"not Prometheus text: {err}") from None
-    return {k: v for k, v in found.items() if k in (SERVED_BY, "timing")  # timing: checked
+    return {k: v for k, v in found.items() if k in (SERVED_BY, "timing", REBALANCE)  # checked
             or ((k != "step" or 0 <= v <= MAX_STEP) and math.isfinite(v))}
 
 
@@ -173,6 +173,7 @@ async def job_progress(ctx: JobContext, pod_ip: str | None,
     progress = await scrape_progress(url, f"{ctx.namespace}/{ctx.name}", pod_uid=pod_uid)
     if not progress:
         return None  # rank 0 not serving yet, or serving garbage: try again next pass
+    rebalance_status.observe(ctx, progress.pop(REBALANCE, None), pod_uid)
     progress["totalSteps"] = progress.get("totalSteps", ctx.job.spec.training.steps)
     progress["lastUpdateTime"] = now_iso(ctx.now)
     if "samplesPerSecond" in progress:
