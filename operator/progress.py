@@ -137,11 +137,14 @@ async def scrape_progress(url: str, key: str, *, pod_uid: str | None = None,
     return progress
 
 
-def final_progress(ctx: JobContext, message: str | None) -> dict[str, Any] | None:
+def final_progress(ctx: JobContext, message: str | None,
+                   pod_uid: str | None = None) -> dict[str, Any] | None:
     """status.progress from rank 0's termination message once it completed
     (cephalo.api.status.FinalProgress): its last step, loss and throughput, which the last
     scrape may have seen steps earlier, or never. None when it left none (a trainer image
-    older than this contract) or something else (the image is the user's)."""
+    older than this contract) or something else (the image is the user's). The split in
+    force it left goes to status.rebalance (`pod_uid`: rank 0's pod), as a scrape's would:
+    a change after the last scrape is counted and posted too."""
     if not message:
         return None
     try:
@@ -153,9 +156,11 @@ def final_progress(ctx: JobContext, message: str | None) -> dict[str, Any] | Non
         return None
     # The last scrape's figures the final message does not carry (the per-rank timing sums
     # re-planning reads) stay; the final message's own replace the scrape's.
+    if final.rebalance is not None:
+        rebalance_status.observe(ctx, final.rebalance.to_wire(), pod_uid)
     scraped = ctx.status.get("progress") or {}
-    progress = {**scraped, **final.to_wire(), "totalSteps": ctx.job.spec.training.steps,
-                "lastUpdateTime": now_iso(ctx.now)}
+    progress = {**scraped, **final.model_copy(update={"rebalance": None}).to_wire(),
+                "totalSteps": ctx.job.spec.training.steps, "lastUpdateTime": now_iso(ctx.now)}
     if final.samples_per_second is not None:
         metrics.MEASURED_SAMPLES.labels(ctx.namespace, ctx.name).set(final.samples_per_second)
     return progress

@@ -33,8 +33,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from cephalo.api.replan import MAX_TIMED_RANKS
-from cephalo.api.status import FinalProgress
+from cephalo.api.status import FinalProgress, FinalSplit
 
+# Rank 0's final message (FinalProgress) is a termination message, at most 4 KiB: the split
+# in force goes in while it takes at most 3 KiB, its reason cut to FINAL_REASON_CHARS.
+FINAL_SPLIT_BYTES = 3072
+FINAL_REASON_CHARS = 512
 STEP_BUCKETS_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 # Rank 0 exports every rank's compute / collective-wait split (the operator's re-planning
 # reads it, docs/replanning.md) for gangs of at most MAX_TIMED_RANKS ranks: two series per
@@ -132,6 +136,7 @@ class TrainerMetrics:
         # MAX_TIMED_RANKS ranks, as the timing sums).
         self.split_batch = self.split_micro_batches = self.split_changes = None
         self.split_last_change = None
+        self.split: FinalSplit | None = None  # the same figures, for the final message
         if rank == 0:
             self.split_batch = Gauge(
                 "cephalo_split_batch_size", "Samples each rank takes of the global batch "
@@ -187,6 +192,14 @@ class TrainerMetrics:
             return
         assert self.split_micro_batches is not None and self.split_changes is not None
         assert self.split_last_change is not None
+        before = self.split
+        self.split = FinalSplit(
+            batch_sizes=list(batch_sizes), micro_batches=list(micro_batches),
+            changes=(before.changes if before else 0) + (changed_after_step is not None),
+            last_change_step=changed_after_step if changed_after_step is not None
+            else before.last_change_step if before else None,
+            last_change_reason=reason[:FINAL_REASON_CHARS] if changed_after_step is not None
+            else before.last_change_reason if before else None)
         lb = self.labels
         for r, (b, count) in enumerate(zip(batch_sizes, micro_batches, strict=True)):
             self.split_batch.labels(rank=lb["rank"], of_rank=str(r)).set(b)
@@ -234,11 +247,15 @@ class TrainerMetrics:
             found = self.registry.get_sample_value(name, self.labels)
             return found if found is not None and math.isfinite(found) else None
 
+        # The split in force, where the message stays within the kubelet's 4 KiB with it.
+        split = self.split if self.split is not None and \
+            len(self.split.model_dump_json()) <= FINAL_SPLIT_BYTES else None
         if value("cephalo_step") != last_step:
-            return FinalProgress(step=last_step)
+            return FinalProgress(step=last_step, rebalance=split)
         return FinalProgress(step=last_step, loss=value("cephalo_loss"),
                              samples_per_second=value("cephalo_samples_per_second"),
-                             validation_loss=value("cephalo_validation_loss"))
+                             validation_loss=value("cephalo_validation_loss"),
+                             rebalance=split)
 
 
 def write_final_progress(path: str, progress: FinalProgress) -> None:

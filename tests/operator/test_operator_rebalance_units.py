@@ -125,3 +125,38 @@ def test_a_change_is_written_with_an_event_and_the_per_rank_batch_series(
     assert len(events) == 2 and api.body["status"]["rebalance"]["changes"] == 3
     metrics.set_phase("ns", "rb", None)  # the job is gone: so are its series
     assert batch(0) is None and batch(1) is None
+
+
+def test_a_change_after_the_last_scrape_comes_with_rank_0s_final_message(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from cephalo.operator.progress import final_progress
+
+    events: list[tuple[str, str, str]] = []
+    monkeypatch.setattr(context.kopf, "event", lambda body, type, reason, message:
+                        events.append((type, reason, message)))
+    trainer = TrainerMetrics(rank=0, port=0, predicted_step_seconds=1.0)
+    trainer.show_split([32, 8], [4, 1])
+    trainer.observe(step=30, loss=2.0, step_seconds=1.0, samples_per_second=40.0,
+                    tokens_per_second=1.0, tflops=0.0, wait_seconds_by_op={}, local_rank=0)
+    api = StatusApi()
+    scraped = parse_progress_checked(generate_latest(trainer.registry).decode())[REBALANCE]
+    api.body["status"]["rebalance"], _ = next_status(None, scraped, "pod-a", NOW)
+    # The last change, after step 29, was not scraped before rank 0 ended.
+    trainer.show_split([34, 6], [5, 1], changed_after_step=29, reason="x" * 5000)
+    message = trainer.final_progress(30).model_dump_json(by_alias=True, exclude_none=True)
+    assert len(message) < 4096  # a termination message (the reason is cut)
+    ctx = context.JobContext(api, OperatorConfig.from_env(), api.body,
+                             CephaloJob.model_validate(_final_job()))
+    progress = final_progress(ctx, message, "pod-a")
+    assert progress is not None and "rebalance" not in progress and progress["step"] == 30
+    asyncio.run(ctx.flush())
+    rebalance = api.body["status"]["rebalance"]
+    assert rebalance["batchSizes"] == [34, 6] and rebalance["changes"] == 1
+    assert rebalance["lastChangeStep"] == 29 and [r for _, r, _ in events] == [REBALANCED]
+
+
+def _final_job() -> dict[str, Any]:
+    return {"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
+            "metadata": {"name": "rb", "namespace": "ns"},
+            "spec": {"model": {"preset": "gpt-tiny"}, "globalBatchSize": 40,
+                     "training": {"steps": 30}}}

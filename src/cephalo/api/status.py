@@ -97,6 +97,20 @@ class RebalanceStatus(StatusModel):
         "Changes made by that gang, as its rank 0 counts them."))
 
 
+class FinalSplit(CamelModel):
+    """The split in force as rank 0 leaves it (FinalProgress.rebalance): the figures its
+    /metrics page shows (cephalo.trainer.metrics.TrainerMetrics.show_split), so that a
+    change in the last steps, after the operator's last scrape, is still counted."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    batch_sizes: list[int] = Field(max_length=MAX_TIMED_RANKS)
+    micro_batches: list[int] = Field(max_length=MAX_TIMED_RANKS)
+    changes: int = Field(default=0, ge=0, le=2**53)
+    last_change_step: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    last_change_reason: str | None = Field(default=None, max_length=1024)
+
+
 class FinalProgress(CamelModel):
     """What rank 0 leaves as its termination message when it completes (written to
     CEPHALO_TERMINATION_LOG, the container's terminationMessagePath): its last step, that
@@ -111,6 +125,7 @@ class FinalProgress(CamelModel):
     loss: float | None = None
     samples_per_second: float | None = Field(default=None, ge=0)
     validation_loss: float | None = None
+    rebalance: FinalSplit | None = None
 
 
 class CephaloJobStatus(StatusModel):

@@ -24,8 +24,9 @@ the plan's: a rank measured with more samples than the plan gave it computed mor
 measurement then carries that split (`Measured.batch_sizes`), and the plan is priced under it:
 each rank keeps the plan's microbatch size m, its ℓ = ⌈b / m⌉ (the planner's evaluation of
 that assignment, its state partitioned as the planner would), and a smaller last microbatch
-counts as its share of a full one in the compute correction (as the rebalancer prices it). Both the prediction and the calibrated step are then the split in force's, so the
-gain a rebalance already took is not promised again by a re-plan.
+counts as its share of a full one in the compute correction (as the rebalancer prices it).
+Both the prediction and the calibrated step are then the split in force's, so the gain a
+rebalance already took is not promised again by a re-plan.
 """
 
 from __future__ import annotations
