@@ -150,6 +150,7 @@ class JobContext:
         if self.status.get("phase"):
             metrics.set_phase(self.namespace, self.name, self.status["phase"])
             metrics.set_progress(self.namespace, self.name, self.status.get("progress"))
+            metrics.set_split(self.namespace, self.name, self.status.get("rebalance"))
         events, self._events = self._events, []
         for type_, reason, message in events:
             # kopf types the object as its Body wrapper; a plain mapping is what it reads

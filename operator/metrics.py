@@ -70,6 +70,14 @@ RESCALE_ROLLBACKS = Counter("cephalo_operator_rescale_rollbacks_total",
                             "Rescales rolled back to the GPUs the job had: the grown gang was "
                             "not scheduled within spec.elastic.rescaleTimeoutSeconds (a gang "
                             "scheduler's quota refused it)", JOB_LABELS)
+# Live rebalancing (spec.planner.rebalance): the split in force per rank (status.rebalance)
+# and its changes without a restart.
+RANK_BATCH = Gauge("cephalo_operator_rank_batch_size",
+                   "Samples each rank takes of the global batch under the split in force "
+                   "(live rebalancing moves them without a restart)", (*JOB_LABELS, "rank"))
+REBALANCES = Counter("cephalo_operator_rebalances_total",
+                     "Changes of a running job's split of the global batch by live "
+                     "rebalancing (no restart)", JOB_LABELS)
 # Leader election (cephalo.operator.leader): 1 on the replica whose handlers run, 0 on a
 # standby; sum() over the replicas is 1 while the operator works.
 LEADER = Gauge("cephalo_operator_leader",
@@ -78,13 +86,14 @@ LEADER = Gauge("cephalo_operator_leader",
 # with no series until its first increment reads "No data" on a panel and makes
 # increase()/rate() in alerting rules blind to the first event.
 JOB_COUNTERS = (RESTARTS, PREEMPTIONS, REPLANS, GANG_RELEASES, RESCALES, RESCALE_SKIPS,
-                RESCALE_ROLLBACKS)
+                RESCALE_ROLLBACKS, REBALANCES)
 PER_JOB = (PREDICTED_SAMPLES, MEASURED_SAMPLES, PROGRESS_PERCENT, ESTIMATED_END, *JOB_COUNTERS)
 RECONCILE_OUTCOMES = ("ok", "error")
 for _outcome in RECONCILE_OUTCOMES:  # both from the start: an error rate reads 0, not nothing
     RECONCILES.labels(_outcome)
 
 _phases: dict[tuple[str, str], str] = {}
+_ranks: dict[tuple[str, str], int] = {}  # RANK_BATCH series per job, to remove them all
 
 
 def set_phase(namespace: str, job: str, phase: str | None) -> None:
@@ -94,6 +103,7 @@ def set_phase(namespace: str, job: str, phase: str | None) -> None:
         for metric in PER_JOB:  # a deleted job's series go too: no unbounded growth
             with contextlib.suppress(KeyError):
                 metric.remove(namespace, job)
+        set_split(namespace, job, None)
     else:
         if (namespace, job) not in _phases:
             for counter in JOB_COUNTERS:
@@ -113,6 +123,20 @@ def set_progress(namespace: str, job: str, progress: dict[str, Any] | None) -> N
                 gauge.remove(namespace, job)
         else:
             gauge.labels(namespace, job).set(value)
+
+
+def set_split(namespace: str, job: str, rebalance: dict[str, Any] | None) -> None:
+    """The per-rank batch series from status.rebalance as written (none without it)."""
+    batches = (rebalance or {}).get("batchSizes") or []
+    for rank in range(len(batches), _ranks.get((namespace, job), 0)):
+        with contextlib.suppress(KeyError):  # ranks a smaller gang no longer has
+            RANK_BATCH.remove(namespace, job, str(rank))
+    for rank, batch in enumerate(batches):
+        RANK_BATCH.labels(namespace, job, str(rank)).set(batch)
+    if batches:
+        _ranks[(namespace, job)] = len(batches)
+    else:
+        _ranks.pop((namespace, job), None)
 
 
 def serve(port: int) -> None:

@@ -19,9 +19,9 @@ import aiohttp
 from pydantic import ValidationError
 
 from cephalo.api.status import FinalProgress
-from cephalo.operator import metrics
+from cephalo.operator import metrics, rebalance_status
 from cephalo.operator.eta import with_estimate
-from cephalo.operator.status import SERVED_BY, now_iso, parse_progress, parse_time
+from cephalo.operator.status import REBALANCE, SERVED_BY, now_iso, parse_progress, parse_time
 
 if TYPE_CHECKING:
     from cephalo.operator.context import JobContext
@@ -95,7 +95,7 @@ def parse_progress_checked(text: str) -> dict[str, Any]:
         found = parse_progress(text)
     except (ValueError, OverflowError, TypeError, IndexError) as err:
         raise ValueError(f"not Prometheus text: {err}") from None
-    return {k: v for k, v in found.items() if k in (SERVED_BY, "timing")  # timing: checked
+    return {k: v for k, v in found.items() if k in (SERVED_BY, "timing", REBALANCE)  # checked
             or ((k != "step" or 0 <= v <= MAX_STEP) and math.isfinite(v))}
 
 
@@ -137,11 +137,14 @@ async def scrape_progress(url: str, key: str, *, pod_uid: str | None = None,
     return progress
 
 
-def final_progress(ctx: JobContext, message: str | None) -> dict[str, Any] | None:
+def final_progress(ctx: JobContext, message: str | None,
+                   pod_uid: str | None = None) -> dict[str, Any] | None:
     """status.progress from rank 0's termination message once it completed
     (cephalo.api.status.FinalProgress): its last step, loss and throughput, which the last
     scrape may have seen steps earlier, or never. None when it left none (a trainer image
-    older than this contract) or something else (the image is the user's)."""
+    older than this contract) or something else (the image is the user's). The split in
+    force it left goes to status.rebalance (`pod_uid`: rank 0's pod), as a scrape's would:
+    a change after the last scrape is counted and posted too."""
     if not message:
         return None
     try:
@@ -153,9 +156,11 @@ def final_progress(ctx: JobContext, message: str | None) -> dict[str, Any] | Non
         return None
     # The last scrape's figures the final message does not carry (the per-rank timing sums
     # re-planning reads) stay; the final message's own replace the scrape's.
+    if final.rebalance is not None:
+        rebalance_status.observe(ctx, final.rebalance.to_wire(), pod_uid)
     scraped = ctx.status.get("progress") or {}
-    progress = {**scraped, **final.to_wire(), "totalSteps": ctx.job.spec.training.steps,
-                "lastUpdateTime": now_iso(ctx.now)}
+    progress = {**scraped, **final.model_copy(update={"rebalance": None}).to_wire(),
+                "totalSteps": ctx.job.spec.training.steps, "lastUpdateTime": now_iso(ctx.now)}
     if final.samples_per_second is not None:
         metrics.MEASURED_SAMPLES.labels(ctx.namespace, ctx.name).set(final.samples_per_second)
     return progress
@@ -173,6 +178,7 @@ async def job_progress(ctx: JobContext, pod_ip: str | None,
     progress = await scrape_progress(url, f"{ctx.namespace}/{ctx.name}", pod_uid=pod_uid)
     if not progress:
         return None  # rank 0 not serving yet, or serving garbage: try again next pass
+    rebalance_status.observe(ctx, progress.pop(REBALANCE, None), pod_uid)
     progress["totalSteps"] = progress.get("totalSteps", ctx.job.spec.training.steps)
     progress["lastUpdateTime"] = now_iso(ctx.now)
     if "samplesPerSecond" in progress:

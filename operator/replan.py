@@ -21,6 +21,15 @@ every calibration, each promising a gain that never comes. `maxReplans` bounds t
 
 A measured throughput under half the prediction that no re-plan fixes is reported: condition
 `PredictionOff` True and a Warning Event, with what the calibration found.
+
+Beside live rebalancing (spec.planner.rebalance, docs/rebalancing.md), re-planning decides only
+what a rebalance cannot. It calibrates from the split in force (status.rebalance: rank 0's
+timing sums restart at each change, so they are that split's), and only once that split has
+outlived a rebalancing decision (more timed steps than the rebalancing interval): the compute
+it measures belongs to the rebalanced batches, and the gain the rebalance took is in the
+running step it compares against, not promised again. A calibrated plan that differs from the
+running one only in its split (the same GPUs, microbatch sizes and shards) is kept
+(`RebalanceCovers`): live rebalancing moves there without a restart.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from cephalo.api import Plan
+from cephalo.api.job import CephaloJobSpec
 from cephalo.api.replan import PREDICTION_OFF_BELOW
 from cephalo.operator import rescale
 from cephalo.operator.elastic import RescaleInputs, decide, restart_cost
@@ -58,19 +68,22 @@ async def consider(ctx: JobContext, nodes: list[dict[str, Any]],
     timing = progress.get("timing") or {}
     step = progress.get("step")
     compute, wait = timing.get("computeSeconds"), timing.get("waitSeconds")
-    if step is None or int(timing.get("steps") or 0) < replan.after_steps or \
+    if step is None or int(timing.get("steps") or 0) < _timed_steps_needed(spec) or \
             not timing.get("stepSeconds") or (compute is not None and
                                               len(compute) != plan.world_size):
-        return None  # not enough timed steps yet, or another gang's
+        return None  # not enough timed steps yet (of the split in force), or another gang's
     plan_hash = config_hash(ctx.job, plan)
     state: dict[str, Any] = dict(ctx.decided("replan") or {})
     if (state.get("lastCalibration") or {}).get("planHash") == plan_hash:
         return None  # once per plan
-    measured = Measured(float(timing["stepSeconds"]), compute, wait)
+    split = split_in_force(ctx.status.get("rebalance"), plan)
+    measured = Measured(float(timing["stepSeconds"]), compute, wait, split)
     entry: dict[str, Any] = {"time": now_iso(ctx.now), "planHash": plan_hash,
                              "step": int(step), "measuredStepSeconds": measured.step_seconds,
                              "predictedStepSeconds": plan.predicted_step_seconds,
                              "currentGpus": plan.world_size}
+    if split is not None:
+        entry["batchSizes"] = split
     gain = delivered_gain(state, measured.step_seconds)
     if gain is not None:
         entry["measuredGain"] = round(gain, 4)
@@ -108,6 +121,15 @@ async def consider(ctx: JobContext, nodes: list[dict[str, Any]],
         return None
     entry.update(candidateStepSeconds=candidate.predicted_step_seconds,
                  candidateGpus=candidate.world_size)
+    if spec.planner.rebalance.enabled and only_split_differs(plan, candidate) and \
+            [r.batch_size for r in candidate.ranks] != (split or [r.batch_size
+                                                               for r in plan.ranks]):
+        _finish(ctx, state, plan, measured, entry, "Keep", "RebalanceCovers",
+                f"calibrated on the running split ({cal.describe()}): the plan it gives "
+                f"differs only in its split of the global batch "
+                f"{[r.batch_size for r in candidate.ranks]}, which live rebalancing moves to "
+                "without a restart", cal)
+        return None
     elastic = ctx.decided("elastic") or {}
     cost, cost_measured = restart_cost(elastic.get("restartSeconds"),
                                        replan.restart_cost_seconds)
@@ -141,6 +163,35 @@ async def consider(ctx: JobContext, nodes: list[dict[str, Any]],
     log.info("%s/%s: re-planning: %s", ctx.namespace, ctx.name, reason)
     used = {g.pool or g.product for g in held.cluster.groups}
     return rescale.Growth(candidate, [p for p in held.pools if p.product in used], storage)
+
+
+def _timed_steps_needed(spec: CephaloJobSpec) -> int:
+    """Timed steps of one split before a calibration: `afterSteps`, and with live
+    rebalancing more than its interval (the timing restarts at each change, so the split
+    then outlived a decision: it is the one rebalancing settled on)."""
+    needed = int(spec.planner.replan.after_steps)
+    rebalance = spec.planner.rebalance
+    return max(needed, rebalance.interval_steps + 1) if rebalance.enabled else needed
+
+
+def split_in_force(rebalance: dict[str, Any] | None, plan: Plan) -> list[int] | None:
+    """status.rebalance's split when it is one of `plan`'s global batch over its ranks and
+    not the plan's own; None otherwise (the plan's, or another gang's figures)."""
+    split = (rebalance or {}).get("batchSizes")
+    planned = [r.batch_size for r in plan.ranks]
+    if not isinstance(split, list) or len(split) != len(planned) or \
+            sum(split) != sum(planned) or split == planned:
+        return None
+    return [int(b) for b in split]
+
+
+def only_split_differs(plan: Plan, candidate: Plan) -> bool:
+    """The candidate runs the same ranks on the same GPUs with the same microbatch sizes and
+    shards, and differs at most in how many samples each takes: a live rebalance's move."""
+    def layout(p: Plan) -> list[tuple[Any, ...]]:
+        return [(r.gpu, r.pool, r.gpu_index, r.micro_batch_size, round(r.shard_ratio, 9))
+                for r in p.ranks]
+    return candidate.world_size == plan.world_size and layout(candidate) == layout(plan)
 
 
 def delivered_gain(state: dict[str, Any], measured_step_seconds: float) -> float | None:
@@ -214,4 +265,5 @@ def _finish(ctx: JobContext, state: dict[str, Any], plan: Plan, measured: Measur
     ctx.condition(PREDICTION_OFF, *off)
 
 
-__all__ = ["PREDICTION_OFF", "consider", "delivered_gain", "replan_stop"]
+__all__ = ["PREDICTION_OFF", "consider", "delivered_gain", "only_split_differs", "replan_stop",
+           "split_in_force"]

@@ -168,16 +168,38 @@ RANK_SPLIT = {"cephalo_rank_compute_seconds_total": "computeSeconds",
               "cephalo_rank_wait_seconds_total": "waitSeconds"}
 
 
+# Rank 0's split in force (cephalo.trainer.metrics.TrainerMetrics.show_split) → the
+# scraped "rebalance" figures (cephalo.operator.rebalance_status makes status.rebalance).
+SPLIT_SERIES = {"cephalo_split_batch_size": "batchSizes",
+                "cephalo_split_micro_batches": "microBatches"}
+SPLIT_CHANGES = "cephalo_split_changes_total"
+SPLIT_LAST_CHANGE = "cephalo_split_last_change_step"
+REBALANCE = "rebalance"  # parse_progress's key for them (not a status.progress field)
+MAX_REASON_CHARS = 1024  # the reason is the trainer's sentence: bounded in status
+
+
 def parse_progress(metrics_text: str) -> dict[str, Any]:
     """Prometheus text from rank 0 → status.progress fields (missing metrics are left out),
     plus SERVED_BY: the uid of the pod the page names, when it names one. `timing`: the
     means over the timed steps (step time, each rank's compute and waiting), when the page
-    has every rank's split."""
+    has every rank's split. REBALANCE: the split of the global batch in force, when the page
+    shows it (`_rebalance`)."""
     found: dict[str, Any] = {}
     sums: dict[str, float] = {}
-    split: dict[str, dict[int, float]] = {k: {} for k in RANK_SPLIT.values()}
+    split: dict[str, dict[int, float]] = {k: {} for k in (*RANK_SPLIT.values(),
+                                                          *SPLIT_SERIES.values())}
+    last_change: dict[str, Any] = {}
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
+            if sample.name == SPLIT_CHANGES:
+                last_change["changes"] = sample.value
+            if sample.name == SPLIT_LAST_CHANGE:
+                last_change.update(step=sample.value, reason=sample.labels.get("reason", ""))
+            per_rank = SPLIT_SERIES.get(sample.name)
+            rank_label = sample.labels.get("of_rank", "")
+            if per_rank is not None and rank_label.isdigit() and \
+                    int(rank_label) < MAX_TIMED_RANKS:
+                split[per_rank][int(rank_label)] = float(sample.value)
             if sample.name == TRAINER_INFO and sample.labels.get("pod_uid"):
                 found[SERVED_BY] = sample.labels["pod_uid"]
             if sample.name in (TIMED_STEPS, TIMED_STEP_SECONDS):
@@ -193,6 +215,38 @@ def parse_progress(metrics_text: str) -> dict[str, Any]:
     timing = _timing(sums, split)
     if timing is not None:
         found["timing"] = timing
+    rebalance = _rebalance(split, last_change)
+    if rebalance is not None:
+        found[REBALANCE] = rebalance
+    return found
+
+
+def _counts(values: dict[int, float]) -> list[int] | None:
+    """Per-rank whole counts 0..n-1; None with a rank missing or a value not a count."""
+    if not values or set(values) != set(range(len(values))) or \
+            not all(math.isfinite(v) and 0 <= v < 2**53 and v == int(v)
+                    for v in values.values()):
+        return None
+    return [int(values[r]) for r in range(len(values))]
+
+
+def _rebalance(split: dict[str, dict[int, float]],
+               last_change: dict[str, Any]) -> dict[str, Any] | None:
+    """The split in force as the page shows it: every rank's batch and microbatch count,
+    this gang's changes, and the last change's step and reason; None when the page shows
+    no whole split (a trainer older than live rebalancing, or a gang of over
+    MAX_TIMED_RANKS ranks)."""
+    batches, micro = _counts(split["batchSizes"]), _counts(split["microBatches"])
+    changes = last_change.get("changes", 0.0)
+    if batches is None or micro is None or len(micro) != len(batches) or \
+            not (math.isfinite(changes) and 0 <= changes < 2**53):
+        return None
+    found: dict[str, Any] = {"batchSizes": batches, "microBatches": micro,
+                             "changes": int(changes)}
+    step = last_change.get("step")
+    if step is not None and math.isfinite(step) and 0 <= step < 2**63:
+        found["lastChangeStep"] = int(step)
+        found["lastChangeReason"] = str(last_change.get("reason", ""))[:MAX_REASON_CHARS]
     return found
 
 

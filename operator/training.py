@@ -202,7 +202,7 @@ async def _report(ctx: JobContext, plan: Plan, states: list[PodState]) -> None:
         # 'all 1 ranks completed' read oddly in `cephalo submit --watch` (the README walk)
         message = "1 rank completed" if plan.world_size == 1 else \
             f"all {plan.world_size} ranks completed"
-        final = final_progress(ctx, states[0].message)  # rank 0's, as it completed
+        final = final_progress(ctx, states[0].message, states[0].uid)  # rank 0's, as it ended
         last = {"progress": final} if final is not None else {}
         ctx.event("Normal", "Succeeded", message + _trained(final))
         await ctx.write_status(JobPhase.SUCCEEDED, message, {

@@ -6,6 +6,12 @@ compute / collective-wait seconds, validation_loss on the steps that evaluated, 
 skipped + loss_scale on a step an fp16 overflow skipped) is what
 `cephalo run` reads to show progress.
 
+Rank 0 also shows the split of the global batch in force (live rebalancing,
+docs/rebalancing.md): each rank's batch and microbatch count, how often this gang changed it,
+and after which step and why it last did. Its timing sums restart at each change, so they are
+always the figures of one split: re-planning calibrates from them (the compute it measures
+belongs to the split in force, not the plan's).
+
 Rank r serves Prometheus on CEPHALO_METRICS_PORT + LOCAL_RANK: one rank per pod (LOCAL_RANK
 0) keeps the configured port, several local ranks on one machine do not collide; on
 CEPHALO_METRICS_ADDRESS if set (else every interface). In a pod, `cephalo_trainer_info`
@@ -20,14 +26,19 @@ import json
 import math
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from cephalo.api.replan import MAX_TIMED_RANKS
-from cephalo.api.status import FinalProgress
+from cephalo.api.status import FinalProgress, FinalSplit
 
+# Rank 0's final message (FinalProgress) is a termination message, at most 4 KiB: the split
+# in force goes in while it takes at most 3 KiB, its reason cut to FINAL_REASON_CHARS.
+FINAL_SPLIT_BYTES = 3072
+FINAL_REASON_CHARS = 512
 STEP_BUCKETS_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 # Rank 0 exports every rank's compute / collective-wait split (the operator's re-planning
 # reads it, docs/replanning.md) for gangs of at most MAX_TIMED_RANKS ranks: two series per
@@ -121,6 +132,26 @@ class TrainerMetrics:
             self.rank_wait = Counter(
                 "cephalo_rank_wait_seconds", "Each rank's waiting on collectives over the "
                 "timed steps", ["rank", "of_rank"], registry=r)
+        # Rank 0: the split in force (set by `show_split`; per-rank series up to
+        # MAX_TIMED_RANKS ranks, as the timing sums).
+        self.split_batch = self.split_micro_batches = self.split_changes = None
+        self.split_last_change = None
+        self.split: FinalSplit | None = None  # the same figures, for the final message
+        if rank == 0:
+            self.split_batch = Gauge(
+                "cephalo_split_batch_size", "Samples each rank takes of the global batch "
+                "under the split in force", ["rank", "of_rank"], registry=r)
+            self.split_micro_batches = Gauge(
+                "cephalo_split_micro_batches", "Each rank's microbatches per step under the "
+                "split in force", ["rank", "of_rank"], registry=r)
+            self.split_changes = Counter(
+                "cephalo_split_changes", "Changes of the split by live rebalancing in this "
+                "gang", ["rank"], registry=r)
+            self.split_changes.labels(**labels)  # 0 from the start: "none yet" reads as 0
+            self.split_last_change = Gauge(
+                "cephalo_split_last_change_step", "The step after which live rebalancing "
+                "last changed the split (no series: never in this gang); `reason` says why",
+                ["rank", "reason"], registry=r)
         if pod_uid:  # whose page this is: the operator checks it against the pod it scrapes
             Gauge("cephalo_trainer_info", "The pod serving this page (always 1)",
                   ["rank", "pod_uid"], registry=r).labels(**labels, pod_uid=pod_uid).set(1)
@@ -151,6 +182,37 @@ class TrainerMetrics:
         for r, (compute, wait) in enumerate(zip(compute_seconds, wait_seconds, strict=True)):
             self.rank_compute.labels(rank=lb["rank"], of_rank=str(r)).inc(max(0.0, compute))
             self.rank_wait.labels(rank=lb["rank"], of_rank=str(r)).inc(max(0.0, wait))
+
+    def show_split(self, batch_sizes: Sequence[int], micro_batches: Sequence[int],
+                   changed_after_step: int | None = None, reason: str = "") -> None:
+        """Rank 0: the split in force from now. With `changed_after_step`, live rebalancing
+        has just changed it: the change is counted and the timing sums start afresh, so that
+        they never mix the steps of two splits."""
+        if self.split_batch is None or len(batch_sizes) > MAX_TIMED_RANKS:
+            return
+        assert self.split_micro_batches is not None and self.split_changes is not None
+        assert self.split_last_change is not None
+        before = self.split
+        self.split = FinalSplit(
+            batch_sizes=list(batch_sizes), micro_batches=list(micro_batches),
+            changes=(before.changes if before else 0) + (changed_after_step is not None),
+            last_change_step=changed_after_step if changed_after_step is not None
+            else before.last_change_step if before else None,
+            last_change_reason=reason[:FINAL_REASON_CHARS] if changed_after_step is not None
+            else before.last_change_reason if before else None)
+        lb = self.labels
+        for r, (b, count) in enumerate(zip(batch_sizes, micro_batches, strict=True)):
+            self.split_batch.labels(rank=lb["rank"], of_rank=str(r)).set(b)
+            self.split_micro_batches.labels(rank=lb["rank"], of_rank=str(r)).set(count)
+        if changed_after_step is None:
+            return
+        self.split_changes.labels(**lb).inc()
+        self.split_last_change.clear()  # one series: the last change's reason
+        self.split_last_change.labels(rank=lb["rank"], reason=reason).set(changed_after_step)
+        for counter in (self.timed_steps, self.timed_step_seconds, self.rank_compute,
+                        self.rank_wait):
+            if counter is not None:
+                counter.clear()  # a counter reset, as a restarted process's: rate() copes
 
     def observe(self, *, step: int, loss: float, step_seconds: float, samples_per_second: float,
                 tokens_per_second: float, tflops: float, wait_seconds_by_op: dict[str, float],
@@ -185,11 +247,15 @@ class TrainerMetrics:
             found = self.registry.get_sample_value(name, self.labels)
             return found if found is not None and math.isfinite(found) else None
 
+        # The split in force, where the message stays within the kubelet's 4 KiB with it.
+        split = self.split if self.split is not None and \
+            len(self.split.model_dump_json()) <= FINAL_SPLIT_BYTES else None
         if value("cephalo_step") != last_step:
-            return FinalProgress(step=last_step)
+            return FinalProgress(step=last_step, rebalance=split)
         return FinalProgress(step=last_step, loss=value("cephalo_loss"),
                              samples_per_second=value("cephalo_samples_per_second"),
-                             validation_loss=value("cephalo_validation_loss"))
+                             validation_loss=value("cephalo_validation_loss"),
+                             rebalance=split)
 
 
 def write_final_progress(path: str, progress: FinalProgress) -> None:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from cephalo.api import trainer_env
 from cephalo.api.job import CephaloJobSpec
 from cephalo.api.plan import Plan
-from cephalo.planner.rebalance import Rebalancer
+from cephalo.planner.rebalance import Decision, Rebalancer, micro_batch_counts
 from cephalo.trainer import checkpoint
 from cephalo.trainer.checkpoint_write import CheckpointWriter
 from cephalo.trainer.data import DataSource
@@ -74,13 +74,21 @@ def _votes(stop_requested: Callable[[], bool] | None, writer: CheckpointWriter |
     return votes
 
 
-def _follow_split(engine: Engine, logger: StepLogger) -> tuple[int, int]:
-    """The split in force from the next step: the logger's figures, and this rank's range
-    [start, end) of each global batch."""
+def _follow_split(engine: Engine, logger: StepLogger,
+                  decision: Decision | None = None) -> tuple[int, int]:
+    """The split in force from the next step (`decision`: the change that made it): the
+    logger's figures, rank 0's /metrics, and this rank's range [start, end) of each global
+    batch."""
+    layout = engine.layout
     if logger.batch_sizes is not None:
-        logger.batch_sizes = list(engine.layout.batch_sizes)
-    logger.local_batch_size = engine.layout.batch_sizes[engine.rank]
-    return engine.layout.sample_range(engine.rank)
+        logger.batch_sizes = list(layout.batch_sizes)
+    logger.local_batch_size = layout.batch_sizes[engine.rank]
+    if logger.metrics is not None:
+        logger.metrics.show_split(
+            layout.batch_sizes, micro_batch_counts(layout.batch_sizes, layout.micro_batch_sizes),
+            None if decision is None else decision.step,
+            "" if decision is None else decision.describe())
+    return layout.sample_range(engine.rank)
 
 
 def _live_split(job: CephaloJobSpec, engine: Engine, memory_limit_bytes: int | None,
@@ -220,7 +228,7 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
                     logger.due(result.step, final=final):
                 logger.log(result, val_loss, rebalanced)
             if decision is not None:  # from the next step on, on every rank
-                start, end = _follow_split(engine, logger)
+                start, end = _follow_split(engine, logger, decision)
                 if verbose and engine.rank == 0:
                     print(f"cephalo trainer: rebalanced: {decision.describe()}", flush=True)
             if writer is not None:

@@ -98,3 +98,71 @@ def test_a_replan_that_delivered_may_be_followed_by_another_up_to_max_replans() 
     # Only the first calibration after a re-plan judges it; a kept plan's next one does not.
     assert delivered_gain({"lastCalibration": {"verdict": "Keep",
                                                "measuredStepSeconds": 1.0}}, 2.0) is None
+
+
+def _four_rank_plan() -> object:
+    from cephalo.api import ClusterSpec, GpuGroup
+    from cephalo.api.job import CephaloJobSpec
+    from cephalo.planner import solve
+
+    spec = CephaloJobSpec.model_validate({"model": {"preset": "gpt-small"},
+                                          "globalBatchSize": 32, "planner": {
+                                              "minGainToIdleGpus": 0.0,
+                                              "networkBandwidthGbps": 1000.0,
+                                              "networkLatencyMicroseconds": 1.0}})
+    plan = solve(spec, ClusterSpec(groups=[GpuGroup(product="A10G", count=2),
+                                           GpuGroup(product="T4", count=2)]))
+    assert plan.world_size == 4 and all(r.batch_size > 1 for r in plan.ranks)
+    return plan
+
+
+def test_replan_reads_the_split_in_force_only_when_it_is_the_plans_batch_moved() -> None:
+    from cephalo.api.plan import Plan
+    from cephalo.operator.replan import split_in_force
+
+    plan = _four_rank_plan()
+    assert isinstance(plan, Plan)
+    planned = [r.batch_size for r in plan.ranks]
+    moved = [planned[0] + 1, planned[1] - 1, *planned[2:]]
+    assert split_in_force({"batchSizes": moved}, plan) == moved
+    assert split_in_force({"batchSizes": planned}, plan) is None  # the plan's own
+    assert split_in_force(None, plan) is None
+    assert split_in_force({"batchSizes": [*moved, 0]}, plan) is None  # another gang's
+    assert split_in_force({"batchSizes": [moved[0] + 1, *moved[1:]]}, plan) is None
+
+
+def test_a_plan_differing_only_in_its_split_is_a_rebalances_move() -> None:
+    from cephalo.api.plan import Plan
+    from cephalo.operator.replan import only_split_differs
+
+    plan = _four_rank_plan()
+    assert isinstance(plan, Plan)
+    a, b, *rest = plan.ranks
+    moved = plan.model_copy(update={"ranks": [
+        a.model_copy(update={"batch_size": a.batch_size + 1}),
+        b.model_copy(update={"batch_size": b.batch_size - 1}), *rest]})
+    assert only_split_differs(plan, moved)
+    other_micro = plan.model_copy(update={"ranks": [
+        a.model_copy(update={"micro_batch_size": a.micro_batch_size + 1}), b, *rest]})
+    assert not only_split_differs(plan, other_micro)
+    other_shards = plan.model_copy(update={"ranks": [
+        a.model_copy(update={"shard_ratio": a.shard_ratio / 2}), b, *rest]})
+    assert not only_split_differs(plan, other_shards)
+    one_gpu = plan.model_copy(update={"ranks": [a], "world_size": 1})
+    assert not only_split_differs(plan, one_gpu)
+
+
+def test_with_live_rebalancing_a_calibration_waits_for_a_settled_split() -> None:
+    from cephalo.api.job import CephaloJobSpec
+    from cephalo.operator.replan import _timed_steps_needed
+
+    def spec(rebalance: dict[str, object]) -> CephaloJobSpec:
+        return CephaloJobSpec.model_validate({
+            "model": {"preset": "gpt-tiny"}, "globalBatchSize": 16,
+            "planner": {"replan": {"afterSteps": 5}, "rebalance": rebalance}})
+
+    assert _timed_steps_needed(spec({"enabled": False})) == 5
+    # The timing restarts at each change: a split timed past one interval outlived a
+    # decision (the one rebalancing settled on).
+    assert _timed_steps_needed(spec({"enabled": True, "intervalSteps": 10})) == 11
+    assert _timed_steps_needed(spec({"enabled": True, "intervalSteps": 2})) == 5

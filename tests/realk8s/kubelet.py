@@ -77,6 +77,9 @@ class ProcessKubelet:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch_loop, name="kubelet", daemon=True)
         self._hold: Callable[[dict[str, Any]], bool] | None = None  # see hold()
+        # Env a test adds to one pod by (namespace, name), over the pod's own: e.g. one rank
+        # that slows down mid-run (CEPHALO_TIME_DILATION, CEPHALO_TIME_DILATION_FROM_STEP).
+        self.pod_env: dict[tuple[str, str], dict[str, str]] = {}
         self._held: list[Container] = []
         # Each node's log endpoint: its port goes into the node's status (daemonEndpoints).
         self.log_servers = {node: LogServer(functools.partial(self._log_of, node),
@@ -168,6 +171,8 @@ class ProcessKubelet:
         try:
             self.setup.prepare_volumes(c)
             env = self.setup.environment(c, spec_container)
+            meta = pod["metadata"]
+            env.update(self.pod_env.get((meta["namespace"], meta["name"]), {}))
         except Exception as err:
             self._report(c, "Failed", exit_code=128, reason="CreateContainerConfigError",
                          message=str(err)[:MAX_MESSAGE_BYTES])

@@ -46,3 +46,38 @@ def test_progress_lines_are_visible_to_a_reader_before_close(tmp_path: Path) -> 
     assert json.loads(path.read_text())["step"] == 1
     progress.close()
     progress.close()  # idempotent: the trainer's finally may close after an error path
+
+
+def test_rank_zero_shows_the_split_in_force_and_restarts_its_timing_at_a_change() -> None:
+    metrics = TrainerMetrics(rank=0, port=0, predicted_step_seconds=None)
+
+    def value(name: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(name, {"rank": "0", **labels})
+
+    metrics.show_split([32, 8], [4, 1])
+    assert value("cephalo_split_batch_size", of_rank="1") == 8
+    assert value("cephalo_split_micro_batches", of_rank="0") == 4
+    assert value("cephalo_split_changes_total") == 0  # none yet reads 0, not "no data"
+    metrics.time_ranks(1.0, [0.6, 0.9], [0.4, 0.1])
+    metrics.time_ranks(1.2, [0.7, 1.1], [0.5, 0.1])
+    assert value("cephalo_timed_steps_total") == 2
+    metrics.show_split([34, 6], [5, 1], changed_after_step=10, reason="split [32, 8] -> [34, 6]")
+    assert value("cephalo_split_batch_size", of_rank="0") == 34
+    assert value("cephalo_split_micro_batches", of_rank="0") == 5
+    assert value("cephalo_split_changes_total") == 1
+    assert value("cephalo_split_last_change_step", reason="split [32, 8] -> [34, 6]") == 10
+    # The timing sums are the new split's alone: the old split's steps are gone.
+    assert value("cephalo_timed_steps_total") is None
+    metrics.time_ranks(0.9, [0.8, 0.8], [0.1, 0.1])
+    assert value("cephalo_timed_steps_total") == 1
+    assert value("cephalo_rank_compute_seconds_total", of_rank="1") == 0.8
+    metrics.show_split([35, 5], [5, 1], changed_after_step=20, reason="again")
+    text = generate_latest(metrics.registry).decode()
+    assert text.count("cephalo_split_last_change_step{") == 1  # the last change's reason only
+    assert value("cephalo_split_changes_total") == 2
+
+
+def test_other_ranks_show_no_split() -> None:
+    metrics = TrainerMetrics(rank=1, port=0, predicted_step_seconds=None)
+    metrics.show_split([32, 8], [4, 1], changed_after_step=10, reason="x")
+    assert "cephalo_split" not in generate_latest(metrics.registry).decode()

@@ -170,3 +170,19 @@ def test_cephalo_status_shows_the_last_calibration() -> None:
         "  2026-12-02T11:59:00Z step 4: measured 0.447 s/step, predicted 0.176; re-planned: "
         "2 -> 1 GPUs"]
     assert lines[0] in job_details(job_from(body), None, [], NOW).splitlines()
+
+
+def test_cephalo_status_shows_the_split_in_force() -> None:
+    from cephalo.commands.jobview import job_details, rebalance_lines
+
+    assert rebalance_lines(job_from(_job(phase="Running")), None) == []  # no split shown yet
+    body = _job(phase="Running", rebalance={
+        "batchSizes": [34, 6], "microBatches": [5, 1], "changes": 1, "lastChangeStep": 10,
+        "lastChangeTime": "2026-12-06T15:00:00Z", "lastChangeReason": "split [32, 8] -> [34, 6]"})
+    body["spec"]["planner"] = {"rebalance": {"enabled": True}}
+    lines = rebalance_lines(job_from(body), None)
+    assert lines == [
+        "Rebalance:   on (every 10 steps, minGain 5%); split [34, 6], microbatches [5, 1]; "
+        "1 change(s) without a restart",
+        "  2026-12-06T15:00:00Z after step 10: split [32, 8] -> [34, 6]"]
+    assert lines[0] in job_details(job_from(body), None, [], NOW).splitlines()

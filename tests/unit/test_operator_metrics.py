@@ -16,7 +16,7 @@ from cephalo.operator import metrics
 COUNTERS = ("cephalo_operator_gang_restarts_total", "cephalo_operator_preemptions_total",
             "cephalo_operator_replans_total", "cephalo_operator_gang_releases_total",
             "cephalo_operator_rescales_total", "cephalo_operator_rescale_skips_total",
-            "cephalo_operator_rescale_rollbacks_total")
+            "cephalo_operator_rescale_rollbacks_total", "cephalo_operator_rebalances_total")
 
 
 def _samples(namespace: str, job: str) -> dict[str, float]:
@@ -79,3 +79,21 @@ def test_progress_gauges_follow_status_and_go_with_their_field() -> None:
     finally:
         metrics.set_phase("ns-p", "eta", None)
     assert not _samples("ns-p", "eta"), "a deleted job's series must go"
+
+
+def test_the_batch_per_rank_follows_status_rebalance_and_goes_with_the_job() -> None:
+    batch = "cephalo_operator_rank_batch_size"
+
+    def ranks() -> dict[str, float]:
+        page = generate_latest(REGISTRY).decode()
+        return {s.labels["rank"]: s.value for family in text_string_to_metric_families(page)
+                for s in family.samples if s.name == batch
+                and s.labels.get("cephalo_job") == "split"}
+
+    metrics.set_phase("ns-s", "split", "Running")
+    metrics.set_split("ns-s", "split", {"batchSizes": [20, 10, 2]})
+    assert ranks() == {"0": 20.0, "1": 10.0, "2": 2.0}
+    metrics.set_split("ns-s", "split", {"batchSizes": [24, 8]})  # a smaller gang
+    assert ranks() == {"0": 24.0, "1": 8.0}
+    metrics.set_phase("ns-s", "split", None)
+    assert ranks() == {}

@@ -190,3 +190,37 @@ def test_the_memory_bound_caps_a_fast_rank_but_never_its_current_batch() -> None
 def test_adopt_refuses_another_global_batch() -> None:
     with pytest.raises(ValueError, match="is not one of 64 samples"):
         _rebalancer().adopt([30, 30])
+
+
+def test_a_move_back_to_a_split_measured_slower_is_not_made() -> None:
+    """Found on the emulator (test_operator_prometheus, a tiny CPU job whose steps are mostly
+    fixed work): [1, 7] -> [2, 6] -> [1, 7] -> ... every interval. Each rank's compute, as
+    measured there (seconds, by batch), is not linear in its samples, so the per-sample model
+    of the split in force keeps predicting the other split >5 % faster. [2, 6] measured 9.1
+    ms at its slowest rank against 12.5 at [1, 7]: going back is a loss that was measured,
+    and the split stays."""
+    compute = [{1: 5.14e-3, 2: 9.1e-3}, {6: 7.0e-3, 7: 12.5e-3}]  # rank -> batch -> seconds
+    bal = Rebalancer([1, 7], [1, 1], interval_steps=2, min_gain=0.05, smoothing=1.0)
+    splits = []
+    for step in range(1, 41):
+        bal.observe([compute[r][b] for r, b in enumerate(bal.batch_sizes)])
+        bal.decide(step, [8, 8])
+        splits.append(tuple(bal.batch_sizes))
+    assert splits[1] == (2, 6)  # the first move, which the measurements then confirm
+    assert set(splits[1:]) == {(2, 6)}, splits
+    assert len(bal.history) == 1
+
+
+def test_a_split_left_long_ago_may_be_taken_again_when_the_ranks_changed() -> None:
+    """The memory blocks only a move back to the split just left, and only while the split
+    in force measures better than that one did: once a rank slows, the move is made."""
+    bal = Rebalancer([1, 7], [1, 1], interval_steps=2, min_gain=0.05, smoothing=1.0)
+    compute = [{1: 5.14e-3, 2: 9.1e-3}, {6: 7.0e-3, 7: 12.5e-3}]
+    for step in range(1, 5):
+        bal.observe([compute[r][b] for r, b in enumerate(bal.batch_sizes)])
+        bal.decide(step, [8, 8])
+    assert bal.batch_sizes == [2, 6]
+    # Rank 0 now computes 3x slower: [2, 6] measures 27.3 ms, worse than [1, 7]'s 12.5.
+    bal.observe([3 * 9.1e-3, 7.0e-3])
+    decision = bal.decide(6, [8, 8])
+    assert decision is not None and decision.new_batch_sizes == (1, 7)

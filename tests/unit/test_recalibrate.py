@@ -45,32 +45,95 @@ def _truth(spec: CephaloJobSpec) -> tuple[ClusterSpec, dict[str, GpuProfile]]:
     return cluster, profiles
 
 
-def _assignment(plan: Plan) -> list[tuple[int, int] | None]:
-    by_index = {r.gpu_index: (r.micro_batch_size, r.num_micro_batches) for r in plan.ranks}
+def _assignment(plan: Plan, split: list[int] | None = None) -> list[tuple[int, int] | None]:
+    """(m, ℓ) per GPU in the cluster's order, under `split` (ℓ = ⌈b / m⌉) or the plan's
+    batches."""
+    by_index = {r.gpu_index: (r.micro_batch_size, r.num_micro_batches if split is None
+                              else -(-split[r.rank] // r.micro_batch_size))
+                for r in plan.ranks}
     return [by_index.get(i) for i in range(CLUSTER.num_gpus)]
 
 
-def _measure(spec: CephaloJobSpec, plan: Plan) -> Measured:
+def _whole(spec: CephaloJobSpec, plan: Plan, split: list[int] | None) -> CephaloJobSpec:
+    """`spec` with the global batch of `split`'s whole microbatches, as the model prices it."""
+    whole = sum(m * count for m, count in filter(None, _assignment(plan, split)))
+    return spec.model_copy(update={"global_batch_size": whole})
+
+
+def _measure(spec: CephaloJobSpec, plan: Plan, split: list[int] | None = None) -> Measured:
     """What the running plan would measure if the truth held: the step by the planner's
     evaluation under the true inputs, each rank's compute by the same with free collectives
-    less its optimizer update (the trainer's split is taken before it)."""
+    less its optimizer update (the trainer's split is taken before it); under `split`, the
+    split in force live rebalancing moved it to, where a rank's smaller last microbatch
+    computes its share of a full one."""
     cluster, profiles = _truth(spec)
+    spec = _whole(spec, plan, split)
     kept = [r.kept_blocks for r in plan.ranks] if plan.recompute is not False else None
     recompute = plan.recompute is not False
-    step = evaluate(spec, cluster, profiles, _assignment(plan), recompute=recompute,
+    step = evaluate(spec, cluster, profiles, _assignment(plan, split), recompute=recompute,
                     kept_blocks=kept)
+    assert step.feasible, step.reason
     free = evaluate(spec, CLUSTER.model_copy(update={
         "network_bandwidth_bytes_per_second": 1e20, "network_latency_seconds": 0.0}),
-        profiles, _assignment(plan), recompute=recompute, kept_blocks=kept)
+        profiles, _assignment(plan, split), recompute=recompute, kept_blocks=kept)
     params = spec.model.resolve().total_parameters()
     compute = []
     for r, seconds in zip(plan.ranks, free.rank_seconds, strict=True):
         p = profiles[r.gpu]
         optimizer = (p.optimizer_seconds_fixed or 0.0) + \
             (p.optimizer_seconds_per_parameter or 0.0) * params / plan.world_size
-        compute.append(seconds - optimizer)
+        share = 1.0 if split is None or not r.micro_batch_size else \
+            split[r.rank] / (r.micro_batch_size * -(-split[r.rank] // r.micro_batch_size))
+        compute.append((seconds - optimizer) * share)
     waits = [step.step_seconds - c for c in compute]
-    return Measured(step.step_seconds, compute, waits)
+    return Measured(step.step_seconds, compute, waits, split)
+
+
+def _rebalanced(plan: Plan) -> list[int]:
+    """The plan's split with one sample moved from a rank of one GPU type (leaving it a
+    smaller last microbatch) to a rank of the other: what live rebalancing could make."""
+    giver = next(r for r in plan.ranks if r.micro_batch_size >= 2)
+    taker = next(r for r in plan.ranks if r.gpu != giver.gpu and r.batch_size > 0)
+    split = [r.batch_size for r in plan.ranks]
+    split[giver.rank] -= 1
+    split[taker.rank] += 1
+    assert split[giver.rank] % giver.micro_batch_size  # the case: a partial microbatch
+    return split
+
+
+def test_steps_run_under_a_rebalanced_split_calibrate_that_split() -> None:
+    """Live rebalancing moved samples: each rank's measured compute is for its batch in
+    force, not the plan's. Priced under that split (a smaller last microbatch as its share
+    of a full one, the rebalancer's model) the true compute comes back, and both the
+    prediction and the calibrated step are the split's: a re-plan compares against what the
+    rebalance already reached."""
+    spec = _spec("gpt-small")  # memory binds nowhere: any split of it runs
+    planned = solve(spec, CLUSTER)
+    split = _rebalanced(planned)
+    measured = _measure(spec, planned, split)
+    cal = recalibrate(spec, CLUSTER, None, planned, measured)
+    assert cal.explained
+    assert cal.compute_scale == pytest.approx(TRUE_COMPUTE, rel=1e-6)
+    assert cal.calibrated_step_seconds == pytest.approx(measured.step_seconds, rel=1e-6)
+    kept = [r.kept_blocks for r in planned.ranks] if planned.recompute is not False else None
+    in_force = evaluate(_whole(spec, planned, split), CLUSTER, None,
+                        _assignment(planned, split), recompute=planned.recompute is not False,
+                        kept_blocks=kept)
+    assert in_force.feasible and cal.predicted_step_seconds == pytest.approx(
+        in_force.step_seconds, rel=1e-6)
+    # Read as the plan's split, the same figures give another (wrong) compute correction.
+    as_planned = recalibrate(spec, CLUSTER, None, planned, Measured(
+        measured.step_seconds, measured.compute_seconds, measured.wait_seconds))
+    assert as_planned.compute_scale != pytest.approx(TRUE_COMPUTE, rel=1e-3)
+
+
+def test_a_split_that_is_not_the_plans_global_batch_is_refused() -> None:
+    spec = _spec()
+    planned = solve(spec, CLUSTER)
+    split = [r.batch_size for r in planned.ranks]
+    split[0] += 1
+    with pytest.raises(ValueError, match="is not one of the plan's 32 samples"):
+        recalibrate(spec, CLUSTER, None, planned, Measured(1.0, None, None, split))
 
 
 def test_recalibration_recovers_the_true_model_and_its_plan() -> None:

@@ -19,13 +19,12 @@ from cephalo.api.wire import CamelModel
 class RebalanceSpec(CamelModel):
     """Move samples between a running job's ranks, step by step, without a restart."""
 
-    # Off by default until the operator knows of it (issue 45 item 3): re-planning's
-    # calibration prices the plan's split against compute measured under the split in force,
-    # and status, Events and metrics do not show a changed split yet.
-    enabled: bool = Field(default=False, description=(
+    # On by default (issue 45 item 3): the operator shows the split in force (status.rebalance,
+    # Events, metrics) and re-planning calibrates from it; a split that never pays stays the
+    # plan's (minGain), and the loss is the same whatever the split.
+    enabled: bool = Field(default=True, description=(
         "Re-split the global batch over the same ranks from their measured compute, at a "
-        "step boundary and without a restart (false, the default for now: the plan's split "
-        "for the whole run)."))
+        "step boundary and without a restart (false: the plan's split for the whole run)."))
     interval_steps: int = Field(default=10, ge=1, le=1_000_000, description=(
         "Steps between two decisions (each on the steps run since the split in force began)."))
     min_gain: float = Field(default=0.05, ge=0, le=100, description=(

@@ -76,6 +76,12 @@ class Calibration(StatusModel):
         "The recalibrated plan on the same GPUs: predicted step."))
     current_gpus: int | None = None
     candidate_gpus: int | None = None
+    batch_sizes: list[int] | None = Field(default=None, max_length=MAX_TIMED_RANKS,
+                                          description=(
+                                              "The split of the global batch the measured "
+                                              "steps ran under, when live rebalancing had "
+                                              "moved it from the plan's (the calibration "
+                                              "prices that split)."))
     compute_scale: dict[str, float] | None = Field(default=None, description=(
         "Per GPU type: measured compute / profiled compute."))
     collective_scale: float | None = Field(default=None, description=(

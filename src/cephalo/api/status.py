@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field
 
 from cephalo.api.elastic import ElasticStatus
-from cephalo.api.replan import ReplanStatus, StepTiming
+from cephalo.api.replan import MAX_TIMED_RANKS, ReplanStatus, StepTiming
 from cephalo.api.wire import CamelModel, StatusModel
 
 Phase = Literal["Pending", "Profiling", "Planning", "Running", "Restarting", "Suspended",
@@ -68,6 +68,49 @@ class Progress(StatusModel):
     last_update_time: str | None = None
 
 
+class RebalanceStatus(StatusModel):
+    """Live rebalancing (spec.planner.rebalance; docs/rebalancing.md): the split of the
+    global batch in force, as rank 0's /metrics shows it, and its changes. Each change
+    also posts an Event `Rebalanced`."""
+
+    batch_sizes: list[int] | None = Field(default=None, max_length=MAX_TIMED_RANKS,
+                                          description=(
+                                              "The split in force: samples each rank takes "
+                                              "of the global batch, by rank."))
+    micro_batches: list[int] | None = Field(default=None, max_length=MAX_TIMED_RANKS,
+                                            description=(
+                                                "Each rank's microbatches per step under the "
+                                                "split in force (its microbatch size is the "
+                                                "plan's)."))
+    changes: int | None = Field(default=None, ge=0, description=(
+        "Changes of the split without a restart, over the job's life."))
+    last_change_step: int | None = Field(default=None, ge=0, description=(
+        "The step after which the split last changed."))
+    last_change_time: str | None = Field(default=None, max_length=64, description=(
+        "When the operator saw that change (RFC 3339)."))
+    last_change_reason: str | None = Field(default=None, max_length=1024, description=(
+        "Why: the old and new split and the predicted gain, as the trainer decided it."))
+    gang_pod: str | None = Field(default=None, max_length=128, description=(
+        "The uid of the rank-0 pod whose changes gangChanges counts (a new gang counts "
+        "from 0)."))
+    gang_changes: int | None = Field(default=None, ge=0, description=(
+        "Changes made by that gang, as its rank 0 counts them."))
+
+
+class FinalSplit(CamelModel):
+    """The split in force as rank 0 leaves it (FinalProgress.rebalance): the figures its
+    /metrics page shows (cephalo.trainer.metrics.TrainerMetrics.show_split), so that a
+    change in the last steps, after the operator's last scrape, is still counted."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    batch_sizes: list[int] = Field(max_length=MAX_TIMED_RANKS)
+    micro_batches: list[int] = Field(max_length=MAX_TIMED_RANKS)
+    changes: int = Field(default=0, ge=0, le=2**53)
+    last_change_step: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    last_change_reason: str | None = Field(default=None, max_length=1024)
+
+
 class FinalProgress(CamelModel):
     """What rank 0 leaves as its termination message when it completes (written to
     CEPHALO_TERMINATION_LOG, the container's terminationMessagePath): its last step, that
@@ -82,6 +125,7 @@ class FinalProgress(CamelModel):
     loss: float | None = None
     samples_per_second: float | None = Field(default=None, ge=0)
     validation_loss: float | None = None
+    rebalance: FinalSplit | None = None
 
 
 class CephaloJobStatus(StatusModel):
@@ -105,5 +149,7 @@ class CephaloJobStatus(StatusModel):
         "Elastic scaling (spec.elastic): rescales and the last decision."))
     replan: ReplanStatus | None = Field(default=None, description=(
         "Re-planning from measurements (spec.planner.replan): the last calibration."))
+    rebalance: RebalanceStatus | None = Field(default=None, description=(
+        "Live rebalancing (spec.planner.rebalance): the split in force and its changes."))
     start_time: str | None = None
     completion_time: str | None = None

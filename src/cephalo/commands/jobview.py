@@ -137,6 +137,7 @@ def job_details(job: Job, plan: Plan | None, events: Sequence[dict[str, Any]],
         lines.append(UNSEEN)
     lines += elastic_lines(job)
     lines += replan_lines(job)
+    lines += rebalance_lines(job, plan)
     if job.spec_error:
         lines.append(f"Invalid spec: {job.spec_error}")
     if job.phase == "Failed":
@@ -227,6 +228,27 @@ def replan_lines(job: Job) -> list[str]:
     return [f"Re-plan:     {setting}; {(status.replans if status else None) or 0} re-plan(s)",
             f"  {c.time or ''} step {c.step}: measured {_num(c.measured_step_seconds, '.3g')} "
             f"s/step, predicted {_num(c.predicted_step_seconds, '.3g')}; {verdict}: {c.reason}"]
+
+
+def rebalance_lines(job: Job, plan: Plan | None) -> list[str]:
+    """spec.planner.rebalance and the split in force (docs/rebalancing.md): each rank's batch
+    and microbatches against the plan's, the changes made without a restart, and the last
+    one's step and reason; nothing before rank 0 has shown a split."""
+    status = job.status.rebalance
+    if status is None or not status.batch_sizes:
+        return []
+    spec = job.spec.planner.rebalance if job.spec else None
+    setting = "on" if spec is None else (
+        f"on (every {spec.interval_steps} steps, minGain {spec.min_gain:.0%})"
+        if spec.enabled else "off")
+    planned = f" (plan {[r.batch_size for r in plan.ranks]})" if plan is not None else ""
+    lines = [f"Rebalance:   {setting}; split {status.batch_sizes}{planned}, microbatches "
+             f"{status.micro_batches or '-'}; {status.changes or 0} change(s) without a "
+             "restart"]
+    if status.last_change_step is not None:
+        lines.append(f"  {status.last_change_time or ''} after step {status.last_change_step}: "
+                     f"{status.last_change_reason or ''}")
+    return lines
 
 
 def progress_text(job: Job, bar: bool, now: datetime.datetime | None = None) -> str:

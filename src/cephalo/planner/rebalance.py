@@ -19,7 +19,12 @@ splits (water-filling, checked against a brute force in the tests).
 
 Damping, so noise does not move samples back and forth: a decision every `interval_steps`
 steps at most, on the smoothed times, and only when the predicted compute of the slowest rank
-drops by at least `min_gain` (its fraction).
+drops by at least `min_gain` (its fraction). Hysteresis, because a rank's compute need not be
+linear in its samples (fixed per-step work, caches, a tiny model's overheads): the split just
+left, and the slowest rank's compute measured under it, are remembered, and a move back to
+it is made only when the split in force measures at least `min_gain` slower than it did. Seen
+on the operator's emulator without it: [1, 7] -> [2, 6] -> [1, 7] -> ... every interval, each
+split's per-sample figures predicting the other >5 % faster, while [2, 6] measured faster.
 """
 
 from __future__ import annotations
@@ -141,6 +146,10 @@ class Rebalancer:
         # Smoothed compute seconds per sample (None: never measured with samples).
         self.seconds_per_sample: list[float | None] = [None] * len(batch_sizes)
         self._observed = 0  # steps observed under the split in force
+        # The slowest working rank's compute seconds under the split in force, smoothed as
+        # the per-sample figures are; and the split last left with its own (hysteresis).
+        self.slowest_seconds: float | None = None
+        self._left: tuple[tuple[int, ...], float] | None = None
         self.history: list[Decision] = []
 
     @property
@@ -153,6 +162,12 @@ class Rebalancer:
         if len(rank_compute_seconds) != len(self.batch_sizes):
             raise ValueError(f"need {len(self.batch_sizes)} ranks' seconds, got "
                              f"{len(rank_compute_seconds)}")
+        slowest = max((s for s, b in zip(rank_compute_seconds, self.batch_sizes, strict=True)
+                       if b > 0 and s > 0 and math.isfinite(s)), default=None)
+        if slowest is not None:
+            before_slowest = self.slowest_seconds
+            self.slowest_seconds = slowest if before_slowest is None or self._observed == 0 \
+                else self.smoothing * slowest + (1 - self.smoothing) * before_slowest
         for i, (seconds, samples) in enumerate(zip(rank_compute_seconds, self.batch_sizes,
                                                    strict=True)):
             if samples == 0 or not (seconds > 0 and math.isfinite(seconds)):
@@ -185,14 +200,24 @@ class Rebalancer:
         before = predicted_compute_seconds(times, self.batch_sizes)
         after = predicted_compute_seconds(times, new)
         gain = before / after - 1 if after > 0 else 0.0
-        if new == self.batch_sizes or gain < self.min_gain:
+        if new == self.batch_sizes or gain < self.min_gain or self._measured_worse(new):
             return None
         decision = Decision(step=step, old_batch_sizes=tuple(self.batch_sizes),
                             new_batch_sizes=tuple(new), seconds_per_sample=tuple(times),
                             predicted_gain=gain)
+        left = self.slowest_seconds
         self.adopt(new)
+        if left is not None:
+            self._left = (decision.old_batch_sizes, left)
         self.history.append(decision)
         return decision
+
+    def _measured_worse(self, new: Sequence[int]) -> bool:
+        """`new` is the split just left, and the split in force measures no `min_gain`
+        slower than it did: going back would undo a move its measurements confirmed."""
+        if self._left is None or tuple(new) != self._left[0] or self.slowest_seconds is None:
+            return False
+        return self.slowest_seconds < self._left[1] * (1 + self.min_gain)
 
     def adopt(self, batch_sizes: Sequence[int]) -> None:
         """Run under `batch_sizes` from now (a decision, or a checkpoint's split on resume):
@@ -203,3 +228,4 @@ class Rebalancer:
                              f"samples over {len(self.batch_sizes)} ranks")
         self.batch_sizes = list(batch_sizes)
         self._observed = 0
+        self._left = None  # a resumed split has no move to undo (decide sets it after a move)

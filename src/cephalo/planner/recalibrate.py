@@ -18,6 +18,15 @@ cluster declares it (or, where profiles carry measured collectives, those scaled
 re-solve is the ordinary `solve` and needs nothing new from the planner or its child process.
 A measured step the model cannot reproduce at any c (a single GPU whose step is slower than
 its compute explains, say) is `explained` False: no re-plan can be trusted then.
+
+Under live rebalancing (spec.planner.rebalance) the steps ran under the split in force, not
+the plan's: a rank measured with more samples than the plan gave it computed more. The
+measurement then carries that split (`Measured.batch_sizes`), and the plan is priced under it:
+each rank keeps the plan's microbatch size m, its ℓ = ⌈b / m⌉ (the planner's evaluation of
+that assignment, its state partitioned as the planner would), and a smaller last microbatch
+counts as its share of a full one in the compute correction (as the rebalancer prices it).
+Both the prediction and the calibrated step are then the split in force's, so the gain a
+rebalance already took is not promised again by a re-plan.
 """
 
 from __future__ import annotations
@@ -53,6 +62,9 @@ class Measured:
     step_seconds: float
     compute_seconds: Sequence[float] | None = None
     wait_seconds: Sequence[float] | None = None
+    # The split of the global batch the steps ran under, by plan rank (live rebalancing;
+    # None: the plan's own).
+    batch_sizes: Sequence[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -81,7 +93,14 @@ def recalibrate(spec: CephaloJobSpec, cluster: ClusterSpec,
     if not measured.step_seconds > 0 or not math.isfinite(measured.step_seconds):
         raise ValueError(f"measured step {measured.step_seconds} s is not a positive time")
     given = complete_profiles(spec, cluster, profiles)
-    assignment, order = _assignment(plan, cluster)
+    split = split_in_force(plan, measured.batch_sizes)
+    assignment, order = _assignment(plan, cluster, split)
+    # The model prices whole microbatches: a split with a smaller last microbatch is priced
+    # as the global batch of its whole ones (its compute share is corrected in the compute
+    # scale; the step's over-statement, under one microbatch per such rank, goes to c).
+    whole = sum(m * count for m, count in (a for a in assignment if a is not None))
+    if whole != spec.global_batch_size:
+        spec = spec.model_copy(update={"global_batch_size": whole})
     ranks = [plan.ranks[r] for r in order]
     recompute = plan.recompute is not False
     kept = [r.kept_blocks for r in ranks] if recompute else None
@@ -96,7 +115,7 @@ def recalibrate(spec: CephaloJobSpec, cluster: ClusterSpec,
 
     predicted = step(1.0, {})
     scale = _compute_scale(spec, cluster, given, assignment, ranks, kept, recompute,
-                           measured, predicted)
+                           measured, predicted, split)
     target = measured.step_seconds
     lo, hi = math.log(MIN_COLLECTIVE_SCALE), math.log(MAX_COLLECTIVE_SCALE)
     if len(ranks) == 1 or step(math.exp(lo), scale) >= target:
@@ -133,10 +152,27 @@ def complete_profiles(spec: CephaloJobSpec, cluster: ClusterSpec,
     return out
 
 
-def _assignment(plan: Plan, cluster: ClusterSpec) -> tuple[list[tuple[int, int] | None],
-                                                            list[int]]:
-    """The plan's (m, ℓ) per GPU in the cluster's order (None: idle) and, per GPU used, the
-    plan rank on it. A rank's pool is its group's pool (default: the GPU's catalog name)."""
+def split_in_force(plan: Plan, batch_sizes: Sequence[int] | None) -> list[int]:
+    """The batch per plan rank the measured steps ran under: `batch_sizes` (checked: one per
+    rank, the same global batch, none on a rank the plan gives no microbatch size), else the
+    plan's."""
+    planned = [r.batch_size for r in plan.ranks]
+    if batch_sizes is None:
+        return planned
+    split = [int(b) for b in batch_sizes]
+    if len(split) != len(planned) or sum(split) != sum(planned) or any(
+            b < 0 or (b > 0 and r.micro_batch_size < 1) for b, r in zip(split, plan.ranks,
+                                                                         strict=True)):
+        raise ValueError(f"the split in force {split} is not one of the plan's "
+                         f"{sum(planned)} samples over its {len(planned)} ranks")
+    return split
+
+
+def _assignment(plan: Plan, cluster: ClusterSpec, split: Sequence[int]
+                ) -> tuple[list[tuple[int, int] | None], list[int]]:
+    """The (m, ℓ) per GPU in the cluster's order (None: idle) under `split` (the plan's m,
+    ℓ = ⌈b / m⌉) and, per GPU used, the plan rank on it. A rank's pool is its group's pool
+    (default: the GPU's catalog name)."""
     by_pool: dict[str, list[int]] = {}
     for r in plan.ranks:
         by_pool.setdefault(r.pool or r.gpu, []).append(r.rank)
@@ -148,7 +184,8 @@ def _assignment(plan: Plan, cluster: ClusterSpec) -> tuple[list[tuple[int, int] 
         for k in range(group.count):
             if k < len(ranks):
                 rank = plan.ranks[ranks[k]]
-                assignment.append((rank.micro_batch_size, rank.num_micro_batches))
+                b, m = split[rank.rank], rank.micro_batch_size
+                assignment.append((m, -(-b // m) if b > 0 else 0))
                 order.append(rank.rank)
             else:
                 assignment.append(None)
@@ -163,9 +200,11 @@ def _assignment(plan: Plan, cluster: ClusterSpec) -> tuple[list[tuple[int, int] 
 def _compute_scale(spec: CephaloJobSpec, cluster: ClusterSpec,
                    profiles: Mapping[str, GpuProfile], assignment: list[tuple[int, int] | None],
                    plan_ranks: Sequence[RankPlan], kept: list[int] | None, recompute: bool,
-                   measured: Measured, predicted_step: float) -> dict[str, float]:
-    """Per GPU type, measured compute / modelled compute of its ranks with samples. Without
-    a split: no correction. One GPU: its whole step against its prediction (it has no
+                   measured: Measured, predicted_step: float,
+                   split: Sequence[int]) -> dict[str, float]:
+    """Per GPU type, measured compute / modelled compute of its ranks with samples under
+    `split` (a smaller last microbatch priced as its share of a full one). Without a
+    compute split: no correction. One GPU: its whole step against its prediction (it has no
     collectives, and its optimizer update and per-step overhead are compute too)."""
     if len(plan_ranks) == 1:
         s = _clamp(measured.step_seconds / predicted_step, MIN_COMPUTE_SCALE, MAX_COMPUTE_SCALE)
@@ -182,13 +221,17 @@ def _compute_scale(spec: CephaloJobSpec, cluster: ClusterSpec,
     modelled_sum: dict[str, float] = {}
     world = len(plan_ranks)
     params = spec.model.resolve().total_parameters()
-    for i, rank in enumerate(plan_ranks):
-        if rank.batch_size == 0:
+    # plan_ranks[k] runs on the k-th GPU used (ev.rank_seconds[k]): assignment[gpus[k]].
+    gpus = [i for i, a in enumerate(assignment) if a is not None]
+    for k, rank in enumerate(plan_ranks):
+        b = split[rank.rank]
+        if b == 0:
             continue  # state only: nothing of its own to time
         p = profiles[rank.gpu]
         optimizer = (p.optimizer_seconds_fixed or 0.0) + \
             (p.optimizer_seconds_per_parameter or 0.0) * params / world
-        modelled = ev.rank_seconds[i] - optimizer
+        m, count = assignment[gpus[k]] or (1, 1)
+        modelled = (ev.rank_seconds[k] - optimizer) * b / (m * count)
         if modelled > 0:
             measured_sum[rank.gpu] = measured_sum.get(rank.gpu, 0.0) + \
                 measured.compute_seconds[rank.rank]
@@ -264,4 +307,5 @@ def _free_collectives(cluster: ClusterSpec, profiles: Mapping[str, GpuProfile]
                                       "network_latency_seconds": 0.0}), out
 
 
-__all__ = ["Calibration", "Measured", "complete_profiles", "recalibrate", "scale_profile"]
+__all__ = ["Calibration", "Measured", "complete_profiles", "recalibrate", "scale_profile",
+           "split_in_force"]

@@ -1,0 +1,54 @@
+"""Issue 45 item 3 under the real control plane: a job's two real gloo ranks, placed by the
+real scheduler, with rank 1 computing 6x slower from step 4 (its pod's CEPHALO_TIME_DILATION
+and CEPHALO_TIME_DILATION_FROM_STEP, set by the test's kubelet for that pod alone: its own CPU
+time x 6, so the direction of the move is certain however loaded the machine is). Live
+rebalancing moves samples to rank 0 in the same processes; the operator (the chart's RBAC)
+shows it in status.rebalance and Events `Rebalanced`, and neither restarts nor rescales."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from cephalo.api import parse_plan
+
+from .cluster import Cluster
+from .operator_run import JOB_SECONDS, JOBS, Operator, phases_until, tiny_job
+
+
+def test_a_rank_slowed_mid_run_is_rebalanced_without_a_restart_under_the_real_api_server(
+        cluster: Cluster, operator: Operator, job_namespace: str) -> None:
+    ns = job_namespace
+    log_from = operator.log_size()
+    cluster.kubelet.pod_env[(ns, "slowrank-rank-1")] = {
+        "CEPHALO_TIME_DILATION": "6", "CEPHALO_TIME_DILATION_FROM_STEP": "4"}
+    try:
+        body = tiny_job(
+            "slowrank", ns, globalBatchSize=16,
+            training={"steps": 30, "learningRate": 1.0e-3, "schedule": "constant", "seed": 1},
+            planner={"profileMicroBatchSizes": [1, 2], "chooseGpus": False,
+                     "replan": {"maxReplans": 0}, "rebalance": {"intervalSteps": 2}},
+            checkpoint={"claimName": "ckpt", "intervalSteps": 1000})
+        created = cluster.rest.create(JOBS.format(ns=ns), body, fieldValidation="Strict")
+        phases, status = phases_until(cluster, ns, "slowrank",
+                                      created["metadata"]["resourceVersion"],
+                                      {"Succeeded", "Failed"}, JOB_SECONDS)
+    finally:
+        cluster.kubelet.pod_env.pop((ns, "slowrank-rank-1"), None)
+    assert phases[-1] == "Succeeded", f"{phases}: {status.get('message')}"
+    rebalance = status["rebalance"]
+    assert status["plan"]["worldSize"] == 2 and sum(rebalance["batchSizes"]) == 16, status
+    # 6x slower, rank 1 ends with fewer samples than its plan gave it, in the same processes.
+    plan = cluster.rest.must("GET", f"/api/v1/namespaces/{ns}/configmaps/slowrank-plan")
+    assert rebalance["changes"] >= 1, rebalance
+    assert not status.get("restarts") and not (status.get("elastic") or {}).get("rescales")
+    events: list[dict[str, Any]] = [
+        e for e in cluster.rest.must("GET", f"/api/v1/namespaces/{ns}/events")["items"]
+        if (e.get("involvedObject") or {}).get("name") == "slowrank"]
+    moved = [e for e in events if e["reason"] == "Rebalanced"]
+    assert moved and "no restart" in moved[0]["message"], [e["reason"] for e in events]
+    planned = [r.batch_size for r in parse_plan(json.loads(plan["data"]["plan.json"])).ranks]
+    assert rebalance["batchSizes"][1] < planned[1], (planned, rebalance)
+    assert "forbidden" not in operator.log_text(log_from).lower(), operator.log()
+    print(f"\nsplit {planned} -> {rebalance}")
+    cluster.rest.request("DELETE", f"{JOBS.format(ns=ns)}/slowrank")
