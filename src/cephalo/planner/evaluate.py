@@ -130,7 +130,7 @@ def score(problem: Problem, micro: Sequence[int], ell: Sequence[int],
     if shard_ratios is not None:
         ratios = list(shard_ratios)
     elif even_shards or over:  # over budget already: any partition fails, report it evenly
-        ratios = [1.0 / n] * n
+        ratios = [1.0 / problem.shard_group_size] * n  # hybrid: 1/k within each group
     else:
         ratios = water_fill(fixed, budgets, state)
     memory = [fixed[r] + ratios[r] * state for r in range(n)]
