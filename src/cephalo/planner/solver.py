@@ -199,7 +199,8 @@ def _solve_mode(problem: Problem, choose_gpus: bool, objective: Objective,
     flat_full = flat.full.step_seconds if flat.full is not None else math.inf
     search = search_layouts(problem, solve_fixed, _solution_step, every_gpu=not choose_gpus,
                             beat_seconds=flat.step_seconds, beat_full_seconds=flat_full)
-    solved += search.solved
+    # (gpu_subsets_solved and _exhaustive stay the flat search's: a plan flat wins keeps
+    # its bytes; the layouts are every one of their space unless a cluster has too many.)
     exhaustive = exhaustive and search.exhaustive
     full = flat.full
     if search.full is not None and (full is None or
