@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from cephalo.api.plan import Plan
 from cephalo.planner.hybrid import layouts, link_bytes_per_step
 from cephalo.planner.problem import WIRE_BYTES, InfeasibleError, Problem, gib, layout_problem
@@ -51,7 +53,10 @@ def search_layouts(problem: Problem, solve_fixed: Callable[[Problem], Any],
         if whole and full is not None:
             beat = min(beat, full.step_seconds)
         sub = layout_problem(problem, layout)
-        if beat < math.inf and cannot_beat(sub, beat):
+        if not _holds_state(sub):
+            continue
+        if beat < math.inf and (_collectives_alone_seconds(sub) >= beat or
+                                cannot_beat(sub, beat)):
             continue
         try:
             solution = solve_fixed(sub)
@@ -68,6 +73,25 @@ def search_layouts(problem: Problem, solve_fixed: Callable[[Problem], Any],
         if (best is None or _faster(choice, best)) and choice.step_seconds < beat_seconds:
             best = choice
     return LayoutSearch(best, full, solved, exhaustive, len(found))
+
+
+def _holds_state(problem: Problem) -> bool:
+    """Whether every GPU holds its 1/k of the state next to its least compute memory (a
+    state-only rank, or one sample): the quick test that rules out groups too small for
+    the model (a 16 GB node and Llama-7B) before any search."""
+    share = problem.state_bytes / problem.shard_group_size
+    smallest = np.array([0 if problem.allow_state_only else 1])
+    return all(float(cls.cost.compute_memory_bytes(smallest)[0]) + share <= cls.budget_bytes
+               for cls in problem.classes)
+
+
+def _collectives_alone_seconds(problem: Problem) -> float:
+    """A lower bound of any split's step on `problem`: the slowest GPU's step with no
+    samples (a unit takes at least its collectives: max(compute, collective) + ...), the
+    quick test that prunes most layouts where the NICs are slow before `cannot_beat`."""
+    comm = problem.unit_comm(uneven=False)
+    none = np.zeros(1)
+    return max(float(cls.cost.step_seconds(none, none, comm)[0]) for cls in problem.classes)
 
 
 def _faster(a: Choice, b: Choice) -> bool:
