@@ -303,3 +303,20 @@ def test_targets_at_25_gbit_0_75x_and_at_10_gbit_48_gpus() -> None:
     at_10 = solve(cluster_b("gpt-2.7b", 512, 10), cluster)
     assert at_25 >= 0.75 * at_100
     assert at_10.world_size >= 48
+
+
+# --- re-planning: a running hybrid plan is priced as hybrid -------------------------------
+
+def test_recalibration_prices_a_running_hybrid_plan_in_its_groups() -> None:
+    """Re-planning (planner/recalibrate.py) scores the running plan under the model: a
+    hybrid plan's own prediction, not the flat sharding of the same split."""
+    from cephalo.planner.recalibrate import Measured, recalibrate
+    spec = cluster_b("gpt-2.7b", 512, 10)
+    cluster = pools_as_cluster(spec)
+    plan = solve(spec, cluster)
+    assert plan.replica_groups and plan.predicted_step_seconds is not None
+    calibration = recalibrate(spec, cluster, None, plan,
+                              Measured(step_seconds=plan.predicted_step_seconds))
+    assert calibration.predicted_step_seconds == pytest.approx(plan.predicted_step_seconds,
+                                                               rel=1e-9)
+    assert calibration.collective_scale == pytest.approx(1.0, rel=1e-3)
