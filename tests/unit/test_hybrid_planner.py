@@ -252,6 +252,13 @@ def test_hybrid_is_refused_in_one_line_where_no_group_can_form() -> None:
     assert "\n" not in str(err.value)
 
 
+def test_without_choosing_gpus_hybrid_groups_every_gpu() -> None:
+    spec = cluster_b("gpt-2.7b", 512, 10, "hybrid")
+    plan = solve(spec, pools_as_cluster(spec), choose_gpus=False)
+    assert plan.world_size == 64 and not plan.idle_gpus
+    assert sorted(r for g in plan.replica_groups for r in g) == list(range(64))
+
+
 def test_llama_7b_groups_span_two_16_gb_nodes_where_one_cannot_hold_the_state() -> None:
     """A node of 8 x 16 GB GPUs cannot hold Llama-7B's state: every hybrid group of
     V100s or T4s spans two nodes."""
