@@ -24,7 +24,7 @@ from cephalo.planner.report import format_plan
 
 from .planner_brute import brute_force_seconds
 from .planner_instances import random_instance, with_min_gain
-from .test_planner_oracle import brute_force
+from .test_planner_oracle import brute_force, expected_step
 
 ROOT = Path(__file__).resolve().parents[2]
 GBIT = 1e9 / 8
@@ -143,10 +143,12 @@ def _modes(problem: Problem) -> list[Problem]:
     return [problem, *([] if fused is None else [fused]), without_recompute(problem)]
 
 
-def _hybrid_brute_force(spec: CephaloJobSpec, cluster: ClusterSpec, profiles) -> float | None:
+def _hybrid_brute_force(spec: CephaloJobSpec, cluster: ClusterSpec, profiles,
+                        every_gpu: bool = False) -> float | None:
     problem = build_problem(spec, cluster, profiles)
     found = [brute_force_seconds(layout_problem(mode, layout))
-             for layout in _every_layout(problem) for mode in _modes(problem)]
+             for layout in _every_layout(problem) for mode in _modes(problem)
+             if not every_gpu or len(layout.ranks) == problem.world_size]
     finite = [f for f in found if f is not None]
     return min(finite) if finite else None
 
@@ -203,6 +205,14 @@ def _check(seed: int) -> bool:
         assert auto.predicted_step_seconds == pytest.approx(best, rel=1e-12), seed
         assert bool(auto.replica_groups) == (not flat or (hybrid is not None and
                                              hybrid < min(flat) * (1 - 1e-12))), seed
+        # planner.minGainToIdleGpus: every GPU (flat or hybrid, the faster) unless fewer
+        # are more than 5 % faster.
+        whole = [f for f in (brute_force(spec, cluster, profiles),
+                             _hybrid_brute_force(spec, cluster, profiles, every_gpu=True))
+                 if f is not None]
+        margin = solve(with_min_gain(spec, 0.05), cluster, profiles, choose_gpus=True)
+        assert margin.predicted_step_seconds == pytest.approx(
+            expected_step(best, min(whole, default=None), 0.05), rel=1e-12), seed
     return hybrid is not None
 
 
@@ -327,3 +337,32 @@ def test_recalibration_prices_a_running_hybrid_plan_in_its_groups() -> None:
     assert calibration.predicted_step_seconds == pytest.approx(plan.predicted_step_seconds,
                                                                rel=1e-9)
     assert calibration.collective_scale == pytest.approx(1.0, rel=1e-3)
+
+
+def _described(nodes: int, sharding: str, min_gain: float = 0.05) -> CephaloJobSpec:
+    """GPT-2.7B, B = 2048, on `nodes` nodes of 8 A10G and as many of 8 T4 at 25 Gbit/s."""
+    return parse_job({
+        "apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob", "metadata": {"name": "b"},
+        "spec": {"model": {"preset": "gpt-2.7b"}, "globalBatchSize": 2048, "precision": "auto",
+                 "gatherPrecision": "bf16", "reducePrecision": "bf16",
+                 "gpuPools": [{"product": "NVIDIA-A10G", "maxGpus": 8 * nodes},
+                              {"product": "Tesla-T4", "maxGpus": 8 * nodes}],
+                 "planner": {"sharding": sharding, "minGainToIdleGpus": min_gain,
+                             "network": {"interNodeGbps": 25, "nodes": [
+                                 {"gpus": {"NVIDIA-A10G": 8}, "count": nodes},
+                                 {"gpus": {"Tesla-T4": 8}, "count": nodes}]}}}}).spec
+
+
+def test_the_idle_margin_weighs_the_fastest_plan_on_every_gpu_hybrid_included() -> None:
+    """planner.minGainToIdleGpus keeps every GPU unless fewer are more than 5 % faster;
+    "every GPU" is the faster of flat and hybrid on all of them, found even where a
+    layout on fewer GPUs was solved first (it once pruned the whole-cluster layouts)."""
+    def step(spec: CephaloJobSpec, choose: bool = True) -> float:
+        plan = solve(spec, pools_as_cluster(spec), choose_gpus=choose)
+        assert plan.predicted_step_seconds is not None
+        return plan.predicted_step_seconds
+
+    fastest = step(_described(21, "auto", 0.0))
+    everything = min(step(_described(21, "flat"), False), step(_described(21, "hybrid"), False))
+    expected = everything if everything <= fastest * 1.05 else fastest
+    assert step(_described(21, "auto")) == pytest.approx(expected, rel=1e-12)

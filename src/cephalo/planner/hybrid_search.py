@@ -43,20 +43,25 @@ def search_layouts(problem: Problem, solve_fixed: Callable[[Problem], Any],
     found, exhaustive = layouts(problem)
     if every_gpu:
         found = [lay for lay in found if len(lay.ranks) == problem.world_size]
+    # Each layout with its collectives-alone bound, least first: the likely fastest are
+    # solved first and their steps prune the rest (at a tie, more GPUs first).
+    candidates = []
+    for layout in found:
+        sub = layout_problem(problem, layout)
+        if _holds_state(sub):
+            candidates.append((_collectives_alone_seconds(sub), -len(layout.ranks),
+                               layout.nodes_per_group, layout, sub))
+    candidates.sort(key=lambda c: c[:3])
     best: Choice | None = None
     full: Choice | None = None
     solved = 0
-    for layout in found:
+    for bound, _, _, layout, sub in candidates:
         whole = len(layout.ranks) == problem.world_size
-        beat = min(beat_full_seconds if whole else beat_seconds,
-                   math.inf if best is None else best.step_seconds)
-        if whole and full is not None:
-            beat = min(beat, full.step_seconds)
-        sub = layout_problem(problem, layout)
-        if not _holds_state(sub):
-            continue
-        if beat < math.inf and (_collectives_alone_seconds(sub) >= beat or
-                                cannot_beat(sub, beat)):
+        beat = min(beat_seconds, math.inf if best is None else best.step_seconds)
+        if whole:  # worth solving if it may be the best, or the best on every GPU
+            beat = max(beat, min(beat_full_seconds,
+                                 math.inf if full is None else full.step_seconds))
+        if beat < math.inf and (bound >= beat or cannot_beat(sub, beat)):
             continue
         try:
             solution = solve_fixed(sub)
