@@ -356,8 +356,10 @@ async def _adopt(ctx: JobContext, plan: Plan, pools: list[Pool],
             + ((baseline.reason or "infeasible") if baseline else "not evaluated"))
     used = ", ".join(f"{k} x{v}" for k, v in summary["pools"].items())
     predicted = plan.predicted_samples_per_second or 0.0
-    message = f"{plural(plan.world_size, 'GPU')} ({used}), predicted {predicted:.1f} " \
-        f"samples/s, {even}"
+    groups = f", hybrid: {summary['replicaGroups']} replica groups of " \
+        f"{summary['replicaGroupSize']}" if plan.replica_groups else ""
+    message = f"{plural(plan.world_size, 'GPU')} ({used}){groups}, predicted " \
+        f"{predicted:.1f} samples/s, {even}"
     ctx.event("Normal", "Planned", message)
     if plan.world_size > 1 and summary.get("networkSource") == ASSUMED:
         ctx.event("Warning", "NetworkAssumed", (
@@ -376,6 +378,7 @@ async def _adopt(ctx: JobContext, plan: Plan, pools: list[Pool],
 
 
 def _summary(ctx: JobContext, plan: Plan) -> dict[str, Any]:
+    """status.plan (PlanSummary, wire names) of the plan the ranks run."""
     pools: dict[str, int] = {}
     for r in plan.ranks:
         pools[r.pool or r.gpu] = pools.get(r.pool or r.gpu, 0) + 1
@@ -389,6 +392,9 @@ def _summary(ctx: JobContext, plan: Plan) -> dict[str, Any]:
         summary["networkSource"] = source[:256]
         if isinstance(bandwidth, int | float):
             summary["networkGbps"] = round(bandwidth * 8 / 1e9, 6)
+    if plan.replica_groups:
+        summary["replicaGroups"] = len(plan.replica_groups)
+        summary["replicaGroupSize"] = len(plan.replica_groups[0])
     even = plan.baselines.get("even_fsdp")
     if even and even.predicted_samples_per_second and plan.predicted_samples_per_second:
         summary["speedupOverEvenFSDP"] = round(

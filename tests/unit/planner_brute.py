@@ -40,8 +40,9 @@ def even_sets(num_layers: int) -> set[EvenUnits]:
 def _comm_and_share(problem: Problem, even: EvenUnits):  # type: ignore[no-untyped-def]
     """The collectives and the per-rank state reserved for `even`, as `score` prices them."""
     n, layers = problem.world_size, problem.model.num_layers
-    if n == 1 or even.is_all(layers):
-        return problem.unit_comm(uneven=False), problem.state_bytes / n, True
+    if n == 1 or even.is_all(layers):  # hybrid: 1/k of the state, k the group's ranks
+        return problem.unit_comm(uneven=False), \
+            problem.state_bytes / problem.shard_group_size, True
     if even == EvenUnits.none():
         return problem.unit_comm(uneven=True), 0.0, False
     share = even_state_bytes(problem.model, problem.precision, even) / n
@@ -65,11 +66,14 @@ def _options(problem: Problem, cls, comm, share: float, kept_blocks: bool):  # t
 
 def brute_force_optimum(problem: Problem, kept_blocks: bool = True) -> Optimum | None:
     """The least step time over every assignment (None: nothing fits). `kept_blocks`
-    False leaves every rank at k = 0 (the recompute-only optimum)."""
+    False leaves every rank at k = 0 (the recompute-only optimum). A problem in replica
+    groups (hybrid) shards every unit evenly inside its group: that set only."""
     n, batch = problem.world_size, problem.global_batch_size
     total_budget = sum(problem.rank_budget(r) for r in range(n))
     found: list[tuple[float, EvenUnits, list[int], list[int], list[int]]] = []
-    for even in sorted(even_sets(problem.model.num_layers)):
+    layers = problem.model.num_layers
+    sets = [EvenUnits.all(layers)] if problem.groups else sorted(even_sets(layers))
+    for even in sets:
         comm, share, all_even = _comm_and_share(problem, even)
         options = [_options(problem, cls, comm, share, kept_blocks) for cls in problem.classes]
         # Partial combinations over ranks 0..r: batch, slowest time, memory, chosen rows.

@@ -72,7 +72,10 @@ def sub_clusters(cluster: ClusterSpec):
 def _check(seed: int) -> None:
     spec, flat, profiles = random_instance(seed, max_gpus=4, max_batch=6)
     # The flat networkBandwidthGbps would win over the nodes: the topology is the job's.
-    planner = spec.planner.model_copy(update={"network_bandwidth_gbps": None})
+    # Flat sharding: this oracle is of the flat GPU-subset choice (hybrid and auto have
+    # their own, tests/unit/test_hybrid_planner.py).
+    planner = spec.planner.model_copy(update={"network_bandwidth_gbps": None,
+                                              "sharding": "flat"})
     spec = with_min_gain(spec.model_copy(update={"planner": planner}), 0.0)
     cluster = with_random_nodes(seed, flat)
     found = [brute_force(spec, sub, profiles) for sub in sub_clusters(cluster)]

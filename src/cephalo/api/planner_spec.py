@@ -82,6 +82,16 @@ class PlannerSpec(CamelModel):
         "objective cost: the plan must predict finishing the training steps (those left, "
         "on a resume) within this many seconds."))
 
+    # Issue 44: flat FSDP sends every parameter across every node's NIC three times a step;
+    # hybrid shards the state inside groups of ranks on fast links and crosses the NICs
+    # with one gradient all-reduce a step (docs/hybrid-sharding.md).
+    sharding: Literal["auto", "flat", "hybrid"] = Field(default="auto", description=(
+        "How the training state is sharded. flat: over every rank (one group). hybrid: "
+        "inside replica groups of whole nodes (one node, or several where one cannot hold "
+        "the state), replicated across groups, the gradient shards all-reduced across "
+        "them once a step. auto: whichever the planner predicts faster "
+        "(docs/hybrid-sharding.md)."))
+
     replan: ReplanSpec = Field(default_factory=ReplanSpec, description=(
         "Re-plan a running job on the GPUs it holds once its measured steps show the cost "
         "model was off (docs/replanning.md); enabled: false opts out."))

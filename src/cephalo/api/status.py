@@ -42,6 +42,12 @@ class PlanSummary(StatusModel):
     network_gbps: float | None = Field(default=None, description=(
         "Per-GPU bandwidth of the plan's collectives (the slowest link its ring crosses), "
         "Gbit/s."))
+    # Hybrid sharding (docs/hybrid-sharding.md); omitted for a flat plan.
+    replica_groups: int | None = Field(default=None, description=(
+        "Hybrid sharding: how many replica groups the ranks form, each holding the whole "
+        "training state (omitted: flat, one group)."))
+    replica_group_size: int | None = Field(default=None, description=(
+        "Hybrid sharding: ranks per replica group."))
 
 
 class Progress(StatusModel):

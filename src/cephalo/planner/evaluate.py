@@ -5,6 +5,7 @@ least `step_seconds` among all feasible ones (tests check it against brute force
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -130,7 +131,7 @@ def score(problem: Problem, micro: Sequence[int], ell: Sequence[int],
     if shard_ratios is not None:
         ratios = list(shard_ratios)
     elif even_shards or over:  # over budget already: any partition fails, report it evenly
-        ratios = [1.0 / n] * n
+        ratios = [1.0 / problem.shard_group_size] * n  # hybrid: 1/k within each group
     else:
         ratios = water_fill(fixed, budgets, state)
     memory = [fixed[r] + ratios[r] * state for r in range(n)]
@@ -154,30 +155,34 @@ def evaluate(spec: CephaloJobSpec, cluster: ClusterSpec,
              assignment: Sequence[tuple[int, int] | None],
              shard_ratios: Sequence[float] | None = None, *,
              even_shards: bool = False, recompute: bool | None = None,
-             kept_blocks: Sequence[int] | None = None) -> Evaluation:
+             kept_blocks: Sequence[int] | None = None,
+             replica_groups: Sequence[Sequence[int]] | None = None) -> Evaluation:
     """Score a given assignment — one (micro_batch_size, num_micro_batches) per GPU in the
     cluster's order; (0, 0) for a state-only GPU, None for an idle one (no rank) — under
     the planner's cost model. Without `shard_ratios` the state is partitioned as the
     planner would (`score_best`); given, they are one per GPU used. `recompute` None scores
     it as the planner would choose (the faster feasible of both modes); True or False
     scores that mode only. `kept_blocks` (one per GPU used, recompute mode only: None
-    scores the other mode without them) keeps those blocks' graphs per rank."""
+    scores the other mode without them) keeps those blocks' graphs per rank.
+    `replica_groups` (a hybrid plan's, over the GPUs used in `assignment`'s order) scores
+    it sharded evenly inside those groups (hybrid.py)."""
     if recompute is None:
         modes = [_evaluate(spec, cluster, profiles, assignment, shard_ratios, even_shards, mode,
-                           kept_blocks if mode else None)
+                           kept_blocks if mode else None, replica_groups)
                  for mode in (True, False)]
         # Ties go to keeping everything (listed first), as in the solver.
         feasible = [ev for ev in (modes[1], modes[0]) if ev.feasible]
         return min(feasible, key=lambda ev: ev.step_seconds) if feasible else modes[0]
     return _evaluate(spec, cluster, profiles, assignment, shard_ratios, even_shards,
-                     recompute, kept_blocks)
+                     recompute, kept_blocks, replica_groups)
 
 
 def _evaluate(spec: CephaloJobSpec, cluster: ClusterSpec,
               profiles: Mapping[str, GpuProfile] | None,
               assignment: Sequence[tuple[int, int] | None],
               shard_ratios: Sequence[float] | None, even_shards: bool,
-              recompute: bool, kept_blocks: Sequence[int] | None = None) -> Evaluation:
+              recompute: bool, kept_blocks: Sequence[int] | None = None,
+              replica_groups: Sequence[Sequence[int]] | None = None) -> Evaluation:
     problem = build_problem(spec, cluster, profiles)
     if not recompute:
         problem = without_recompute(problem)
@@ -199,6 +204,9 @@ def _evaluate(spec: CephaloJobSpec, cluster: ClusterSpec,
         fused = fused_everything(problem)  # the engine's fused tail, priced exactly
         if fused is not None:
             problem, kept_blocks = fused, None
+    if replica_groups:  # hybrid: every unit sharded evenly inside each group
+        problem = dataclasses.replace(problem, groups=[list(g) for g in replica_groups])
+        return score(problem, micro, ell, even_shards=True, kept=kept_blocks)
     if shard_ratios is not None or even_shards:
         return score(problem, micro, ell, shard_ratios, even_shards=even_shards,
                      kept=kept_blocks)

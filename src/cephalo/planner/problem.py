@@ -25,6 +25,7 @@ from cephalo.planner.costmodel import (
     UnitComm,
     estimate_profile,
 )
+from cephalo.planner.hybrid import Layout, hybrid_unit_comm
 from cephalo.planner.kept_blocks import kept_candidates
 from cephalo.planner.search import ClassTable
 from cephalo.planner.topology import JOB, MEASURED, Network, Topology, topology_network
@@ -69,10 +70,18 @@ class Problem:
     # ranks' nodes (`rank_node`), rebuilt from `network.base` for every subset of them.
     network: Network | None = None
     rank_node: list[int] = field(default_factory=list)
+    # Hybrid sharding (hybrid.py): replica groups of these ranks, each holding the whole
+    # state sharded evenly among its own ranks; empty: flat, one group of every rank.
+    groups: list[list[int]] = field(default_factory=list)
 
     @property
     def world_size(self) -> int:
         return len(self.ranks)
+
+    @property
+    def shard_group_size(self) -> int:
+        """The ranks one copy of the training state is sharded over (a replica group's)."""
+        return len(self.groups[0]) if self.groups else self.world_size
 
     @property
     def state_bytes(self) -> int:
@@ -83,6 +92,9 @@ class Problem:
         return sum(c.budget_bytes * len(c.slots) for c in self.classes)
 
     def unit_comm(self, uneven: bool) -> UnitComm:
+        if self.groups and self.topology is not None and self.network is not None:
+            return hybrid_unit_comm(self.model, self.network.base, self.topology,
+                                    self.rank_node, self.groups, uneven)
         return UnitComm.build(self.model, self.comm_model, self.world_size, uneven)
 
     def ring_bounds(self, least_ranks: int) -> list[tuple[CommModel, list[int]]]:
@@ -359,6 +371,15 @@ def subset_problem(problem: Problem, keep: list[int]) -> Problem:
                    [problem.ranks[r] for r in keep], classes,
                    [class_index[problem.rank_class[r]] for r in keep], problem.network,
                    rank_node)
+
+
+def layout_problem(problem: Problem, layout: Layout) -> Problem:
+    """The same job on `layout`'s GPUs only, in its replica groups (ranks renumbered as
+    `subset_problem` does)."""
+    keep = layout.ranks
+    new_index = {old: new for new, old in enumerate(keep)}
+    sub = subset_problem(problem, keep)
+    return dataclasses.replace(sub, groups=[[new_index[r] for r in g] for g in layout.groups])
 
 
 def fused_everything(problem: Problem) -> Problem | None:

@@ -104,18 +104,21 @@ def recalibrate(spec: CephaloJobSpec, cluster: ClusterSpec,
     ranks = [plan.ranks[r] for r in order]
     recompute = plan.recompute is not False
     kept = [r.kept_blocks for r in ranks] if recompute else None
+    # A hybrid plan's groups over the GPUs used, in the assignment's order.
+    position = {rank: i for i, rank in enumerate(order)}
+    groups = [[position[r] for r in g] for g in plan.replica_groups] or None
 
     def step(c: float, scale: Mapping[str, float]) -> float:
         inputs = _calibrated(spec, cluster, given, scale, c)
         ev = evaluate(spec, inputs[0], inputs[1], assignment, recompute=recompute,
-                      kept_blocks=kept)
+                      kept_blocks=kept, replica_groups=groups)
         if not ev.feasible:  # the plan runs, so only a changed memory figure refuses it
             raise ValueError(f"the running plan does not fit the calibrated model: {ev.reason}")
         return ev.step_seconds
 
     predicted = step(1.0, {})
     scale = _compute_scale(spec, cluster, given, assignment, ranks, kept, recompute,
-                           measured, predicted, split)
+                           measured, predicted, split, groups)
     target = measured.step_seconds
     lo, hi = math.log(MIN_COLLECTIVE_SCALE), math.log(MAX_COLLECTIVE_SCALE)
     if len(ranks) == 1 or step(math.exp(lo), scale) >= target:
@@ -201,7 +204,8 @@ def _compute_scale(spec: CephaloJobSpec, cluster: ClusterSpec,
                    profiles: Mapping[str, GpuProfile], assignment: list[tuple[int, int] | None],
                    plan_ranks: Sequence[RankPlan], kept: list[int] | None, recompute: bool,
                    measured: Measured, predicted_step: float,
-                   split: Sequence[int]) -> dict[str, float]:
+                   split: Sequence[int],
+                   groups: list[list[int]] | None = None) -> dict[str, float]:
     """Per GPU type, measured compute / modelled compute of its ranks with samples under
     `split` (a smaller last microbatch priced as its share of a full one). Without a
     compute split: no correction. One GPU: its whole step against its prediction (it has no
@@ -216,10 +220,10 @@ def _compute_scale(spec: CephaloJobSpec, cluster: ClusterSpec,
                          f"{len(plan_ranks)}")
     silent_cluster, silent_profiles = _free_collectives(cluster, profiles)
     ev = evaluate(spec, silent_cluster, silent_profiles, assignment, recompute=recompute,
-                  kept_blocks=kept)
+                  kept_blocks=kept, replica_groups=groups)
     measured_sum: dict[str, float] = {}
     modelled_sum: dict[str, float] = {}
-    world = len(plan_ranks)
+    world = len(groups[0]) if groups else len(plan_ranks)  # the ranks a state is sharded on
     params = spec.model.resolve().total_parameters()
     # plan_ranks[k] runs on the k-th GPU used (ev.rank_seconds[k]): assignment[gpus[k]].
     gpus = [i for i, a in enumerate(assignment) if a is not None]

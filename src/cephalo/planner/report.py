@@ -20,7 +20,7 @@ def format_plan(plan: Plan, model_name: str) -> str:
     fraction = plan.memory_fraction if plan.memory_fraction is not None else 0.8
     lines = [f"Plan for {model_name}: global batch {plan.global_batch_size} on "
              f"{plural(plan.world_size, device_noun(plan))} (memory fraction {fraction:.0%})",
-             *assumptions_lines(plan), *precision_lines(plan), ""]
+             *assumptions_lines(plan), *sharding_lines(plan), *precision_lines(plan), ""]
     header = f"{'rank':>4}  {'GPU':<10} {'prec':<4} {'batch':>5}  {'micro x n':>9}  " \
              f"{'shard':>6}  {'memory used / cap':>21}  {'step s':>8}"
     lines += [header, "-" * len(header)]
@@ -114,6 +114,37 @@ def assumptions_lines(plan: Plan) -> list[str]:
     if source == ASSUMED:
         lines.append(ASSUMED_NETWORK_HINT)
     return lines
+
+
+def sharding_lines(plan: Plan) -> list[str]:
+    """The replica groups (hybrid) or flat, why the planner chose it, and the bytes each
+    kind of link carries per step; none for a plan that records no choice (sharding: flat
+    keeps the plan as before, and a plan written by hand)."""
+    lines = []
+    groups = plan.replica_groups
+    if groups:
+        listed = " | ".join(_rank_span(g) for g in groups)
+        lines.append(f"sharding: hybrid, {len(groups)} replica groups of "
+                     f"{plural(len(groups[0]), device_noun(plan))}: ranks {listed}")
+    elif plan.assumptions.get("sharding") == "flat":
+        lines.append("sharding: flat (one group of every rank)")
+    reason = plan.assumptions.get("sharding_reason")
+    if isinstance(reason, str) and lines:
+        lines.append(f"  why: {reason}")
+    moved = plan.assumptions.get("link_bytes_per_step")
+    if isinstance(moved, dict) and lines:
+        intra, nic = moved.get("intra_node_link_per_gpu"), moved.get("nic_per_node")
+        if isinstance(intra, int | float) and isinstance(nic, int | float):
+            lines.append(f"  bytes per step: intra-node link {memory_size(intra)} per GPU, "
+                         f"NIC {memory_size(nic)} per node")
+    return lines
+
+
+def _rank_span(group: list[int]) -> str:
+    """'0-7' for consecutive ranks, else '0,2,4'."""
+    if group == list(range(group[0], group[0] + len(group))) and len(group) > 1:
+        return f"{group[0]}-{group[-1]}"
+    return ",".join(str(r) for r in group)
 
 
 # The collective libraries as their projects write them (ClusterSpec.backend's values).

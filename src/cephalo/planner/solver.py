@@ -17,6 +17,12 @@ from cephalo.api.profile import GpuProfile
 from cephalo.planner.baselines import compute_baselines
 from cephalo.planner.costmodel import UNEVEN_COLLECTIVE_OVERHEAD
 from cephalo.planner.evaluate import Evaluation, score
+from cephalo.planner.hybrid_search import (
+    HybridInfeasibleError,
+    no_layout_message,
+    record_sharding,
+    search_layouts,
+)
 from cephalo.planner.margins import cost_idle_reason, every_gpu, faster_miss, note_min_gain
 from cephalo.planner.offload import offload_plan, plan_fused_tail_blocks
 from cephalo.planner.precision import precision_notes, rank_precisions
@@ -32,11 +38,12 @@ from cephalo.planner.problem import (
     InfeasibleError,
     Problem,
     build_problem,
+    class_tables,
     fused_everything,
     gib,
     without_recompute,
 )
-from cephalo.planner.search import ClassTable, SearchResult
+from cephalo.planner.search import ClassTable, SearchResult, min_bottleneck
 from cephalo.planner.subset import Choice, idle_counts, search_subsets
 from cephalo.planner.topology import network_assumptions
 from cephalo.planner.unit_search import search_even_sets
@@ -83,19 +90,31 @@ def _solve(spec: CephaloJobSpec, problem: Problem, choose_gpus: bool,
     # loses one to keeping everything (which does not gather the embedding again).
     modes: list[tuple[Choice, int, bool]] = []
     floor_missed: FloorNotMetError | None = None
+    hybrid_missed: HybridInfeasibleError | None = None
+    sharding = spec.planner.sharding
+    if sharding == "hybrid" and objective.is_cost:
+        raise InfeasibleError("planner.sharding: hybrid plans for throughput only: set "
+                              "planner.objective: throughput, or sharding auto or flat")
+    if objective.is_cost:
+        sharding = "flat"  # the cost objective ranks flat GPU subsets only (for now)
     for priced in (problem, fused_everything(problem), without_recompute(problem)):
         if priced is None:
             continue
         try:
-            mode = _solve_mode(priced, choose_gpus, objective)
+            mode = _solve_mode(priced, choose_gpus, objective, sharding)
         except FloorNotMetError as err:
             floor_missed = faster_miss(floor_missed, err)
+            continue
+        except HybridInfeasibleError as err:
+            hybrid_missed = hybrid_missed or err
             continue
         except InfeasibleError:
             if priced is problem:
                 raise  # recompute mode fits wherever any mode does: its error says why
             continue
         modes.append(mode)
+    if not modes and hybrid_missed is not None:
+        raise hybrid_missed
     if not modes:
         assert floor_missed is not None
         raise floor_missed
@@ -132,6 +151,9 @@ def _solve(spec: CephaloJobSpec, problem: Problem, choose_gpus: bool,
                        kept=sol.kept)
     assert evaluation.feasible, evaluation.reason
     plan = _plan(problem, choice, sol, evaluation, solved, exhaustive, choose_gpus)
+    if sharding != "flat":
+        record_sharding(plan, choice, problem, sharding, spec.gather_precision,
+                        spec.reduce_precision)
     if choose_gpus:
         note_min_gain(plan, choice, fastest, min_gain, kept_every_gpu)
     plan.cost = plan_cost(spec, problem, choice.counts, evaluation.step_seconds, objective)
@@ -158,10 +180,47 @@ def _gap(choice: Choice) -> float:
     return solution.gap_seconds
 
 
-def _solve_mode(problem: Problem, choose_gpus: bool,
-                objective: Objective) -> tuple[Choice, int, bool]:
+def _solve_mode(problem: Problem, choose_gpus: bool, objective: Objective,
+                sharding: str = "flat") -> tuple[Choice, int, bool]:
     """The best choice of GPUs and split for `problem`'s recompute mode, how many GPU sets
-    were solved and whether that was all of them."""
+    (and hybrid layouts) were solved and whether that was all of them. `sharding`
+    (planner.sharding): flat only, hybrid only, or (auto) the faster of both."""
+    if sharding == "flat":
+        return _solve_flat(problem, choose_gpus, objective)
+    if sharding == "hybrid":
+        search = search_layouts(problem, solve_fixed, _solution_step, every_gpu=not choose_gpus)
+        if search.best is None:
+            raise HybridInfeasibleError(no_layout_message(problem, search))
+        search.best.full = search.full
+        search.best.full_step_seconds = None if search.full is None else \
+            search.full.step_seconds
+        return search.best, search.solved, search.exhaustive
+    flat, solved, exhaustive = _solve_flat(problem, choose_gpus, objective)
+    flat_full = flat.full.step_seconds if flat.full is not None else math.inf
+    search = search_layouts(problem, solve_fixed, _solution_step, every_gpu=not choose_gpus,
+                            beat_seconds=flat.step_seconds, beat_full_seconds=flat_full)
+    # (gpu_subsets_solved and _exhaustive stay the flat search's: a plan flat wins keeps
+    # its bytes; the layouts are every one of their space unless a cluster has too many.)
+    exhaustive = exhaustive and search.exhaustive
+    full = flat.full
+    if search.full is not None and (full is None or
+                                    search.full.step_seconds < full.step_seconds):
+        full = search.full
+    chosen = flat if search.best is None else search.best
+    if chosen is not flat:
+        # The proven bound holds over both spaces: the flat search's and the layouts'.
+        lower = min(flat.step_seconds - flat.gap_seconds,
+                    chosen.step_seconds - chosen.gap_seconds)
+        chosen.gap_seconds = max(0.0, chosen.step_seconds - lower)
+        chosen.other_sharding_step_seconds = flat.step_seconds
+    chosen.full = full
+    chosen.full_step_seconds = None if full is None else full.step_seconds
+    return chosen, solved, exhaustive
+
+
+def _solve_flat(problem: Problem, choose_gpus: bool,
+                objective: Objective) -> tuple[Choice, int, bool]:
+    """`_solve_mode` over flat plans only (today's search)."""
     if choose_gpus:
         return search_subsets(problem, solve_fixed, _solution_step, objective)
     fixed = solve_fixed(problem)
@@ -208,7 +267,7 @@ def solve_problem(problem: Problem) -> tuple[list[int], list[int], bool, bool]:
 
 
 def solve_fixed(problem: Problem) -> Solution:
-    """The least bottleneck on exactly `problem`'s GPUs.
+    """The least bottleneck on exactly `problem`'s GPUs (in its replica groups, if any).
 
     Every unit is sharded evenly (1/N: no uneven-collective overhead, but each GPU holds
     1/N of it) or skewed (water-filled over the memory left). Each distinct even set
@@ -216,6 +275,8 @@ def solve_fixed(problem: Problem) -> Solution:
     exactly: its even units reserve their 1/N share on every GPU, its collectives are
     priced per unit, and the skewed units need the aggregate memory room. All-even and
     all-skewed are two of the sets. The fastest wins; a tie goes to more even units."""
+    if problem.groups:
+        return _solve_groups(problem)
     _precheck(problem)
     found, lower, _ = search_even_sets(problem)
     if found is None:
@@ -227,6 +288,21 @@ def solve_fixed(problem: Problem) -> Solution:
     return Solution(micro, ell, found.even, result.memory_checked_exactly, gap,
                     problem.model.num_layers, kept,
                     any(t.kept_subset for t in found.tables))
+
+
+def _solve_groups(problem: Problem) -> Solution:
+    """Hybrid (hybrid.py): every unit sharded evenly inside each replica group, each rank
+    holding 1/k of the state; the all-even search, exact (no aggregate memory constraint:
+    the per-rank one implies it)."""
+    layers = problem.model.num_layers
+    tables = class_tables(problem, uneven=False, kept_blocks=True,
+                          state_share_bytes=problem.state_bytes / problem.shard_group_size)
+    result = min_bottleneck(tables, problem.global_batch_size, math.inf)
+    if result is None:
+        raise InfeasibleError(_no_split_message(problem))
+    micro, ell, kept = _pick_configs(problem, tables, math.inf, result)
+    return Solution(micro, ell, EvenUnits.all(layers), False, result.gap_seconds, layers,
+                    kept, any(t.kept_subset for t in tables))
 
 
 def _pick_configs(problem: Problem, tables: list[ClassTable], room: float,
@@ -383,6 +459,7 @@ def _plan(full: Problem, choice: Choice, sol: Solution, ev: Evaluation, solved: 
         model=problem.model.model_dump(), precision=problem.precision,
         memory_fraction=problem.memory_fraction, state_bytes=problem.state_bytes,
         estimated_gpus=estimated, idle_gpus=idle, unit_shard_ratios=per_unit,
+        replica_groups=[list(g) for g in problem.groups],
         optimality_gap_seconds=choice.gap_seconds if chose_gpus else sol.gap_seconds,
         assumptions={
             "state_bytes_per_parameter": state_bytes_per_parameter(problem.precision),
@@ -423,7 +500,13 @@ def _idle_gpus(full: Problem, choice: Choice, step_seconds: float) -> list[IdleG
     if not left:
         return []
     used = choice.problem.world_size
-    if choice.full_step_seconds is None:
+    if choice.problem.groups and choice.full_step_seconds is not None:
+        groups = choice.problem.groups
+        reason = (f"whole nodes left idle to keep the replica groups equal and the step "
+                  f"short: {len(groups)} groups of {len(groups[0])} ({used} of the "
+                  f"{full.world_size} GPUs) take {step_seconds:.4g} s per step, all of them "
+                  f"{choice.full_step_seconds:.4g} s")
+    elif choice.full_step_seconds is None:
         reason = (f"the job does not fit on all {full.world_size} GPUs (see the error "
                   f"without them); it runs on {used}")
     else:

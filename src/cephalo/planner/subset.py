@@ -60,6 +60,9 @@ class Choice:
     full: Choice | None = None
     # Proven distance of step_seconds to the least step over every subset of the GPUs.
     gap_seconds: float = 0.0
+    # The best step of the sharding not chosen in this mode (flat for a hybrid choice and
+    # the reverse; None: none fits, or proven no faster unsolved): the plan's reason.
+    other_sharding_step_seconds: float | None = None
 
 
 def choices(problem: Problem) -> tuple[list[list[int]], bool]:

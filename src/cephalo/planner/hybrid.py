@@ -1,0 +1,180 @@
+"""Hybrid sharding (issue 44, docs/hybrid-sharding.md): the training state sharded inside
+replica groups of whole nodes and replicated across them, priced as the engine runs it.
+
+The engine runs a hybrid plan as (api/plan.py, `Plan.replica_groups`): each unit's
+all-gathers and reduce-scatters on its group's own process group (a ring over the group's
+ranks: the intra-node link when the group is one node), then each rank's gradient shard
+all-reduced across the groups with the ranks at the same position (sum), issued after the
+unit's reduce-scatter on the same stream, so it overlaps the backward as the reduce-scatters
+do. What this module prices:
+
+* the group's rings: `Topology.ring` over each group's ranks; every rank at the pace of the
+  slowest group's ring, since a unit's cross-group all-reduce waits for every group's
+  reduce-scatter of that unit;
+* the cross-group all-reduce: k positions' rings of G members run at once, one per
+  position; a ring all-reduce of S bytes over G members moves 2(G-1)/G·S per member, and
+  a node's NIC carries the all-reduces of every position on it. With the state sharded
+  evenly inside a group (below) a node holding g of a group's k ranks sends
+  2(G-1)/G · (g/k) · P · bytes per parameter, at the slowest NIC of the nodes used;
+* memory: a group holds the whole state, each rank 1/k of it next to its compute memory.
+
+The planner's space of hybrid plans (`layouts`): the nodes used are whole nodes, the first
+c of each kind of node (nodes of a kind are interchangeable), all holding the same number
+of GPUs g, grouped d consecutive nodes (rank order) a group, G = nodes / d ≥ 2 groups of
+k = d·g ranks. Whole nodes may be left idle to keep the groups equal. Inside a group the
+state is sharded evenly (1/k: no uneven-collective overhead, and the per-position ratios
+then agree across groups of any GPUs); batches stay per rank over the whole job. For a
+layout the search is today's exact all-even search (`solver.solve_fixed`) with these
+collectives; every layout is solved or proven unable to beat the best step found
+(`subset.reachable_samples`), so the hybrid optimum over the layouts is exact.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from cephalo.api.models import ModelConfig
+from cephalo.planner.comm_model import CommModel, UnitComm
+from cephalo.planner.topology import ASSUMED, Topology
+
+if TYPE_CHECKING:
+    from cephalo.planner.problem import Problem
+
+# Node selections tried in full up to this many (Π over kinds of (nodes + 1)); beyond, each
+# kind's nodes all or none (the plan's search info says the layouts were a family).
+EXHAUSTIVE_MAX_SELECTIONS = 512
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Replica groups over ranks of the full problem, in position order."""
+
+    groups: tuple[tuple[int, ...], ...]
+    nodes_per_group: int
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(r for g in self.groups for r in g)
+
+
+def hybrid_unit_comm(model: ModelConfig, base: CommModel, topology: Topology,
+                     rank_node: Sequence[int], groups: Sequence[Sequence[int]],
+                     uneven: bool = False) -> UnitComm:
+    """Seconds of each collective a hybrid step issues (module docstring): the group's
+    rings for the gathers, the group's reduce-scatter plus the cross-group all-reduce of
+    the shard for each gradient, the step's small all-reduces over every rank."""
+    k, num_groups, world = len(groups[0]), len(groups), len(rank_node)
+    rings = [topology.ring([rank_node[r] for r in g]) for g in groups]
+    ring = replace(base, bandwidth_bytes_per_second=min(b for b, _ in rings),
+                   latency_seconds=max(lat for _, lat in rings))
+    inside = UnitComm.build(model, ring, k, uneven)
+    world_ring = topology.comm(base, rank_node)
+    share = node_share(rank_node, groups)
+    nodes = set(rank_node)
+    nic = min(topology.nodes[n].nic_bandwidth_bytes_per_second for n in nodes)
+    nic_latency = max(topology.nodes[n].nic_latency_seconds for n in nodes)
+
+    def across(params: int) -> float:
+        """The all-reduce of every position's shard of a unit across the groups."""
+        moved = 2 * (num_groups - 1) / num_groups * params * base.reduce_bytes_per_parameter
+        return moved * share / nic + 2 * (num_groups - 1) * nic_latency
+
+    embedding, block, head = (model.embedding_parameters(), model.block_parameters(),
+                              model.head_parameters())
+    return replace(
+        inside, rs_block=inside.rs_block + across(block),
+        rs_other=inside.rs_other + across(embedding) + across(head),
+        all_reduce_seconds=2 * world_ring.small_all_reduce_seconds(world),
+        step_overhead_seconds=base.step_overhead_seconds if world > 1 else 0.0)
+
+
+def node_share(rank_node: Sequence[int], groups: Sequence[Sequence[int]]) -> float:
+    """The largest share of one group's ranks on one node: with even shards, the share of
+    each unit's all-reduce bytes that node's NIC carries (1 for a group of one node)."""
+    most = 0
+    for g in groups:
+        per: dict[int, int] = {}
+        for r in g:
+            per[rank_node[r]] = per.get(rank_node[r], 0) + 1
+        most = max(most, *per.values())
+    return most / len(groups[0])
+
+
+def layouts(problem: Problem) -> tuple[list[Layout], bool]:
+    """The hybrid layouts of `problem`'s GPUs (module docstring), most GPUs first, and
+    whether they are every layout of that space; none without a topology or where which
+    GPUs share a node is only assumed (each on its own: groups would be guesses)."""
+    topology = problem.topology
+    if topology is None or not problem.rank_node or \
+            topology.sources.get("placement") == ASSUMED:
+        return [], True
+    node_ranks: dict[int, list[int]] = {}
+    for rank, node in enumerate(problem.rank_node):
+        node_ranks.setdefault(node, []).append(rank)
+    kinds: dict[object, list[int]] = {}  # what a node holds -> its nodes, in rank order
+    for node, ranks in node_ranks.items():
+        held = tuple(sorted(problem.rank_class[r] for r in ranks))
+        kinds.setdefault((held, topology.nodes[node]), []).append(node)
+    per_kind = list(kinds.values())
+    exhaustive = math.prod(len(n) + 1 for n in per_kind) <= EXHAUSTIVE_MAX_SELECTIONS
+    if exhaustive:
+        selections = _all_counts([len(n) for n in per_kind])
+    else:
+        selections = [[len(n) * on for n, on in zip(per_kind, mask, strict=True)]
+                      for mask in _all_counts([1] * len(per_kind))]
+    out: list[Layout] = []
+    for counts in selections:
+        chosen = sorted((n for nodes, c in zip(per_kind, counts, strict=True)
+                         for n in nodes[:c]), key=lambda n: node_ranks[n][0])
+        sizes = {len(node_ranks[n]) for n in chosen}
+        if len(sizes) != 1:
+            continue  # groups of whole nodes of unequal sizes cannot be equal
+        for per_group in range(1, len(chosen) // 2 + 1):
+            if len(chosen) % per_group:
+                continue
+            groups = tuple(tuple(r for n in chosen[i:i + per_group] for r in node_ranks[n])
+                           for i in range(0, len(chosen), per_group))
+            out.append(Layout(groups, per_group))
+    out.sort(key=lambda lay: (-len(lay.ranks), lay.nodes_per_group))
+    return out, exhaustive
+
+
+def _all_counts(limits: list[int]) -> list[list[int]]:
+    """Every vector 0 ≤ c_i ≤ limits[i] but all zeros."""
+    return [list(c) for c in itertools.product(*(range(k + 1) for k in limits)) if any(c)]
+
+
+@dataclass(frozen=True)
+class LinkBytes:
+    """Bytes one step puts on each kind of link: the intra-node link per GPU and the NIC
+    per node (the busiest of each), for the printed plan."""
+
+    intra_node_link_per_gpu: float
+    nic_per_node: float
+
+
+def link_bytes_per_step(model: ModelConfig, gather_bytes: float, reduce_bytes: float,
+                        rank_node: Sequence[int], groups: Sequence[Sequence[int]],
+                        regathered_parameters: int) -> LinkBytes:
+    """What the step's big collectives move (ring all-gathers of every unit once, again
+    for `regathered_parameters` in the backward, one reduce-scatter; hybrid: plus the
+    cross-group all-reduce). A ring of n ranks moves (n-1)/n of a collective's bytes over
+    each of its hops: every intra-node hop it has and, when it spans nodes, each node's
+    NIC once out (topology.py)."""
+    params = model.total_parameters()
+    if not groups:
+        groups = [list(range(len(rank_node)))]
+    k, num_groups = len(groups[0]), len(groups)
+    ring = (k - 1) / k * ((params + regathered_parameters) * gather_bytes +
+                          params * reduce_bytes)
+    spans_nodes = any(len({rank_node[r] for r in g}) > 1 for g in groups)
+    has_intra = any(len({rank_node[r] for r in g}) < len(g) for g in groups)
+    nic = ring if spans_nodes else 0.0
+    if num_groups > 1:
+        nic += 2 * (num_groups - 1) / num_groups * params * reduce_bytes * \
+            node_share(rank_node, groups)
+    return LinkBytes(ring if has_intra else 0.0, nic)

@@ -1,0 +1,160 @@
+"""The choice between flat and hybrid sharding in one mode of the solver (`spec.planner.
+sharding`): every hybrid layout (hybrid.py) solved by the exact all-even search or proven
+unable to beat the best step found, then the faster of flat and hybrid (a tie stays flat:
+it needs no second collective)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cephalo.api.plan import Plan
+from cephalo.planner.hybrid import layouts, link_bytes_per_step
+from cephalo.planner.problem import WIRE_BYTES, InfeasibleError, Problem, gib, layout_problem
+from cephalo.planner.subset import Choice, cannot_beat
+
+_TIE_RTOL = 1e-12
+
+
+class HybridInfeasibleError(InfeasibleError):
+    """`planner.sharding: hybrid` and no hybrid layout fits the job."""
+
+
+@dataclass
+class LayoutSearch:
+    best: Choice | None  # the fastest layout that beat `beat_seconds`
+    full: Choice | None  # the fastest on every GPU that beat `beat_full_seconds`
+    solved: int
+    exhaustive: bool
+    considered: int  # layouts of the space (0: no topology, or one node)
+
+
+def search_layouts(problem: Problem, solve_fixed: Callable[[Problem], Any],
+                   score_step: Callable[[Problem, Any], float], *, every_gpu: bool,
+                   beat_seconds: float = math.inf,
+                   beat_full_seconds: float = math.inf) -> LayoutSearch:
+    """The fastest hybrid layout of `problem`'s GPUs below `beat_seconds` (the flat plan's
+    step: a layout that cannot beat it is pruned unsolved), and the fastest on every GPU
+    below `beat_full_seconds`. `every_gpu`: only layouts that use every GPU."""
+    found, exhaustive = layouts(problem)
+    if every_gpu:
+        found = [lay for lay in found if len(lay.ranks) == problem.world_size]
+    # Each layout with its collectives-alone bound, least first: the likely fastest are
+    # solved first and their steps prune the rest (at a tie, more GPUs first).
+    candidates = []
+    for layout in found:
+        sub = layout_problem(problem, layout)
+        if _holds_state(sub):
+            candidates.append((_collectives_alone_seconds(sub), -len(layout.ranks),
+                               layout.nodes_per_group, layout, sub))
+    candidates.sort(key=lambda c: c[:3])
+    best: Choice | None = None
+    full: Choice | None = None
+    solved = 0
+    for bound, _, _, layout, sub in candidates:
+        whole = len(layout.ranks) == problem.world_size
+        beat = min(beat_seconds, math.inf if best is None else best.step_seconds)
+        if whole:  # worth solving if it may be the best, or the best on every GPU
+            beat = max(beat, min(beat_full_seconds,
+                                 math.inf if full is None else full.step_seconds))
+        if beat < math.inf and (bound >= beat or cannot_beat(sub, beat)):
+            continue
+        try:
+            solution = solve_fixed(sub)
+        except InfeasibleError:
+            continue
+        solved += 1
+        counts = [0] * len(problem.classes)
+        for rank in layout.ranks:
+            counts[problem.rank_class[rank]] += 1
+        choice = Choice(counts, sub, layout.ranks, solution, score_step(sub, solution),
+                        gap_seconds=getattr(solution, "gap_seconds", 0.0))
+        if whole and (full is None or _faster(choice, full)):
+            full = choice
+        if (best is None or _faster(choice, best)) and choice.step_seconds < beat_seconds:
+            best = choice
+    return LayoutSearch(best, full, solved, exhaustive, len(found))
+
+
+def _holds_state(problem: Problem) -> bool:
+    """Whether every GPU holds its 1/k of the state next to its least compute memory (a
+    state-only rank, or one sample): the quick test that rules out groups too small for
+    the model (a 16 GB node and Llama-7B) before any search."""
+    share = problem.state_bytes / problem.shard_group_size
+    smallest = np.array([0 if problem.allow_state_only else 1])
+    return all(float(cls.cost.compute_memory_bytes(smallest)[0]) + share <= cls.budget_bytes
+               for cls in problem.classes)
+
+
+def _collectives_alone_seconds(problem: Problem) -> float:
+    """A lower bound of any split's step on `problem`: the slowest GPU's step with no
+    samples (a unit takes at least its collectives: max(compute, collective) + ...), the
+    quick test that prunes most layouts where the NICs are slow before `cannot_beat`."""
+    comm = problem.unit_comm(uneven=False)
+    none = np.zeros(1)
+    return max(float(cls.cost.step_seconds(none, none, comm)[0]) for cls in problem.classes)
+
+
+def _faster(a: Choice, b: Choice) -> bool:
+    return a.step_seconds < b.step_seconds * (1 - _TIE_RTOL)
+
+
+def no_layout_message(problem: Problem, search: LayoutSearch) -> str:
+    """Why `planner.sharding: hybrid` has no plan, in one line."""
+    if search.considered == 0:
+        return ("planner.sharding: hybrid needs at least two nodes of GPUs the planner knows "
+                "of (planner.network.nodes, or the cluster's nodes); these GPUs are on one "
+                "node or on no known node: use sharding auto or flat")
+    return (f"planner.sharding: hybrid: no replica groups of whole nodes fit the job (each "
+            f"group holds the whole training state, {gib(problem.state_bytes)}, next to its "
+            f"ranks' compute memory); use sharding auto or flat, larger nodes or a smaller "
+            "model")
+
+
+def record_sharding(plan: Plan, choice: Choice, problem: Problem, sharding: str,
+                    gather_precision: str, reduce_precision: str) -> None:
+    """What the plan says of its sharding (Plan.assumptions, printed by report.py): the
+    choice, why, and the bytes each link carries per step."""
+    used = choice.problem
+    other = choice.other_sharding_step_seconds
+    step = choice.step_seconds
+    if used.groups:
+        k, num = len(used.groups[0]), len(used.groups)
+        what = f"hybrid: {num} replica groups of {k} GPUs ({_group_nodes(used)})"
+        if sharding == "hybrid":
+            why = f"{what}, as planner.sharding asks"
+        elif other is not None:
+            why = f"{what} predicted {step:.4g} s per step, flat sharding {other:.4g} s"
+        else:
+            why = f"{what}: no flat plan fits"
+    elif not layouts(problem)[0]:
+        why = ("flat: no replica groups to form (the GPUs share one node, or which GPUs "
+               "share a node is not known)")
+    else:
+        why = (f"flat: no hybrid layout (replica groups of whole nodes) is predicted faster "
+               f"than flat's {step:.4g} s per step")
+    plan.assumptions["sharding"] = "hybrid" if used.groups else "flat"
+    plan.assumptions["sharding_reason"] = why
+    if not used.rank_node:
+        return  # no nodes known: no links to count bytes on
+    cost = used.rank_cost(0)
+    model = used.model
+    regathered = 0 if not cost.recompute and not cost.fused_all else (
+        model.embedding_parameters() if cost.fused_all else
+        model.embedding_parameters() + model.num_layers * model.block_parameters())
+    moved = link_bytes_per_step(model, WIRE_BYTES[gather_precision],
+                                WIRE_BYTES[reduce_precision], used.rank_node, used.groups,
+                                regathered)
+    plan.assumptions["link_bytes_per_step"] = {
+        "intra_node_link_per_gpu": moved.intra_node_link_per_gpu,
+        "nic_per_node": moved.nic_per_node}
+
+
+def _group_nodes(problem: Problem) -> str:
+    """'one node each' or 'N nodes each'."""
+    nodes = len({problem.rank_node[r] for r in problem.groups[0]})
+    return "one node each" if nodes == 1 else f"{nodes} nodes each"

@@ -1,0 +1,368 @@
+"""Hybrid sharding in the planner (issue 44): the spec field, the pricing against the
+issue's formulas, the layout search against brute force, flat kept as it was, the printed
+plan, and the predicted targets on the paper's Cluster B."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cephalo.api import ClusterSpec, load_job, parse_job
+from cephalo.api.cluster import ClusterNode
+from cephalo.api.crd import open_api_v3_schema
+from cephalo.api.job import CephaloJobSpec, JobFileError
+from cephalo.commands.plan import pools_as_cluster
+from cephalo.planner import InfeasibleError, solve
+from cephalo.planner.hybrid import Layout, hybrid_unit_comm, link_bytes_per_step
+from cephalo.planner.problem import Problem, build_problem, layout_problem
+from cephalo.planner.report import format_plan
+
+from .planner_brute import brute_force_seconds
+from .planner_instances import random_instance, with_min_gain
+from .test_planner_oracle import brute_force, expected_step
+
+ROOT = Path(__file__).resolve().parents[2]
+GBIT = 1e9 / 8
+ORACLE_INSTANCES = int(os.environ.get("CEPHALO_ORACLE_INSTANCES", "150"))
+
+
+def _with_sharding(spec: CephaloJobSpec, sharding: str) -> CephaloJobSpec:
+    return spec.model_copy(update={"planner": spec.planner.model_copy(
+        update={"sharding": sharding})})
+
+
+def cluster_b(preset: str, batch: int, gbps: float, sharding: str = "auto") -> CephaloJobSpec:
+    """The issue's job: examples/llama-7b-cluster-b.yaml with this model and batch,
+    precision auto, bf16 gathers and reduce-scatters, every NIC at `gbps`."""
+    spec = load_job(str(ROOT / "examples/llama-7b-cluster-b.yaml")).spec.to_wire()
+    spec.update(model={"preset": preset}, globalBatchSize=batch, precision="auto",
+                gatherPrecision="bf16", reducePrecision="bf16")
+    spec["planner"]["network"]["interNodeGbps"] = gbps
+    spec["planner"]["sharding"] = sharding
+    return parse_job({"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
+                      "metadata": {"name": "b"}, "spec": spec}).spec
+
+
+# --- the spec field ------------------------------------------------------------------
+
+def test_sharding_defaults_to_auto_and_the_crd_lists_the_three_values() -> None:
+    spec = cluster_b("gpt-2.7b", 512, 100)
+    assert _with_sharding(spec, "auto").planner.sharding == "auto"
+    field = open_api_v3_schema()["properties"]["spec"]["properties"]["planner"][
+        "properties"]["sharding"]
+    assert field["enum"] == ["auto", "flat", "hybrid"] and field["default"] == "auto"
+
+
+def test_an_unknown_sharding_is_refused_in_one_line() -> None:
+    wire = cluster_b("gpt-2.7b", 512, 100).to_wire()
+    wire["planner"]["sharding"] = "ring"
+    with pytest.raises(JobFileError) as err:
+        parse_job({"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
+                   "metadata": {"name": "b"}, "spec": wire})
+    assert "sharding" in str(err.value) and "\n" not in str(err.value)
+
+
+# --- pricing -------------------------------------------------------------------------
+
+def _two_nodes_problem(nic_gbps: float = 10.0, per_node: int = 2) -> Problem:
+    wire = cluster_b("gpt-2.7b", 8, nic_gbps).to_wire()
+    wire["gpuPools"] = [{"product": "NVIDIA-A10G", "maxGpus": 2 * per_node}]
+    wire["planner"]["network"] = {"interNodeGbps": nic_gbps, "intraNodeGbps": 256,
+                                  "nodes": [{"gpus": {"NVIDIA-A10G": per_node}, "count": 2}]}
+    spec = parse_job({"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
+                      "metadata": {"name": "b"}, "spec": wire}).spec
+    return build_problem(spec, pools_as_cluster(spec))
+
+
+def test_hybrid_collectives_are_the_group_ring_plus_the_cross_group_all_reduce() -> None:
+    """Two nodes of two A10Gs, a group per node: the gathers on the intra-node link alone;
+    each gradient's reduce-scatter on it plus the all-reduce of both positions' shards
+    across the two nodes on the NIC, 2(G-1)/G of a unit's bytes per node."""
+    problem = _two_nodes_problem()
+    assert problem.network is not None and problem.topology is not None
+    links = problem.topology.nodes[0]
+    groups = [[0, 1], [2, 3]]
+    comm = hybrid_unit_comm(problem.model, problem.network.base, problem.topology,
+                            problem.rank_node, groups)
+    block = problem.model.block_parameters()
+    wire = 2  # bf16
+    # Ring of 2 on the intra-node link: (n-1)/n of the bytes, (n-1) hops of latency.
+    ag = 0.5 * block * wire / links.intra_bandwidth_bytes_per_second + \
+        links.intra_latency_seconds
+    assert comm.ag_block == pytest.approx(ag, rel=1e-12)
+    # G = 2 groups: each node's NIC carries 2 (G-1)/G = 1 of the block's gradient bytes.
+    across = block * wire / links.nic_bandwidth_bytes_per_second + \
+        2 * links.nic_latency_seconds
+    assert comm.rs_block == pytest.approx(ag + across, rel=1e-12)
+    assert comm.state_share_parameters == problem.model.total_parameters() / 2
+    # A group of two nodes (one GPU of each): its ring crosses both NICs (the slower link).
+    crossing = hybrid_unit_comm(problem.model, problem.network.base, problem.topology,
+                                problem.rank_node, [[0, 2], [1, 3]])
+    assert crossing.ag_block > comm.ag_block
+
+
+def test_link_bytes_follow_the_issue_formulas() -> None:
+    """Flat over 2 nodes of 2: each collective moves 3/4 of the bytes over every link;
+    hybrid per node: 1/2 on the intra-node link and 2(G-1)/G of the gradient on the NIC."""
+    problem = _two_nodes_problem()
+    model, params = problem.model, problem.model.total_parameters()
+    flat = link_bytes_per_step(model, 2, 2, problem.rank_node, [], 0)
+    assert flat.intra_node_link_per_gpu == flat.nic_per_node == pytest.approx(0.75 * 2 * params * 2)
+    hybrid = link_bytes_per_step(model, 2, 2, problem.rank_node, [[0, 1], [2, 3]], params)
+    assert hybrid.intra_node_link_per_gpu == pytest.approx(0.5 * 3 * params * 2)
+    assert hybrid.nic_per_node == pytest.approx(1.0 * params * 2)
+
+
+# --- the search against brute force -----------------------------------------------------
+
+def _every_layout(problem: Problem):
+    """Every way to put whole nodes of one size into groups of d consecutive nodes (any
+    subset of the nodes, not only the first of each kind as the planner takes them)."""
+    nodes: dict[int, list[int]] = {}
+    for rank, node in enumerate(problem.rank_node):
+        nodes.setdefault(node, []).append(rank)
+    order = sorted(nodes, key=lambda n: nodes[n][0])
+    for size in range(2, len(order) + 1):
+        for chosen in itertools.combinations(order, size):
+            if len({len(nodes[n]) for n in chosen}) != 1:
+                continue
+            for d in range(1, size // 2 + 1):
+                if size % d == 0:
+                    yield Layout(tuple(tuple(r for n in chosen[i:i + d] for r in nodes[n])
+                                       for i in range(0, size, d)), d)
+
+
+def _modes(problem: Problem) -> list[Problem]:
+    from cephalo.planner.problem import fused_everything, without_recompute
+    fused = fused_everything(problem)
+    return [problem, *([] if fused is None else [fused]), without_recompute(problem)]
+
+
+def _hybrid_brute_force(spec: CephaloJobSpec, cluster: ClusterSpec, profiles,
+                        every_gpu: bool = False) -> float | None:
+    problem = build_problem(spec, cluster, profiles)
+    found = [brute_force_seconds(layout_problem(mode, layout))
+             for layout in _every_layout(problem) for mode in _modes(problem)
+             if not every_gpu or len(layout.ranks) == problem.world_size]
+    finite = [f for f in found if f is not None]
+    return min(finite) if finite else None
+
+
+def _with_nodes(seed: int, cluster: ClusterSpec) -> ClusterSpec:
+    """The instance's GPUs on nodes of one or two GPUs (the last may hold fewer), each
+    node with random links: 2 to 4 nodes, so that layouts of 2 to 4 groups and groups of
+    two nodes exist."""
+    rng = random.Random(seed * 31 + 7)
+    gpus = [g.key for g in cluster.groups for _ in range(g.count)]
+    rng.shuffle(gpus)
+    per = rng.choice([1, 1, 2]) if len(gpus) > 2 else 1  # 2 to 4 nodes
+    nodes = []
+    for i in range(0, len(gpus), per):
+        held: dict[str, int] = {}
+        for key in gpus[i:i + per]:
+            held[key] = held.get(key, 0) + 1
+        nodes.append(ClusterNode(
+            gpus=held, nic_bandwidth_bytes_per_second=rng.choice([0.01, 1.0, 25.0]) * GBIT,
+            nic_latency_seconds=rng.choice([20e-6, 200e-6]),
+            intra_bandwidth_bytes_per_second=rng.choice([50.0, 1000.0]) * GBIT,
+            intra_latency_seconds=rng.choice([1e-6, 10e-6])))
+    return cluster.model_copy(update={"nodes": nodes, "network_source": "test"})
+
+
+def _instance(seed: int) -> tuple[CephaloJobSpec, ClusterSpec, Any]:
+    spec, flat, profiles = random_instance(seed, max_gpus=4, max_batch=6)
+    planner = spec.planner.model_copy(update={"network_bandwidth_gbps": None})
+    spec = with_min_gain(spec.model_copy(update={"planner": planner}), 0.0)
+    if sum(g.count for g in flat.groups) < 2:
+        flat = flat.model_copy(update={"groups": [flat.groups[0].model_copy(
+            update={"count": 2})]})
+    return spec, _with_nodes(seed, flat), profiles
+
+
+def _check(seed: int) -> bool:
+    """hybrid = the brute-force optimum over every layout; auto = the faster of it and
+    flat's over every subset. True when some layout fits (the check was not vacuous)."""
+    spec, cluster, profiles = _instance(seed)
+    hybrid = _hybrid_brute_force(spec, cluster, profiles)
+    if hybrid is None:
+        with pytest.raises(InfeasibleError):
+            solve(_with_sharding(spec, "hybrid"), cluster, profiles, choose_gpus=True)
+    else:
+        plan = solve(_with_sharding(spec, "hybrid"), cluster, profiles, choose_gpus=True)
+        assert plan.predicted_step_seconds == pytest.approx(hybrid, rel=1e-12), seed
+        assert plan.replica_groups and plan.search["exact"] is True
+    assert cluster.nodes is not None
+    flat = [f for sub in sub_clusters_on_nodes(cluster)
+            if (f := brute_force(spec, sub, profiles)) is not None]
+    best = min([*flat, *([] if hybrid is None else [hybrid])], default=None)
+    if best is not None:
+        auto = solve(spec, cluster, profiles, choose_gpus=True)
+        assert auto.predicted_step_seconds == pytest.approx(best, rel=1e-12), seed
+        assert bool(auto.replica_groups) == (not flat or (hybrid is not None and
+                                             hybrid < min(flat) * (1 - 1e-12))), seed
+        # planner.minGainToIdleGpus: every GPU (flat or hybrid, the faster) unless fewer
+        # are more than 5 % faster.
+        whole = [f for f in (brute_force(spec, cluster, profiles),
+                             _hybrid_brute_force(spec, cluster, profiles, every_gpu=True))
+                 if f is not None]
+        margin = solve(with_min_gain(spec, 0.05), cluster, profiles, choose_gpus=True)
+        assert margin.predicted_step_seconds == pytest.approx(
+            expected_step(best, min(whole, default=None), 0.05), rel=1e-12), seed
+    return hybrid is not None
+
+
+def sub_clusters_on_nodes(cluster: ClusterSpec):
+    from .test_planner_oracle_topology import sub_clusters as on_nodes
+    return on_nodes(cluster)
+
+
+_CHUNK = 50
+
+
+@pytest.mark.parametrize("first", range(0, ORACLE_INSTANCES, _CHUNK))
+def test_hybrid_and_auto_match_brute_force_on_small_instances(first: int) -> None:
+    failed, fitted = [], 0
+    for seed in range(40_000 + first, 40_000 + first + _CHUNK):
+        try:
+            fitted += _check(seed)
+        except AssertionError as err:
+            failed.append(f"seed {seed}: {str(err).splitlines()[0]}")
+    assert not failed, f"{len(failed)} of {_CHUNK} instances disagree: " + "; ".join(failed)
+    assert fitted >= _CHUNK // 5  # enough instances with a hybrid layout to mean something
+
+
+# --- flat as it was; the forced and automatic choices ----------------------------------------
+
+def test_flat_is_the_auto_plan_without_the_sharding_record_where_flat_wins() -> None:
+    auto = solve(cluster_b("gpt-2.7b", 512, 100), pools_as_cluster(cluster_b("gpt-2.7b", 512,
+                                                                              100)))
+    flat_spec = cluster_b("gpt-2.7b", 512, 100, "flat")
+    flat = solve(flat_spec, pools_as_cluster(flat_spec))
+    assert not auto.replica_groups and auto.assumptions["sharding"] == "flat"
+    assert "sharding" not in flat.assumptions and "replica_groups" not in flat.to_json()
+    for key in ("sharding", "sharding_reason", "link_bytes_per_step"):
+        auto.assumptions.pop(key)
+    assert auto.to_json() == flat.to_json()
+
+
+def test_hybrid_is_refused_in_one_line_where_no_group_can_form() -> None:
+    spec = _with_sharding(cluster_b("gpt-2.7b", 512, 10), "hybrid")
+    one_node = spec.model_copy(update={"gpu_pools": spec.gpu_pools[1:2]})
+    wire = one_node.to_wire()
+    wire["planner"]["network"]["nodes"] = [{"gpus": {"NVIDIA-A10G": 16}}]
+    one_node = parse_job({"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
+                          "metadata": {"name": "b"}, "spec": wire}).spec
+    with pytest.raises(InfeasibleError, match=r"planner\.sharding: hybrid needs") as err:
+        solve(one_node, pools_as_cluster(one_node))
+    assert "\n" not in str(err.value)
+
+
+def test_without_choosing_gpus_hybrid_groups_every_gpu() -> None:
+    spec = cluster_b("gpt-2.7b", 512, 10, "hybrid")
+    plan = solve(spec, pools_as_cluster(spec), choose_gpus=False)
+    assert plan.world_size == 64 and not plan.idle_gpus
+    assert sorted(r for g in plan.replica_groups for r in g) == list(range(64))
+
+
+def test_llama_7b_groups_span_two_16_gb_nodes_where_one_cannot_hold_the_state() -> None:
+    """A node of 8 x 16 GB GPUs cannot hold Llama-7B's state: every hybrid group of
+    V100s or T4s spans two nodes."""
+    spec = cluster_b("llama-7b", 1024, 10, "hybrid")
+    plan = solve(spec, pools_as_cluster(spec))
+    size = len(plan.replica_groups[0])
+    gpus = {plan.ranks[r].gpu for g in plan.replica_groups for r in g}
+    assert size >= 16 or gpus == {"A10G"}
+    for r in plan.ranks:
+        assert r.predicted_memory_bytes <= r.memory_capacity_bytes * 0.8 * (1 + 1e-9)
+        assert r.shard_ratio == pytest.approx(1 / size)
+
+
+def test_the_printed_plan_shows_the_groups_the_choice_and_each_links_bytes() -> None:
+    spec = cluster_b("gpt-2.7b", 512, 10)
+    plan = solve(spec, pools_as_cluster(spec))
+    text = format_plan(plan, "gpt-2.7b")
+    assert plan.replica_groups and plan.assumptions["sharding"] == "hybrid"
+    assert f"sharding: hybrid, {len(plan.replica_groups)} replica groups" in text
+    assert "bytes per step: intra-node link" in text and "NIC" in text
+    assert plan.assumptions["sharding_reason"] in text
+
+
+# --- the issue's targets (predictions: deterministic) --------------------------------------
+
+# The issue's table (today's planner, flat): GPT-2.7B at B = 512 on Cluster B at 10 Gbit/s.
+FLAT_10_GBIT_SAMPLES_PER_SECOND = 41.5
+
+
+def test_targets_at_100_gbit_never_below_flat_and_at_10_gbit_beyond_1_5x() -> None:
+    flat_100 = solve(cluster_b("gpt-2.7b", 512, 100, "flat"),
+                     pools_as_cluster(cluster_b("gpt-2.7b", 512, 100)))
+    auto_100 = solve(cluster_b("gpt-2.7b", 512, 100),
+                     pools_as_cluster(cluster_b("gpt-2.7b", 512, 100)))
+    assert auto_100.predicted_samples_per_second >= flat_100.predicted_samples_per_second
+    auto_10 = solve(cluster_b("gpt-2.7b", 512, 10),
+                    pools_as_cluster(cluster_b("gpt-2.7b", 512, 10)))
+    assert auto_10.predicted_samples_per_second >= 1.5 * FLAT_10_GBIT_SAMPLES_PER_SECOND
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "not met under the engine's hybrid step as specified (the cross-group all-reduce "
+    "overlaps the backward only): the NIC's 2(G-1)/G of the gradient bytes alone bound "
+    "the step; docs/hybrid-sharding.md 'When hybrid pays'"))
+def test_targets_at_25_gbit_0_75x_and_at_10_gbit_48_gpus() -> None:
+    cluster = pools_as_cluster(cluster_b("gpt-2.7b", 512, 100))
+    at_100 = solve(cluster_b("gpt-2.7b", 512, 100), cluster).predicted_samples_per_second
+    at_25 = solve(cluster_b("gpt-2.7b", 512, 25), cluster).predicted_samples_per_second
+    at_10 = solve(cluster_b("gpt-2.7b", 512, 10), cluster)
+    assert at_25 >= 0.75 * at_100
+    assert at_10.world_size >= 48
+
+
+# --- re-planning: a running hybrid plan is priced as hybrid -------------------------------
+
+def test_recalibration_prices_a_running_hybrid_plan_in_its_groups() -> None:
+    """Re-planning (planner/recalibrate.py) scores the running plan under the model: a
+    hybrid plan's own prediction, not the flat sharding of the same split."""
+    from cephalo.planner.recalibrate import Measured, recalibrate
+    spec = cluster_b("gpt-2.7b", 512, 10)
+    cluster = pools_as_cluster(spec)
+    plan = solve(spec, cluster)
+    assert plan.replica_groups and plan.predicted_step_seconds is not None
+    calibration = recalibrate(spec, cluster, None, plan,
+                              Measured(step_seconds=plan.predicted_step_seconds))
+    assert calibration.predicted_step_seconds == pytest.approx(plan.predicted_step_seconds,
+                                                               rel=1e-9)
+    assert calibration.collective_scale == pytest.approx(1.0, rel=1e-3)
+
+
+def _described(nodes: int, sharding: str, min_gain: float = 0.05) -> CephaloJobSpec:
+    """GPT-2.7B, B = 2048, on `nodes` nodes of 8 A10G and as many of 8 T4 at 25 Gbit/s."""
+    return parse_job({
+        "apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob", "metadata": {"name": "b"},
+        "spec": {"model": {"preset": "gpt-2.7b"}, "globalBatchSize": 2048, "precision": "auto",
+                 "gatherPrecision": "bf16", "reducePrecision": "bf16",
+                 "gpuPools": [{"product": "NVIDIA-A10G", "maxGpus": 8 * nodes},
+                              {"product": "Tesla-T4", "maxGpus": 8 * nodes}],
+                 "planner": {"sharding": sharding, "minGainToIdleGpus": min_gain,
+                             "network": {"interNodeGbps": 25, "nodes": [
+                                 {"gpus": {"NVIDIA-A10G": 8}, "count": nodes},
+                                 {"gpus": {"Tesla-T4": 8}, "count": nodes}]}}}}).spec
+
+
+def test_the_idle_margin_weighs_the_fastest_plan_on_every_gpu_hybrid_included() -> None:
+    """planner.minGainToIdleGpus keeps every GPU unless fewer are more than 5 % faster;
+    "every GPU" is the faster of flat and hybrid on all of them, found even where a
+    layout on fewer GPUs was solved first (it once pruned the whole-cluster layouts)."""
+    def step(spec: CephaloJobSpec, choose: bool = True) -> float:
+        plan = solve(spec, pools_as_cluster(spec), choose_gpus=choose)
+        assert plan.predicted_step_seconds is not None
+        return plan.predicted_step_seconds
+
+    fastest = step(_described(21, "auto", 0.0))
+    everything = min(step(_described(21, "flat"), False), step(_described(21, "hybrid"), False))
+    expected = everything if everything <= fastest * 1.05 else fastest
+    assert step(_described(21, "auto")) == pytest.approx(expected, rel=1e-12)
