@@ -87,6 +87,19 @@ def test_state_and_buffers_are_fp32_in_every_precision() -> None:
     assert memory.kept_boundary_bytes(3, 2, 8, 16, offload=False) == 5 * 2 * 8 * 16 * 4
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "auto"])
+def test_hybrid_state_is_the_slice_plus_a_piece_of_the_state(precision: str) -> None:
+    """4 n_j (the fp32 slice) + (master 4 + Adam 8 + gradient 4) n_j / G, in every
+    precision; one group is flat sharding's state, the slice being the master."""
+    n = 1_000_003.0
+    assert memory.hybrid_state_bytes(n, 1, precision) == memory.state_bytes(n, precision)
+    assert memory.hybrid_state_bytes(n, 2, precision) == pytest.approx(4 * n + 16 * n / 2)
+    assert memory.hybrid_state_bytes(n, 8, precision) == pytest.approx(4 * n + 16 * n / 8)
+    assert memory.hybrid_state_bytes(0.0, 4, precision) == 0.0
+    with pytest.raises(ValueError, match="groups must be >= 1"):
+        memory.hybrid_state_bytes(n, 0, precision)
+
+
 def test_boundary_activations_stay_fp32_under_bf16_autocast() -> None:
     from cephalo.api.job import DataSpec, SyntheticData
     from cephalo.trainer.data import DataSource

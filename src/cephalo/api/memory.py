@@ -58,6 +58,24 @@ def state_bytes(owned_parameters: float, precision: str = "fp32") -> float:
     return state_bytes_per_parameter(precision) * owned_parameters
 
 
+# Hybrid sharding (docs/hybrid-sharding.md): the fp32 slice a rank's group gathers from.
+HYBRID_SLICE_BYTES_PER_PARAMETER = FP32_BYTES
+
+
+def hybrid_state_bytes(owned_parameters_in_group: float, groups: int, precision: str) -> float:
+    """Training state of a rank under hybrid sharding across `groups` replica groups, where
+    it holds `owned_parameters_in_group` (n_j) of its group's shard: the whole fp32 slice
+    (what its group's all-gathers read, 4 n_j) and the master, Adam moments and gradient of
+    only its piece of it, n_j / G (16 n_j / G: `state_bytes`). In every precision (the state
+    is fp32 in all). With one group the slice is the master: `state_bytes(n_j)` exactly."""
+    if groups < 1:
+        raise ValueError(f"groups must be >= 1, got {groups}")
+    if groups == 1:
+        return state_bytes(owned_parameters_in_group, precision)
+    return (HYBRID_SLICE_BYTES_PER_PARAMETER * owned_parameters_in_group
+            + state_bytes(owned_parameters_in_group / groups, precision))
+
+
 def unit_buffer_bytes(largest_unit_parameters: int) -> int:
     """Peak bytes of gathered unit buffers (parameters and full gradients) on a rank."""
     return UNIT_BUFFERS_AT_PEAK * COMM_BYTES_PER_PARAMETER * largest_unit_parameters
