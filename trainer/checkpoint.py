@@ -11,9 +11,13 @@ Layout of a checkpoint root (a folder every rank sees, or an fsspec URL such as
                         sha256, the job's loss scale (fp16 ranks)
         COMPLETE        written last; its presence (and matching files) = loadable
 
-Under hybrid sharding (docs/hybrid-sharding.md) only replica group 0 writes, one file per
-position in the group (meta.json's ``world_size`` counts the files); the other groups hold
-the same slices. Readers go by the offsets, so any plan reads any checkpoint.
+Every rank writes one file of what it owns: flat, its shard of every unit (file = rank);
+under hybrid sharding (docs/hybrid-sharding.md) its piece of its slice, the master and Adam
+moments only it holds (file = position x G + group, so the files' ranges follow each other:
+slice 0's G pieces, then slice 1's...). meta.json's ``world_size`` counts the files and
+``bounds`` gives each file's global range per unit. Readers go by the offsets, so any plan
+(flat, hybrid, another group count) reads any checkpoint; a hybrid rank reads its whole
+slice's weights and its piece's moments.
 
 Protocol (the same on POSIX and object storage, because object stores have no rename;
 written by `checkpoint_write`, optionally in the background while training goes on):
@@ -196,16 +200,17 @@ def storage_timeout_seconds(engine: Engine, configured_seconds: float) -> float:
     return max(configured_seconds, 60.0 + total / SLOWEST_STORAGE_BYTES_PER_SECOND)
 
 
-def rng_file(meta: dict[str, Any], position: int) -> int:
-    """The file whose RNG state a rank takes: the one of its own slice's number (its rank
-    when flat, its position in its replica group under hybrid sharding) where it exists."""
-    return position if position < int(meta["world_size"]) else 0
+def rng_file(meta: dict[str, Any], file_index: int) -> int:
+    """The file whose RNG state a rank takes: the one of its own file's number
+    (`Engine.file_index`: its rank when flat) where it exists."""
+    return file_index if file_index < int(meta["world_size"]) else 0
 
 
-def files_needed(meta: dict[str, Any], ranges: list[tuple[int, int]], position: int
+def files_needed(meta: dict[str, Any], ranges: list[tuple[int, int]], file_index: int
                  ) -> set[int]:
-    """Old files that hold any element in `ranges` (per unit), plus the RNG's."""
-    need = {rng_file(meta, position)}
+    """Old files that hold any element in `ranges` (per unit: the rank's slices), plus the
+    RNG's."""
+    need = {rng_file(meta, file_index)}
     for unit, (start, end) in enumerate(ranges):
         for old, (s, e) in enumerate(meta["bounds"][unit]):
             if max(s, start) < min(e, end):
@@ -310,12 +315,15 @@ def restore(engine: Engine, info: CheckpointInfo, reader: ShardReader | None = N
     state = engine.state_dict()
     opt = state["optimizer"]
     try:
-        with torch.no_grad():
-            for i, u in enumerate(engine.units):
-                for key, target in (("param", opt["param"][i]), ("exp_avg", opt["exp_avg"][i]),
+        # The weights of this rank's whole slice (the masters of its piece among them)...
+        engine.load_parameters(lambda i, start, end: reader.read(i, start, end))
+        with torch.no_grad():  # ... and the moments of what it owns
+            for i in range(len(engine.units)):
+                start, end = engine.owned_range(i)
+                for key, target in (("exp_avg", opt["exp_avg"][i]),
                                     ("exp_avg_sq", opt["exp_avg_sq"][i])):
-                    target.copy_(reader.read(i, u.start, u.end, key).to(target.device))
-        torch.set_rng_state(reader.rng_state(rng_file(info.meta, engine.position)))
+                    target.copy_(reader.read(i, start, end, key).to(target.device))
+        torch.set_rng_state(reader.rng_state(rng_file(info.meta, engine.file_index)))
     finally:
         reader.close()
     opt["num_steps"] = int(info.meta["optimizer_steps"])
@@ -375,7 +383,7 @@ def resume_point(store: Store, engine: Engine, group: dist.ProcessGroup | None,
     ranges = [(u.start, u.end) for u in engine.units]
     for name, meta in listed:
         info = CheckpointInfo(store, name, meta)
-        local, error = verify_files(info, files_needed(meta, ranges, engine.position),
+        local, error = verify_files(info, files_needed(meta, ranges, engine.file_index),
                                     cache_dir)
         errors = gather(group, world, error)
         if not any(errors):

@@ -59,20 +59,21 @@ def _snapshot(engine: Engine, copy: bool) -> tuple[dict[str, Any], dict[str, Any
             return t.cpu()  # a copy already
         return t.clone() if copy else t  # the optimizer updates its tensors in place
 
-    # Files are numbered by the writer's slice: its rank when flat, its position in replica
-    # group 0 under hybrid sharding (the groups hold the same slices; one writes them).
-    shard = {"rank": engine.position, "rng": torch.get_rng_state(), "units": [
-        {"start": u.start, "end": u.end, "param": cpu(opt["param"][i]),
+    # Every rank writes what it owns: its slice when flat (file = rank), its piece of its
+    # slice under hybrid sharding (file = position x groups + group: replicas.file_index).
+    shard = {"rank": engine.file_index, "rng": torch.get_rng_state(), "units": [
+        {"start": start, "end": end, "param": cpu(opt["param"][i]),
          "exp_avg": cpu(opt["exp_avg"][i]), "exp_avg_sq": cpu(opt["exp_avg_sq"][i])}
-        for i, u in enumerate(engine.units)]}
+        for i, (start, end) in enumerate(engine.owned_range(i)
+                                         for i in range(len(engine.units)))]}
     meta = {"format_version": FORMAT_VERSION, "step": state["step_count"],
-            # world_size: how many shard files (the ranks of one shard group); bounds: the
-            # global [start, end) of each file's shard of each unit, which is all a reader
-            # needs whatever plan it runs (flat, hybrid, another group count).
-            "optimizer_steps": opt["num_steps"], "world_size": engine.shard_comm.world_size,
+            # world_size: how many shard files (one a rank); bounds: the global [start, end)
+            # of each file's shard of each unit, which is all a reader needs whatever plan
+            # it runs (flat, hybrid, another group count).
+            "optimizer_steps": opt["num_steps"], "world_size": engine.comm.world_size,
             "model": engine.config.model_dump(mode="json"),
             "unit_numels": [u.numel for u in engine.units],
-            "bounds": [u.bounds for u in engine.units],
+            "bounds": [engine.file_bounds(i) for i in range(len(engine.units))],
             "global_batch_size": engine.layout.global_batch_size,
             # The split in force for the steps after this one (live rebalancing moves it),
             # the plan's, and the microbatch sizes: a resume under the same plan goes on
@@ -85,10 +86,6 @@ def _snapshot(engine: Engine, copy: bool) -> tuple[dict[str, Any], dict[str, Any
     if engine.layout.replica_groups:  # for humans: who wrote it (readers use the bounds)
         meta["replica_groups"] = [list(g) for g in engine.layout.replica_groups]
     return shard, meta
-
-
-# A rank that writes no file (hybrid sharding: outside replica group 0) reports this.
-NO_FILE: Report = ("", None, None)
 
 
 def _write_shard(store: Store, name: str, rank: int, shard: dict[str, Any]) -> Report:
@@ -145,12 +142,6 @@ def prune(store: Store, keep: int) -> None:
             store.remove(n, recursive=True)
 
 
-def _done(report: Report) -> Future[Report]:
-    future: Future[Report] = Future()
-    future.set_result(report)
-    return future
-
-
 class CheckpointWriter:
     """Saves checkpoints of one engine, optionally uploading in the background."""
 
@@ -182,14 +173,12 @@ class CheckpointWriter:
         _prepare(self.store, name, engine.step_count, rank, world, self.group)
         if self._executor is None or wait:
             shard, meta = _snapshot(engine, copy=False)
-            report = _write_shard(self.store, name, engine.position, shard) \
-                if engine.writes_checkpoint else NO_FILE
+            report = _write_shard(self.store, name, engine.file_index, shard)
             return [*committed, _commit(self.store, name, meta, report, self.keep, rank,
                                         world, self.group)]
-        shard, meta = _snapshot(engine, copy=engine.writes_checkpoint)
+        shard, meta = _snapshot(engine, copy=True)
         future: Future[Report] = self._executor.submit(
-            _write_shard, self.store, name, engine.position, shard) \
-            if engine.writes_checkpoint else _done(NO_FILE)
+            _write_shard, self.store, name, engine.file_index, shard)
         self._pending = (name, meta, future)
         return committed
 

@@ -44,8 +44,14 @@ import torch.distributed as dist
 
 from cephalo.trainer.wait_clock import HostWaitClock, WaitClock, cuda_wait_clock
 
-# The kind (in the stats) of hybrid sharding's gradient all-reduce across replica groups.
+# The kind (in the stats) of a shard all-reduce (`UnevenCollectives.all_reduce`).
 CROSS_ALL_REDUCE = "cross_all_reduce"
+# What a collectives object made with ``kind_prefix=CROSS`` counts its gathers and
+# reduce-scatters as: hybrid sharding's collectives across replica groups
+# (cephalo.trainer.replicas), apart from those inside a group in the shared stats.
+CROSS = "cross_"
+CROSS_REDUCE_SCATTER = CROSS + "reduce_scatter"
+CROSS_ALL_GATHER = CROSS + "all_gather"
 
 
 @dataclass
@@ -120,11 +126,15 @@ class CollectiveStats:
 class UnevenCollectives:
     """Collectives over one process group for shards of known, possibly uneven, sizes."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, standalone: bool = False
-                 ) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, standalone: bool = False,
+                 kind_prefix: str = "") -> None:
         """`standalone`: one process on its own, whether or not a process group exists (the
-        profiler times a single-rank step inside a rank of a larger job)."""
+        profiler times a single-rank step inside a rank of a larger job). `kind_prefix`:
+        prepended to the kinds its gathers and reduce-scatters count as (CROSS: hybrid
+        sharding's collectives across groups, which share the stats of those inside)."""
         self.group = group
+        self.gather_kind = kind_prefix + "all_gather"
+        self.scatter_kind = kind_prefix + "reduce_scatter"
         self.stats = CollectiveStats()
         # Tests and emulation: every collective also crosses one serial link of this many
         # bytes/s (a ring moves (n-1)/n of the buffer), so a slow network can be emulated
@@ -161,17 +171,17 @@ class UnevenCollectives:
         out_dtype = dtype or shard.dtype
         if wire_dtype is not None and wire_dtype != out_dtype and self.world_size > 1:
             return self._narrow_gather(shard, bounds, unit, out_dtype, wire_dtype)
-        self._count("all_gather", unit, numel, out_dtype)
+        self._count(self.gather_kind, unit, numel, out_dtype)
         if self.world_size == 1 and (dtype is None or dtype == shard.dtype):
             # The shard is the whole buffer: hand out an alias (own autograd identity, same
             # storage) instead of a copy. Nothing writes to it until the optimizer step.
-            return Pending([], shard.detach(), "all_gather", self.stats, done=True)
+            return Pending([], shard.detach(), self.gather_kind, self.stats, done=True)
         full = torch.empty(numel, dtype=dtype or shard.dtype, device=shard.device)
         if self.world_size == 1:
             full.copy_(shard)
-            return Pending([], full, "all_gather", self.stats, done=True)
+            return Pending([], full, self.gather_kind, self.stats, done=True)
         return self._over_link(Pending(self._gather_into(full, shard, bounds), full,
-                                       "all_gather", self.stats))
+                                       self.gather_kind, self.stats))
 
     def _gather_into(self, full: torch.Tensor, shard: torch.Tensor,
                      bounds: list[tuple[int, int]]) -> list:
@@ -180,7 +190,7 @@ class UnevenCollectives:
         start, end = bounds[self.rank]
         full[start:end].copy_(shard)
         if self.backend == "nccl" and _even(bounds):
-            self.stats.native_calls["all_gather"] += 1
+            self.stats.native_calls[self.gather_kind] += 1
             return [dist.all_gather_into_tensor(full, full[start:end].clone(),
                                                 group=self.group, async_op=True)]
         # Uneven (or gloo): each owner broadcasts its shard straight into its slice of the
@@ -190,7 +200,7 @@ class UnevenCollectives:
         works = [dist.broadcast(full[s:e], src=self._global_rank(r), group=self.group,
                                 async_op=True)
                  for r, (s, e) in enumerate(bounds) if e > s]
-        self.stats.native_calls["all_gather"] += len(works)
+        self.stats.native_calls[self.gather_kind] += len(works)
         return works
 
     def _narrow_gather(self, shard: torch.Tensor, bounds: list[tuple[int, int]], unit: int,
@@ -198,10 +208,10 @@ class UnevenCollectives:
         """`all_gather` over a `wire_dtype` buffer, widened to `out_dtype` once it is in.
         The wide buffer exists only from then on (beside the narrow one for the copy)."""
         numel = bounds[-1][1]
-        self._count("all_gather", unit, numel, wire_dtype)
+        self._count(self.gather_kind, unit, numel, wire_dtype)
         wire = torch.empty(numel, dtype=wire_dtype, device=shard.device)
         pending = self._over_link(Pending(self._gather_into(wire, shard, bounds), wire,
-                                          "all_gather", self.stats))
+                                          self.gather_kind, self.stats))
 
         def widen() -> None:
             pending.result = wire.to(out_dtype)
@@ -232,12 +242,12 @@ class UnevenCollectives:
                 full_grad.untyped_storage().resize_(0)
         else:
             buf = full_grad
-        self._count("reduce_scatter", unit, buf.numel(), buf.dtype)
+        self._count(self.scatter_kind, unit, buf.numel(), buf.dtype)
         if self.world_size == 1:
-            return Pending([], full_grad[start:end], "reduce_scatter", self.stats, done=True)
+            return Pending([], full_grad[start:end], self.scatter_kind, self.stats, done=True)
         out = torch.empty(end - start, dtype=full_grad.dtype, device=full_grad.device)
         if self.backend == "nccl" and _even(bounds):
-            self.stats.native_calls["reduce_scatter"] += 1
+            self.stats.native_calls[self.scatter_kind] += 1
             shard = torch.empty(end - start, dtype=buf.dtype, device=buf.device) \
                 if narrow else out
             work = dist.reduce_scatter_tensor(shard, buf, group=self.group, async_op=True)
@@ -245,7 +255,7 @@ class UnevenCollectives:
             def widen() -> None:
                 out.copy_(shard)
 
-            return self._over_link(Pending([work], out, "reduce_scatter", self.stats,
+            return self._over_link(Pending([work], out, self.scatter_kind, self.stats,
                                            finish=widen if narrow else None), buf)
         if self.backend == "nccl" or self.reduce_by_owner:
             # Uneven: one in-place reduce per owner of its slice (no padded copy; together
@@ -260,7 +270,7 @@ class UnevenCollectives:
             # flat already: all-reduce it in place, gloo's reduction without the copy.
             works = [dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group,
                                      async_op=True)]
-        self.stats.native_calls["reduce_scatter"] += len(works)
+        self.stats.native_calls[self.scatter_kind] += len(works)
         # (a view of a larger buffer is its owner's to free; a narrowed copy is ours)
         free = narrow or (consume and _whole(buf))
 
@@ -271,7 +281,7 @@ class UnevenCollectives:
                 # the finished collective, and the buffer, until it next runs.
                 buf.untyped_storage().resize_(0)
 
-        return self._over_link(Pending(works, out, "reduce_scatter", self.stats,
+        return self._over_link(Pending(works, out, self.scatter_kind, self.stats,
                                        finish=slice_out), buf)
 
     def all_reduce(self, shard: torch.Tensor, unit: int,

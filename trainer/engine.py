@@ -23,10 +23,12 @@ So each unit is gathered once per pass (the head once per step) and reduce-scatt
 per step, whatever ℓ_i. A rank with no batch runs the same collectives on empty work.
 
 Under hybrid sharding (`Layout.replica_groups`, docs/hybrid-sharding.md) the gathers and
-reduce-scatters run inside the rank's replica group (`shard_comm`), each reduce-scattered
-shard is then all-reduced across the groups (`cephalo.trainer.replicas.GradientSync`,
-started as the next reduce-scatter is issued), and the end-of-step all-reduce spans the
-world (`comm`).
+reduce-scatters run inside the rank's replica group (`shard_comm`) on its fp32 slice, whose
+optimizer state is split across the groups (`cephalo.trainer.replicas.CrossGroupShards`):
+each slice gradient is reduce-scattered across the groups into this rank's piece (started
+as the next reduce-scatter is issued), the optimizer updates the piece, and the pieces are
+all-gathered back into the slices, each waited for just before the next step's forward
+gathers its unit. The end-of-step all-reduce spans the world (`comm`).
 
 Between recomputing everything and keeping everything, a rank may keep the autograd graphs
 of its last k blocks (`Layout.kept_blocks`, a plan's `kept_blocks`): their forward runs
@@ -59,17 +61,20 @@ from cephalo.api import memory
 from cephalo.api.job import TrainingSpec
 from cephalo.api.models import ModelConfig
 from cephalo.trainer import passes
-from cephalo.trainer.collectives import Pending, UnevenCollectives
+from cephalo.trainer.collectives import CROSS, Pending, UnevenCollectives
 from cephalo.trainer.flat import FlatUnit
 from cephalo.trainer.models import build_unit
 from cephalo.trainer.optim import OptimizerState, ShardedAdamW, learning_rate
 from cephalo.trainer.precision import PRECISIONS, LossScaler, LossScaleState
 from cephalo.trainer.replicas import (
-    GradientSync,
+    CrossGroupShards,
     ReplicaGroups,
     build_replica_groups,
     check_groups,
+    file_bounds,
+    file_index,
     group_ratios,
+    piece_index,
 )
 from cephalo.trainer.unit_ops import ActivationStore, BlockTiming, run_unit_for_profile
 
@@ -187,9 +192,13 @@ class Engine:
                 raise ValueError(f"unit_shard_ratios[{unit}] needs {layout.world_size} ratios "
                                  f"summing to 1, got {ratios}")
         self.shard_comm = self.comm
-        self.sync: GradientSync | None = None  # hybrid: the cross-group gradient sum
+        # Hybrid sharding over more than one group: the pieces' collectives across groups.
+        self.cross: CrossGroupShards | None = None
+        self._cross_comm: UnevenCollectives | None = None
         self.position = self.rank  # this rank's slice: its place in its shard group
-        self.group_index = 0  # its replica group (the one that writes checkpoints: 0)
+        self.group_index = 0  # its replica group
+        self.piece = 0  # the piece of its slice it owns the state of (replicas.piece_index)
+        self.groups_count = 1  # G, the replica groups (1: flat)
         if layout.kept_blocks:
             if len(layout.kept_blocks) != layout.world_size:
                 raise ValueError(f"kept_blocks needs one count per rank ({layout.world_size}), "
@@ -264,16 +273,25 @@ class Engine:
         # frees the rest: initial weights never depend on the plan, and no rank ever holds
         # more than one full unit.
         self.units: list[FlatUnit] = []
-        masters = []
+        slices = []  # this rank's slice of every unit: what its group's gathers read
         for i in range(config.num_units):
             module = build_unit(config, i, seed=training.seed)
             unit = FlatUnit(i, module, layout.group_ratios_for(i), self.position)
-            masters.append(unit.flatten()[unit.start:unit.end].clone().to(self.device))
+            slices.append(unit.flatten()[unit.start:unit.end].clone().to(self.device))
             unit.detach_parameters()
             module.to(self.device)  # buffers (e.g. RoPE tables)
             self.units.append(unit)
-        self.optimizer = ShardedAdamW(masters, [u.decay_mask_shard.to(self.device)
-                                                for u in self.units], training)
+        masks = [u.decay_mask_shard.to(self.device) for u in self.units]
+        if self._cross_comm is None:  # flat or one group: the slice is the master
+            self.optimizer = ShardedAdamW(slices, masks, training)
+        else:
+            self.cross = CrossGroupShards(self._cross_comm, slices, self.piece,
+                                          self.groups_count, self.reduce_dtype,
+                                          self.gather_dtype)
+            ranges = [self.cross.piece_range(u) for u in range(len(slices))]
+            self.optimizer = ShardedAdamW(self.cross.pieces(),
+                                          [m[a:b].clone() for m, (a, b) in
+                                           zip(masks, ranges, strict=True)], training)
         self.step_count = 0
 
     def _join_replica_groups(self, layout: Layout, replicas: ReplicaGroups | None) -> None:
@@ -291,24 +309,58 @@ class Engine:
             raise ValueError(f"replicas were built for {replicas.groups}, the layout has "
                              f"{groups}")
         self.position, self.group_index = replicas.position, replicas.index
+        self.piece = piece_index(groups, self.rank)
+        self.groups_count = len(groups)
         self.shard_comm = UnevenCollectives(replicas.shard_group)
-        cross = UnevenCollectives(replicas.cross_group)
         # One account of every collective, whichever group ran it: the step's wait seconds
-        # and the per-kind counts add up as they do when flat.
-        self.shard_comm.stats = cross.stats = self.comm.stats
-        self.sync = GradientSync(cross, self.reduce_dtype)
+        # and the per-kind counts add up as they do when flat (the cross-group ones under
+        # their own kinds, collectives.CROSS).
+        self.shard_comm.stats = self.comm.stats
+        if self.groups_count > 1:
+            self._cross_comm = UnevenCollectives(replicas.cross_group, kind_prefix=CROSS)
+            assert self._cross_comm.rank == self.piece, "torch numbers subgroups by rank"
+            self._cross_comm.stats = self.comm.stats
 
     @property
     def collectives(self) -> list[UnevenCollectives]:
         """Every group's collectives this engine runs (one when flat)."""
-        found = [self.comm, self.shard_comm] + ([self.sync.comm] if self.sync else [])
+        found = [self.comm, self.shard_comm] + ([self.cross.comm] if self.cross else [])
         return list({id(c): c for c in found}.values())
 
+    # ---- what this rank owns, in a unit's global offsets (checkpoints) ----------------
     @property
-    def writes_checkpoint(self) -> bool:
-        """This rank writes its shard of the state: every rank when flat, replica group 0's
-        under hybrid sharding (the other groups hold the same slices)."""
-        return self.group_index == 0
+    def file_index(self) -> int:
+        """The number of the checkpoint file this rank writes (every rank writes one: its
+        slice when flat, its piece of it under hybrid sharding)."""
+        return file_index(self.position, self.piece, self.groups_count)
+
+    def owned_range(self, unit: int) -> tuple[int, int]:
+        """Global [start, end) of unit `unit` whose master and moments this rank holds."""
+        u = self.units[unit]
+        if self.cross is None:
+            return u.start, u.end
+        a, b = self.cross.piece_range(unit)
+        return u.start + a, u.start + b
+
+    def file_bounds(self, unit: int) -> list[tuple[int, int]]:
+        """Every rank's `owned_range` of unit `unit`, by file number."""
+        return file_bounds(self.units[unit].bounds, self.groups_count)
+
+    @torch.no_grad()
+    def load_parameters(self, read: Callable[[int, int, int], torch.Tensor]) -> None:
+        """Set the weights from `read(unit, start, end)` (fp32 values of a unit's global
+        range): this rank's slices and, under hybrid sharding, the masters of its pieces.
+        No collective: every rank reads its own slice."""
+        if self.cross is not None:
+            self.cross.settle()  # no all-gather may land on the slices after this
+        for i, u in enumerate(self.units):
+            values = read(i, u.start, u.end)
+            if self.cross is None:
+                self.optimizer.params[i].copy_(values)
+                continue
+            self.cross.slices[i].copy_(values)
+            a, b = self.cross.piece_range(i)
+            self.optimizer.params[i].copy_(self.cross.slices[i][a:b])
 
     # ---- checkpoint state (torch.distributed.checkpoint's Stateful protocol) --------
     def state_dict(self) -> EngineState:
@@ -342,23 +394,46 @@ class Engine:
             full_grad.mul_(1.0 / self.scaler.scale)
         pending = self.shard_comm.reduce_scatter(full_grad, self.units[u].bounds, u,
                                                  wire_dtype=self.reduce_dtype)
-        return pending if self.sync is None else self.sync.follow(u, pending)
+        return pending if self.cross is None else self.cross.follow(u, pending)
 
     # ---- parameters ----------------------------------------------------------------
     @property
     def master_shards(self) -> list[torch.Tensor]:
+        """The fp32 masters this rank updates: its slices, or its pieces of them."""
         return self.optimizer.params
+
+    @property
+    def slices(self) -> list[torch.Tensor]:
+        """This rank's slice of every unit, as its group's all-gathers read it (the masters
+        themselves unless hybrid sharding splits them across groups). Not waited for: see
+        `_slice`."""
+        return self.master_shards if self.cross is None else self.cross.slices
+
+    def _slice(self, index: int) -> torch.Tensor:
+        """Unit `index`'s slice as of the last update: under hybrid sharding this waits
+        for its cross-group all-gather, started after the optimizer step."""
+        return self.master_shards[index] if self.cross is None else self.cross.slice(index)
 
     def _gather(self, index: int) -> Pending:
         """Unit `index`'s parameters for compute (in the job's gather precision)."""
         unit = self.units[index]
-        return self.shard_comm.all_gather(self.master_shards[index], unit.bounds, index,
+        return self.shard_comm.all_gather(self._slice(index), unit.bounds, index,
                                           wire_dtype=self.gather_dtype)
+
+    def _exact_slice(self, index: int) -> torch.Tensor:
+        """Unit `index`'s slice in fp32 exactly as the masters hold it: a slice gathered
+        across groups in bf16 is rounded, so it is gathered again in fp32 then."""
+        if self.cross is None or self.cross.gather_dtype is None:
+            return self._slice(index)
+        return self.cross.comm.all_gather(self.master_shards[index],
+                                          self.cross.bounds[index], index).wait()
 
     def full_parameters(self) -> list[torch.Tensor]:
         """Every unit's full flat fp32 master weights (a collective: all ranks must call
         it), never rounded by the gather precision."""
-        return [self.shard_comm.all_gather(self.master_shards[i], u.bounds, i).wait().detach()
+        if self.cross is not None:
+            self.cross.settle()  # the cross-group collectives run in the order issued
+        return [self.shard_comm.all_gather(self._exact_slice(i), u.bounds, i).wait().detach()
                 .to("cpu", copy=True) for i, u in enumerate(self.units)]
 
     # ---- evaluation -----------------------------------------------------------------
@@ -389,8 +464,8 @@ class Engine:
             raise ValueError(f"rank {self.rank} got {got} samples, its plan says {expected}")
         inputs = [x.to(self.device, non_blocking=True) for x, _ in micro_batches]
         targets = [t.to(self.device, non_blocking=True) for _, t in micro_batches]
-        if self.sync is not None:
-            self.sync.begin()
+        if self.cross is not None:
+            self.cross.begin()
         if self.recompute:
             loss_sum, grads = passes.forward_backward_recompute(self, inputs, targets)
         else:
@@ -464,8 +539,12 @@ class Engine:
                                            c.hidden_size, c.ffn_hidden_size,
                                            sum(u.numel for u in self.units[:-1]),
                                            self.graph_bytes_per_sample)
-        return int(memory.state_bytes(sum(u.shard_numel for u in self.units), self.precision)
-                   + memory.unit_buffer_bytes(max(u.numel for u in self.units)) + kept)
+        slice_numel = sum(u.shard_numel for u in self.units)
+        state = memory.hybrid_state_bytes(slice_numel, self.groups_count, self.precision)
+        if self.groups_count > 1:
+            # The slice gradient of the unit whose cross-group reduce-scatter runs.
+            state += memory.FP32_BYTES * max(u.shard_numel for u in self.units)
+        return int(state + memory.unit_buffer_bytes(max(u.numel for u in self.units)) + kept)
 
     def _forward_backward_recompute(self, inputs: list[torch.Tensor],
                                     targets: list[torch.Tensor]
@@ -482,8 +561,8 @@ class Engine:
                         started: float | None = None, wait_before: float = 0.0,
                         votes: Callable[[], Sequence[float]] | None = None) -> StepResult:
         grads = [p.wait() for p in scatters]
-        if self.sync is not None:  # hybrid: the shards summed over the groups as well
-            grads = self.sync.finish(len(grads))
+        if self.cross is not None:  # hybrid: the pieces' gradients, summed over the world
+            grads = self.cross.finish(len(grads))
         opt = self.optimizer
         world = self.comm.world_size
         # [Σ grad², Σ loss, compute seconds by rank, wait seconds by rank, votes]: each rank
@@ -500,12 +579,9 @@ class Engine:
         extra[self.rank] = elapsed - waited
         extra[world + self.rank] = waited
         mine = [float(v) for v in votes()] if votes is not None else []
-        # Under hybrid sharding every group holds the same summed shards: only group 0's
-        # ranks add theirs to Σ grad² (the others add an exact 0), so each slice counts
-        # once and the norm is the flat one; loss, timings and votes stay every rank's.
+        # Under hybrid sharding every element's gradient is in exactly one rank's piece, so
+        # the world's sum of Σ grad² counts each once: the norm is the flat one.
         squared = opt.squared_norm(grads).to(self.device)
-        if self.group_index != 0:
-            squared = torch.zeros_like(squared)
         totals = torch.cat([torch.stack([squared, loss_sum.float()]).double(),
                             torch.cat([extra, torch.tensor(mine, dtype=torch.float64)]
                                       ).to(self.device)])
@@ -520,6 +596,8 @@ class Engine:
         if not skipped:
             scale = opt.clip_factor(grad_norm, self.training.gradient_clip_norm)
             opt.step(grads, lr, grad_scale=scale)
+            if self.cross is not None:  # the updated pieces back into every slice
+                self.cross.publish(opt.params)
         if self.loss_scaling:
             self.scaler.update(found_inf=skipped)
         self.step_count += 1

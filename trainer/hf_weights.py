@@ -245,13 +245,8 @@ def init_from_pretrained(engine: Any, spec: Any, store: Store | None, verbose: b
                                   f"describes {config}, the job resolved {engine.config}")
         reader = HfReader(spec.pretrained, config, _tied(hf))
         try:
-            with torch.no_grad():
-                for i, unit in enumerate(engine.units):
-                    master = engine.optimizer.params[i]
-                    if master.device.type == "cpu":  # straight into the shard: no copy
-                        reader.read(i, unit.specs, unit.start, unit.end, out=master)
-                    else:
-                        master.copy_(reader.read(i, unit.specs, unit.start, unit.end))
+            engine.load_parameters(
+                lambda i, start, end: reader.read(i, engine.units[i].specs, start, end))
         finally:
             reader.close()
         if store is not None and engine.rank == 0:

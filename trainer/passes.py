@@ -218,7 +218,7 @@ def _owns_storage(engine: Engine, u: int, full: torch.Tensor) -> bool:
     """False when the gather handed out the master shard itself (one rank: an alias, see
     UnevenCollectives.all_gather), whose storage must never be freed. Only for a live
     `full`: a freed storage's address is null, as is an empty shard's."""
-    master = engine.master_shards[u]
+    master = engine.slices[u]
     return full.untyped_storage().data_ptr() != master.untyped_storage().data_ptr()
 
 

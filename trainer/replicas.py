@@ -1,12 +1,15 @@
 """Hybrid sharding's plumbing (docs/hybrid-sharding.md): replica groups, their process
-groups, and the cross-group sum of the gradient shards.
+groups, and the state sharded across groups.
 
-Under a plan's `replica_groups` every group holds the whole training state, sharded unevenly
-among its own ranks (the engine's uneven FSDP, run on the group's process group), and the
-ranks at one position in every group hold the same slice. After a unit's reduce-scatter
-inside the group, each rank's gradient shard holds its group's sum; one all-reduce among the
-ranks of its position (one rank per group) makes it the job's sum. Nothing else crosses
-groups but the end-of-step all-reduce (loss, norm, timings, votes), which runs on the world.
+Under a plan's `replica_groups` (G groups of k ranks) the model is sharded unevenly inside
+each group (the engine's uneven FSDP, run on the group's process group), and the ranks at
+one position in every group all hold that position's slice, fp32. The optimizer state of a
+slice is split once more, evenly, across them (ZeRO++-style secondary partitioning): the
+rank in group g keeps the master and Adam moments of piece g only. A unit's gradient is
+reduce-scattered inside the group (the slice's gradient, the group's sum), then across the
+position's ranks (the piece's gradient, the world's sum); after the update each piece is
+all-gathered back into the slice across them (`CrossGroupShards`). Nothing else crosses
+groups but the end-of-step all-reduce (loss, norm, timings, votes), on the world.
 
 The pure part (positions, group ratios) is separate from the part that makes process
 groups, so the checks run without a process group.
@@ -20,10 +23,12 @@ import torch
 import torch.distributed as dist
 
 from cephalo.api.plan import check_replica_groups
+from cephalo.api.sharding import shard_bounds
 from cephalo.trainer.collectives import Pending, UnevenCollectives
 
-__all__ = ["GradientSync", "ReplicaGroups", "build_replica_groups", "check_groups",
-           "group_ratios", "locate", "positions"]
+__all__ = ["CrossGroupShards", "ReplicaGroups", "build_replica_groups", "check_groups",
+           "file_bounds", "file_index", "group_ratios", "locate", "piece_bounds", "piece_index",
+           "positions"]
 
 
 def check_groups(groups: list[list[int]], ratios: list[float], what: str) -> None:
@@ -56,6 +61,31 @@ def group_ratios(groups: list[list[int]], ratios: list[float]) -> list[float]:
     return [ratios[r] for r in groups[0]]
 
 
+def piece_bounds(slice_numel: int, groups: int) -> list[tuple[int, int]]:
+    """A slice split evenly into one piece per replica group (group g owns piece g)."""
+    return shard_bounds(slice_numel, [1.0 / groups] * groups)
+
+
+def piece_index(groups: list[list[int]], rank: int) -> int:
+    """The piece of its slice whose state `rank` owns: its rank in its position's process
+    group, which torch numbers in the order of the global ranks (not of the groups)."""
+    _, position = locate(groups, rank)
+    return sorted(positions(groups)[position]).index(rank)
+
+
+def file_index(position: int, piece: int, groups: int) -> int:
+    """The checkpoint file of the rank at `position` that owns `piece`: position-major, so
+    the files' pieces follow each other through every unit (flat: the rank)."""
+    return position * groups + piece
+
+
+def file_bounds(position_bounds: list[tuple[int, int]], groups: int) -> list[tuple[int, int]]:
+    """A unit's global [start, end) of every file's piece (`file_index` order), from its
+    slices' bounds by position."""
+    return [(start + a, start + b) for start, end in position_bounds
+            for a, b in piece_bounds(end - start, groups)]
+
+
 @dataclass(frozen=True)
 class ReplicaGroups:
     """This rank's place in the replica groups and the two process groups it uses."""
@@ -64,7 +94,7 @@ class ReplicaGroups:
     index: int  # the group this rank is in
     position: int  # its place there: the slice it holds
     shard_group: dist.ProcessGroup  # its group's ranks: gathers and reduce-scatters
-    cross_group: dist.ProcessGroup  # the ranks at its position: the gradient all-reduce
+    cross_group: dist.ProcessGroup  # the ranks at its position: the pieces' collectives
 
 
 def build_replica_groups(groups: list[list[int]], rank: int) -> ReplicaGroups:
@@ -78,37 +108,65 @@ def build_replica_groups(groups: list[list[int]], rank: int) -> ReplicaGroups:
     return ReplicaGroups(groups, index, position, shard_group, cross_group)
 
 
-class GradientSync:
-    """Sums every unit's gradient shard over the replica groups, overlapped with backward.
+class CrossGroupShards:
+    """The state one rank keeps across replica groups, and the two collectives that keep it.
 
-    The engine hands over each reduce-scatter as it issues it (`follow`); the all-reduce of
-    the previous one's shard starts then, once that reduce-scatter is done, so it runs under
-    the next unit's backward as the reduce-scatters themselves do. The all-reduces start in
-    the order the reduce-scatters did, which is the same on every rank whatever its batch
-    or kept blocks: that order, not timing, decides when each starts, so every position's
-    group sees them in the same sequence. `finish` starts the last one and waits for all,
-    before the optimizer."""
+    The rank at position j of group g holds the whole fp32 slice j of every unit (`slices`:
+    what its group's all-gathers read) and the master of only piece g of it (`pieces`;
+    `piece_bounds`), so the optimizer state is split G ways more. Per step:
 
-    def __init__(self, comm: UnevenCollectives, wire_dtype: torch.dtype | None) -> None:
-        self.comm = comm  # the cross-group collectives (this rank's position)
-        self.wire_dtype = wire_dtype  # the job's reducePrecision (None: fp32)
+    * backward: the engine hands over each unit's intra-group reduce-scatter as it issues
+      it (`follow`); the cross-group reduce-scatter of the previous one's slice gradient
+      (over this position's ranks, one per group) starts then, once that reduce-scatter is
+      done, so it runs under the next unit's backward. `finish` starts the last one and
+      waits for all: every piece's gradient summed over the world, before the optimizer;
+    * after the update: `publish` starts the cross-group all-gather of every unit's piece
+      into its slice, unit 0 first; `slice(u)` waits unit u's just before its group
+      gathers it, so each hides under the forward of the units before it.
+
+    Both start in an order every rank shares (the reduce-scatters', whatever a rank's
+    batch or kept blocks; units 0.. for the gathers): order, not timing, decides."""
+
+    def __init__(self, comm: UnevenCollectives, slices: list[torch.Tensor], index: int,
+                 groups: int, reduce_dtype: torch.dtype | None,
+                 gather_dtype: torch.dtype | None) -> None:
+        self.comm = comm  # the ranks at this rank's position (one per group)
+        self.slices = slices  # by unit; a finished all-gather replaces its entry
+        self.index = index  # the piece of each slice this rank owns (piece_index)
+        self.bounds = [piece_bounds(s.numel(), groups) for s in slices]
+        self.reduce_dtype = reduce_dtype  # the job's reducePrecision (None: fp32)
+        # gatherPrecision (None: fp32, exact). bf16 loses nothing a group computes with:
+        # its own all-gather rounds the slice to bf16 anyway.
+        self.gather_dtype = gather_dtype
         self._previous: tuple[int, Pending] | None = None
         self._reduced: dict[int, Pending] = {}
+        self._gathers: dict[int, Pending] = {}
 
+    def piece_range(self, unit: int) -> tuple[int, int]:
+        """This rank's piece of unit `unit`'s slice, in the slice's own offsets."""
+        return self.bounds[unit][self.index]
+
+    def pieces(self) -> list[torch.Tensor]:
+        """Copies of this rank's pieces of the slices (the masters' first values)."""
+        return [s[a:b].clone() for s, (a, b) in
+                zip(self.slices, (self.piece_range(u) for u in range(len(self.slices))),
+                    strict=True)]
+
+    # ---- backward: the slice gradients, reduce-scattered into the pieces ---------------
     def begin(self) -> None:
-        """Forget the last step's collectives (all waited for by then)."""
+        """Forget the last step's reduce-scatters (all waited for by then)."""
         self._previous = None
         self._reduced = {}
 
     def follow(self, unit: int, scatter: Pending) -> Pending:
-        """Unit `unit`'s reduce-scatter has just been issued: start the cross-group sum of
-        the one before it. Returns `scatter` for the pass to wait on as usual."""
+        """Unit `unit`'s intra-group reduce-scatter has just been issued: start the
+        cross-group one of the unit before it. Returns `scatter` for the pass to wait on."""
         self._start_previous()
         self._previous = (unit, scatter)
         return scatter
 
     def finish(self, units: int) -> list[torch.Tensor]:
-        """Every unit's gradient shard summed over the groups, by unit (0..units-1)."""
+        """Every unit's piece gradient summed over the world, by unit (0..units-1)."""
         self._start_previous()
         missing = [u for u in range(units) if u not in self._reduced]
         if missing:
@@ -120,5 +178,31 @@ class GradientSync:
             return
         unit, scatter = self._previous
         self._previous = None
-        self._reduced[unit] = self.comm.all_reduce(scatter.wait(), unit,
-                                                   wire_dtype=self.wire_dtype)
+        self._reduced[unit] = self.comm.reduce_scatter(scatter.wait(), self.bounds[unit],
+                                                       unit, wire_dtype=self.reduce_dtype)
+
+    # ---- after the update: the pieces, all-gathered into the slices --------------------
+    def publish(self, pieces: list[torch.Tensor]) -> None:
+        """Start the all-gather of every unit's updated piece into its slice, unit 0 first."""
+        if self._gathers:
+            raise RuntimeError(f"units {sorted(self._gathers)} still gather the last update")
+        for unit, piece in enumerate(pieces):
+            self._gathers[unit] = self.comm.all_gather(piece, self.bounds[unit], unit,
+                                                       wire_dtype=self.gather_dtype)
+
+    def slice(self, unit: int) -> torch.Tensor:
+        """Unit `unit`'s slice, as of the last update (waits for its all-gather)."""
+        pending = self._gathers.pop(unit, None)
+        if pending is not None:
+            self.slices[unit] = pending.wait()
+        return self.slices[unit]
+
+    def settle(self) -> None:
+        """Wait for every outstanding all-gather (before anything reads all the slices)."""
+        for unit in sorted(self._gathers):
+            self.slice(unit)
+
+    @property
+    def outstanding(self) -> list[int]:
+        """The units whose all-gather is not waited for yet."""
+        return sorted(self._gathers)

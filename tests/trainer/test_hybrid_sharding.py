@@ -11,15 +11,24 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cephalo.api import memory
 from cephalo.api.job import CephaloJobSpec, DataSpec, SyntheticData, TrainingSpec
 from cephalo.api.models import preset
 from cephalo.trainer import checkpoint
-from cephalo.trainer.collectives import CROSS_ALL_REDUCE
+from cephalo.trainer.collectives import CROSS_ALL_GATHER, CROSS_REDUCE_SCATTER
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Engine, Layout
 from cephalo.trainer.flat import param_specs, unflatten
 from cephalo.trainer.models import build_model
-from cephalo.trainer.replicas import group_ratios, locate, positions
+from cephalo.trainer.replicas import (
+    file_bounds,
+    file_index,
+    group_ratios,
+    locate,
+    piece_bounds,
+    piece_index,
+    positions,
+)
 from cephalo.trainer.run import train
 from cephalo.trainer.spawn import spawn_ranks
 from tests.checkpoint_weights import latest_weights, max_relative
@@ -51,6 +60,12 @@ HYBRID = Layout(batch_sizes=[5, 3, 6, 1], micro_batch_sizes=[5, 1, 3, 1],
 HYBRID_TAIL = Layout(batch_sizes=[6, 0, 6, 3], micro_batch_sizes=[2, 0, 3, 1],
                      shard_ratios=[0.6, 0.4, 0.6, 0.4], kept_blocks=[2, 0, 2, 1],
                      replica_groups=[[0, 1], [2, 3]])
+# Two groups of one rank (every rank's slice is the whole model, its state split in two)
+# and one group of four (flat: no cross-group collective at all).
+TWO_OF_ONE = Layout(batch_sizes=[5, 2], micro_batch_sizes=[5, 1], shard_ratios=[1.0, 1.0],
+                    replica_groups=[[0], [1]])
+ONE_OF_FOUR = Layout(batch_sizes=[4, 2, 6, 3], micro_batch_sizes=[2, 1, 3, 3],
+                     shard_ratios=[0.45, 0.2, 0.1, 0.25], replica_groups=[[0, 1, 2, 3]])
 
 
 def test_positions_and_group_ratios() -> None:
@@ -58,6 +73,14 @@ def test_positions_and_group_ratios() -> None:
     assert positions(groups) == [[1, 0], [3, 2]]  # a rank of each group per position
     assert [locate(groups, r) for r in range(4)] == [(1, 0), (0, 0), (1, 1), (0, 1)]
     assert group_ratios(groups, [0.7, 0.7, 0.3, 0.3]) == [0.7, 0.3]
+    # The state of a slice is split evenly across groups; torch numbers a position's ranks
+    # in global order, and so do the pieces: rank 0 owns piece 0 of slice 0.
+    assert [piece_index(groups, r) for r in range(4)] == [0, 1, 0, 1]
+    assert piece_bounds(7, 2) == [(0, 4), (4, 7)] and piece_bounds(5, 1) == [(0, 5)]
+    assert [file_index(p, g, 2) for p in (0, 1) for g in (0, 1)] == [0, 1, 2, 3]
+    # Slices [0, 7) and [7, 10) of a unit: their pieces in file order cover it once.
+    assert file_bounds([(0, 7), (7, 10)], 2) == [(0, 4), (4, 7), (7, 9), (9, 10)]
+    assert file_bounds([(0, 7), (7, 10)], 1) == [(0, 7), (7, 10)]
     with pytest.raises(ValueError, match="rank 4 is in no replica group"):
         locate(groups, 4)
 
@@ -89,12 +112,13 @@ def _spec() -> TrainingSpec:
 
 
 def _hybrid_worker(rank: int, world_size: int, layout: Layout, reduce_precision: str,
-                   recompute: bool = True) -> dict:
+                   recompute: bool = True, gather_precision: str = "fp32") -> dict:
     config = preset(MODEL)
     data = DataSource(config, DataSpec(synthetic=SyntheticData()), seed=0)
     # Without recompute, boundary activations offloaded to host as on a GPU.
     engine = Engine(config, _spec(), layout, reduce_precision=reduce_precision,
-                    recompute=recompute, offload=not recompute)
+                    gather_precision=gather_precision, recompute=recompute,
+                    offload=not recompute)
     start, end = layout.sample_range(rank)
     losses, norms = [], []
     for step in range(STEPS):
@@ -103,8 +127,9 @@ def _hybrid_worker(rank: int, world_size: int, layout: Layout, reduce_precision:
         losses.append(result.loss)
         norms.append(result.grad_norm)
     shards = sum(u.shard_numel for u in engine.units)
+    sent = dict(engine.comm.stats.payload_bytes)  # the steps' (full_parameters adds its own)
     return {"losses": losses, "norms": norms, "params": engine.full_parameters(),
-            "cross_bytes": engine.comm.stats.payload_bytes[CROSS_ALL_REDUCE],
+            "cross_bytes": (sent.get(CROSS_REDUCE_SCATTER, 0), sent.get(CROSS_ALL_GATHER, 0)),
             "shard_elements": shards, "position": engine.position,
             "fused_tail": engine.fused_tail}
 
@@ -128,25 +153,32 @@ def _max_relative_by_parameter(got: list[torch.Tensor], want: list[torch.Tensor]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("layout", "recompute", "fused_tail"),
-                         [(HYBRID, True, 0), (HYBRID_TAIL, True, 1), (HYBRID, False, 0)])
+@pytest.mark.parametrize(("layout", "recompute", "fused_tail", "positions_"), [
+    (HYBRID, True, 0, [0, 1, 0, 1]), (HYBRID_TAIL, True, 1, [0, 1, 0, 1]),
+    (HYBRID, False, 0, [0, 1, 0, 1]), (TWO_OF_ONE, True, 0, [0, 0]),
+    (ONE_OF_FOUR, True, 0, [0, 1, 2, 3])])
 def test_hybrid_fp32_equals_plain_pytorch_on_the_global_batch(layout: Layout, recompute: bool,
-                                                              fused_tail: int) -> None:
-    results = spawn_ranks(_hybrid_worker, 4, layout, "fp32", recompute, timeout_seconds=120)
+                                                              fused_tail: int,
+                                                              positions_: list[int]) -> None:
+    world = layout.world_size
+    results = spawn_ranks(_hybrid_worker, world, layout, "fp32", recompute,
+                          timeout_seconds=120)
     rank0 = results[0]
     for r in results[1:]:  # every rank of every group ends with the same model
         assert all(torch.equal(a, b) for a, b in zip(r["params"], rank0["params"], strict=True))
         assert r["losses"] == rank0["losses"] and r["norms"] == rank0["norms"]
-    assert [r["position"] for r in results] == [0, 1, 0, 1]
-    assert [r["fused_tail"] for r in results] == [fused_tail] * 4
+    assert [r["position"] for r in results] == positions_
+    assert [r["fused_tail"] for r in results] == [fused_tail] * world
     ref_losses, ref_params = pytorch_training(preset(MODEL), _spec(), STEPS,
                                               layout.global_batch_size)
     assert rank0["losses"] == pytest.approx(ref_losses, rel=TOLERANCE)
     assert _max_relative_by_parameter(rank0["params"], ref_params) <= TOLERANCE
     assert rank0["losses"][-1] != rank0["losses"][0]  # it trained
-    # One fp32 all-reduce of each shard per step across the groups.
+    # Per step across the groups: one fp32 reduce-scatter of each slice's gradient and one
+    # fp32 all-gather of each slice; none with one group.
+    cross = 4 * STEPS if len(layout.replica_groups) > 1 else 0
     for r in results:
-        assert r["cross_bytes"] == 4 * r["shard_elements"] * STEPS
+        assert r["cross_bytes"] == (cross * r["shard_elements"],) * 2
 
 
 @pytest.mark.slow
@@ -155,8 +187,9 @@ def test_hybrid_bf16_reduce_precision_stays_close() -> None:
     rank0 = results[0]
     for r in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(r["params"], rank0["params"], strict=True))
-    for r in results:  # the cross-group sums travel in bf16: 2 bytes an element
-        assert r["cross_bytes"] == 2 * r["shard_elements"] * STEPS
+    for r in results:  # the cross-group sums travel in bf16, the gathers in fp32
+        assert r["cross_bytes"] == (2 * r["shard_elements"] * STEPS,
+                                    4 * r["shard_elements"] * STEPS)
     ref_losses, ref_params = pytorch_training(preset(MODEL), _spec(), STEPS,
                                               HYBRID.global_batch_size)
     assert rank0["losses"] == pytest.approx(ref_losses, rel=BF16_LOSS_TOLERANCE)
@@ -186,8 +219,15 @@ def _around_training_worker(rank: int, world_size: int) -> dict:
             step, start, end, HYBRID.micro_batch_sizes[rank])).loss)
     start, end = HYBRID.sample_range(rank)
     loss_sum, count = engine.evaluate(data.micro_batches(EVAL_STEP, start, end, 2))
+    # What the engine holds between steps: its slices, and its pieces' masters and moments.
+    opt = engine.optimizer
+    tensors = [*engine.slices, *opt.params, *opt.exp_avg, *opt.exp_avg_sq]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return {"losses": losses, "eval": (loss_sum, count), "params": engine.full_parameters(),
             "memory": [engine.memory_estimate_bytes(b) for b in (1, 6)],
+            "held_bytes": sum(storages.values()),
+            "piece_elements": sum(int(p.numel()) for p in opt.params),
+            "largest_slice": max(u.shard_numel for u in engine.units),
             "shard_elements": sum(u.shard_numel for u in engine.units)}
 
 
@@ -221,13 +261,90 @@ def test_evaluation_rebalancing_and_memory_under_hybrid() -> None:
     assert results[0]["memory"] != results[1]["memory"]
     for group in HYBRID.replica_groups:
         assert sum(results[r]["shard_elements"] for r in group) == total
+    # The state: 4 n_j of slice + 16 n_j / G of master, moments and piece gradient (which
+    # exists from the cross-group reduce-scatter to the update), as the engine holds it (a
+    # piece differs from n_j / G by under an element per unit).
+    config = preset(MODEL)
+    for r in results:
+        n_j = r["shard_elements"]
+        state = memory.hybrid_state_bytes(n_j, 2, "fp32")
+        assert state == 4 * n_j + 16 * n_j / 2 < memory.state_bytes(n_j)
+        assert abs(r["held_bytes"] + 4 * r["piece_elements"] - state) <= 16 * config.num_units
+        # The estimate: that state, the slice gradient in flight across the groups, the
+        # unit buffers and the boundary activations kept (no offload on CPU).
+        for samples, estimate in zip((1, 6), r["memory"], strict=True):
+            rest = memory.unit_buffer_bytes(max(config.unit_parameters())) + \
+                memory.kept_boundary_bytes(config.num_layers, samples,
+                                           config.tokens_per_sample, config.hidden_size,
+                                           offload=False)
+            assert estimate == int(state + 4 * r["largest_slice"] + rest)
+
+
+def _order_worker(rank: int, world_size: int) -> list[tuple[str, int]]:
+    """Two steps under TWO_OF_ONE with a log of: each update, each cross-group all-gather
+    issued and waited for, and each gather inside the group issued (by unit)."""
+    config = preset(MODEL)
+    data = DataSource(config, DataSpec(synthetic=SyntheticData()), seed=0)
+    engine = Engine(config, _spec(), TWO_OF_ONE)
+    assert engine.cross is not None
+    log: list[tuple[str, int]] = []
+    cross_gather, group_gather = engine.cross.comm.all_gather, engine.shard_comm.all_gather
+    update = engine.optimizer.step
+
+    def logged_cross_gather(piece, bounds, unit, dtype=None, wire_dtype=None):  # type: ignore[no-untyped-def]
+        pending = cross_gather(piece, bounds, unit, dtype=dtype, wire_dtype=wire_dtype)
+        log.append(("cross issued", unit))
+        wait = pending.wait
+
+        def logged_wait() -> torch.Tensor:
+            if not pending.done:
+                log.append(("cross waited", unit))
+            return wait()
+
+        pending.wait = logged_wait  # type: ignore[method-assign]
+        return pending
+
+    def logged_group_gather(shard, bounds, unit, **kwargs):  # type: ignore[no-untyped-def]
+        log.append(("gather", unit))
+        return group_gather(shard, bounds, unit, **kwargs)
+
+    def logged_update(*args, **kwargs):  # type: ignore[no-untyped-def]
+        log.append(("update", -1))
+        return update(*args, **kwargs)
+
+    engine.cross.comm.all_gather = logged_cross_gather  # type: ignore[method-assign]
+    engine.shard_comm.all_gather = logged_group_gather  # type: ignore[method-assign]
+    engine.optimizer.step = logged_update  # type: ignore[method-assign]
+    start, end = TWO_OF_ONE.sample_range(rank)
+    for step in range(2):
+        log.append(("step", step))
+        engine.step(data.micro_batches(step, start, end, TWO_OF_ONE.micro_batch_sizes[rank]))
+    return log
+
+
+@pytest.mark.slow
+def test_each_cross_group_gather_is_waited_just_before_its_unit_s_next_forward() -> None:
+    units = preset(MODEL).num_units
+    for log in spawn_ranks(_order_worker, 2, timeout_seconds=120):
+        first_update = log.index(("update", -1))
+        second_step = log.index(("step", 1))
+        # Right after the update: every unit's all-gather issued, unit 0 first, none waited.
+        assert log[first_update + 1:second_step] == [("cross issued", u) for u in range(units)]
+        # The next forward: each unit's wait comes just before its first gather, not before.
+        forward = log[second_step + 1:]
+        for u in range(units):
+            waited = forward.index(("cross waited", u))
+            assert forward[waited + 1] == ("gather", u)
+            assert ("gather", u) not in forward[:waited]
+        assert forward.index(("cross waited", units - 1)) < forward.index(("update", -1))
+        # Step 0 gathers the initial slices: nothing to wait for.
+        assert not any(kind == "cross waited" for kind, _ in log[:first_update])
 
 
 # ---- checkpoints across flat <-> hybrid and group counts ------------------------------
 CKPT_STEPS = 4
 FLAT = Layout([5, 3], [5, 1], [0.6, 0.4])
-# Group 0 is ranks 1 and 3 (rank 0, which commits meta.json, writes no shard); groups of 3
-# and 5 samples.
+# Group 0 is ranks 1 and 3; groups of 3 and 5 samples. Every rank writes its piece.
 TWO_GROUPS = Layout([2, 1, 3, 2], [2, 1, 3, 1], [0.7, 0.7, 0.3, 0.3],
                     replica_groups=[[1, 3], [0, 2]])
 # Four groups of one rank: every rank holds the whole state (data parallel).
@@ -253,14 +370,19 @@ def _run_worker(rank: int, world_size: int, layout: Layout, root: str,
 @pytest.mark.slow
 def test_checkpoints_resume_across_flat_and_hybrid_and_group_counts(tmp_path: Path) -> None:
     full, hybrid_first, flat_first = tmp_path / "full", tmp_path / "hybrid", tmp_path / "flat"
+    regrouped = tmp_path / "regrouped"
     ref = spawn_ranks(_run_worker, 2, FLAT, str(full), None, timeout_seconds=120)
-    # Saved under two groups of two, resumed flat on two ranks.
+    # Saved under two groups of two, resumed flat on two ranks and as four groups of one.
     spawn_ranks(_run_worker, 4, TWO_GROUPS, str(hybrid_first), 2, timeout_seconds=120)
     saved = checkpoint.find_latest(hybrid_first)
     assert saved is not None and saved.step == 2
-    assert sorted(saved.meta["files"]) == ["rank-00000.pt", "rank-00001.pt"]  # group 0's
-    assert saved.meta["world_size"] == 2 and saved.meta["replica_groups"] == [[1, 3], [0, 2]]
+    # Every rank's piece: position-major files, slice 0's two pieces, then slice 1's.
+    assert sorted(saved.meta["files"]) == [f"rank-0000{i}.pt" for i in range(4)]
+    assert saved.meta["world_size"] == 4 and saved.meta["replica_groups"] == [[1, 3], [0, 2]]
+    shutil.copytree(hybrid_first, regrouped)
     to_flat = spawn_ranks(_run_worker, 2, FLAT, str(hybrid_first), None, timeout_seconds=120)
+    to_four = spawn_ranks(_run_worker, 4, FOUR_GROUPS, str(regrouped), None,
+                          timeout_seconds=120)
     # Saved flat (the reference's step 2), resumed under four groups of one.
     shutil.copytree(full, flat_first)
     shutil.rmtree(flat_first / checkpoint.step_dir_name(CKPT_STEPS))
@@ -268,15 +390,16 @@ def test_checkpoints_resume_across_flat_and_hybrid_and_group_counts(tmp_path: Pa
                             timeout_seconds=120)
     last = checkpoint.find_latest(flat_first)
     assert last is not None and last.step == CKPT_STEPS
-    assert last.meta["world_size"] == 1 and list(last.meta["files"]) == ["rank-00000.pt"]
+    assert last.meta["world_size"] == 4 and len(last.meta["files"]) == 4  # a piece each
     want = latest_weights(full)
-    for resumed, root in ((to_flat, hybrid_first), (to_hybrid, flat_first)):
+    for resumed, root in ((to_flat, hybrid_first), (to_four, regrouped),
+                          (to_hybrid, flat_first)):
         assert resumed[0]["first"] == 2 and resumed[0]["last"] == CKPT_STEPS
         assert resumed[0]["losses"] == pytest.approx(ref[0]["losses"][2:], rel=TOLERANCE)
         assert max_relative(latest_weights(root), want) <= TOLERANCE
     # The Adam moments came back too.
     a = checkpoint.ShardReader(checkpoint.find_latest(full))  # type: ignore[arg-type]
-    for root in (hybrid_first, flat_first):
+    for root in (hybrid_first, regrouped, flat_first):
         b = checkpoint.ShardReader(checkpoint.find_latest(root))  # type: ignore[arg-type]
         for unit, numel in enumerate(last.meta["unit_numels"]):
             m_a, m_b = a.read(unit, 0, numel, "exp_avg"), b.read(unit, 0, numel, "exp_avg")

@@ -16,12 +16,13 @@ import torch.distributed as dist
 from cephalo.api.job import DataSpec, SyntheticData, TrainingSpec
 from cephalo.api.models import preset
 from cephalo.trainer.collectives import (
-    CROSS_ALL_REDUCE,
+    CROSS_ALL_GATHER,
+    CROSS_REDUCE_SCATTER,
     CollectiveStats,
     Pending,
     UnevenCollectives,
 )
-from cephalo.trainer.replicas import GradientSync
+from cephalo.trainer.replicas import CrossGroupShards
 from cephalo.trainer.spawn import spawn_ranks
 from cephalo.trainer.wait_clock import StreamWaitClock
 
@@ -135,7 +136,7 @@ def _engine_worker(rank: int, world_size: int, hybrid: bool) -> dict:
 
     config = preset("llama-tiny")
     layout = Layout(batch_sizes=[2, 1], micro_batch_sizes=[1, 1], shard_ratios=[0.7, 0.3])
-    if hybrid:  # two replica groups of one rank: the waits are the cross-group all-reduces'
+    if hybrid:  # two replica groups of one rank: among the waits, the cross-group ones'
         layout = Layout(batch_sizes=[2, 1], micro_batch_sizes=[1, 1], shard_ratios=[1, 1],
                         replica_groups=[[0], [1]])
     engine = Engine(config, TrainingSpec(steps=2), layout)
@@ -160,7 +161,11 @@ def test_the_engine_counts_stream_timed_waits_before_it_reports_them(hybrid: boo
     results = spawn_ranks(_engine_worker, 2, hybrid, timeout_seconds=120)
     for rank, r in enumerate(results):
         before_reduce = [k for k in r["step_stops"] if k != "all_reduce"]
-        assert (CROSS_ALL_REDUCE in before_reduce) == hybrid
+        assert (CROSS_REDUCE_SCATTER in before_reduce) == hybrid
+        # The step's update is all-gathered across the groups after it; the evaluation
+        # (the next forward) waits for it.
+        assert CROSS_ALL_GATHER not in r["step_stops"]
+        assert (CROSS_ALL_GATHER in r["all_stops"]) == hybrid
         assert r["step_stops"][-1] == "all_reduce" and len(before_reduce) > 0
         assert r["rank_wait"][rank] == len(before_reduce)
         assert r["wait"] == len(r["step_stops"])
@@ -170,44 +175,69 @@ def test_the_engine_counts_stream_timed_waits_before_it_reports_them(hybrid: boo
 
 @dataclass
 class StreamCollectives:
-    """A cross-group `UnevenCollectives` as NCCL makes it: each all-reduce a `NcclWork` that
+    """A cross-group `UnevenCollectives` as NCCL makes it: each collective a `NcclWork` that
     ends `transfer_ms` after it is issued, on the stream's timeline; records the issue order."""
 
     stream: Stream
     stats: CollectiveStats
     transfer_ms: float
-    issued: list[int] = field(default_factory=list)
+    issued: list[tuple[str, int]] = field(default_factory=list)
+    works: dict[int, NcclWork] = field(default_factory=dict)  # the gathers', by unit
 
-    def all_reduce(self, shard: torch.Tensor, unit: int,
-                   wire_dtype: torch.dtype | None = None) -> Pending:
-        self.issued.append(unit)
+    def reduce_scatter(self, full_grad: torch.Tensor, bounds: list[tuple[int, int]],
+                       unit: int, wire_dtype: torch.dtype | None = None) -> Pending:
+        self.issued.append(("reduce_scatter", unit))
         work = NcclWork(self.stream, self.stream.now_ms + self.transfer_ms)
-        return Pending([work], shard, CROSS_ALL_REDUCE, self.stats)
+        start, end = bounds[0]  # this rank owns piece 0
+        return Pending([work], full_grad[start:end], CROSS_REDUCE_SCATTER, self.stats)
+
+    def all_gather(self, piece: torch.Tensor, bounds: list[tuple[int, int]], unit: int,
+                   wire_dtype: torch.dtype | None = None) -> Pending:
+        self.issued.append(("all_gather", unit))
+        self.works[unit] = NcclWork(self.stream, self.stream.now_ms + self.transfer_ms)
+        full = torch.cat([piece, torch.full((bounds[-1][1] - piece.numel(),), -1.0)])
+        return Pending([self.works[unit]], full, CROSS_ALL_GATHER, self.stats)
 
 
-def test_hybrid_gradient_sums_start_in_order_and_their_stalls_are_timed_on_the_stream() -> None:
-    """GradientSync (hybrid sharding) under waits that return at once: unit u's cross-group
-    all-reduce starts when the next reduce-scatter is followed (not before: its shard is not
-    summed in the group yet), in the reduce-scatters' order; only the stall left at the end
-    of backward counts as the all-reduces' wait, once the stream has passed it."""
+def test_cross_group_collectives_start_in_order_and_hide_under_the_passes() -> None:
+    """CrossGroupShards (hybrid sharding) under waits that return at once. Backward: unit
+    u's cross-group reduce-scatter starts when the next reduce-scatter is followed (not
+    before: its slice gradient is not summed in the group yet), in the reduce-scatters'
+    order; only the stall left at the end of backward counts. After the update: every
+    piece's all-gather starts at once, unit 0 first, and none is waited for until the next
+    forward reads that unit's slice, so each hides under the forward of the units before
+    it; only unit 0's stalls."""
     stream = Stream()
     stats = CollectiveStats(clock=StreamWaitClock(lambda: FakeEvent(stream)))
     cross = StreamCollectives(stream, stats, transfer_ms=50.0)
-    sync = GradientSync(cross, None)  # type: ignore[arg-type]  # the fake's one method
+    slices = [torch.zeros(4) for _ in range(3)]
+    sync = CrossGroupShards(cross, slices, 0, 2, None, None)  # type: ignore[arg-type]
+    assert [sync.piece_range(u) for u in range(3)] == [(0, 2)] * 3
     sync.begin()
-    shards = {u: torch.full((2,), float(u)) for u in range(3)}
+    grads = {u: torch.full((4,), float(u)) for u in range(3)}
     for u in (2, 1, 0):  # backward: the head first; each reduce-scatter ends 10 ms on
-        scatter = Pending([NcclWork(stream, stream.now_ms + 10.0)], shards[u],
+        scatter = Pending([NcclWork(stream, stream.now_ms + 10.0)], grads[u],
                           "reduce_scatter", stats)
         assert sync.follow(u, scatter) is scatter
-        assert cross.issued == [2, 1, 0][:2 - u]  # the one before it, no more
+        assert cross.issued == [("reduce_scatter", v) for v in (2, 1, 0)][:2 - u]
         stream.enqueue(100.0)  # the next unit's backward: covers the transfers
     got = sync.finish(3)
-    assert cross.issued == [2, 1, 0]
-    assert [g[0].item() for g in got] == [0.0, 1.0, 2.0]  # by unit
+    assert [g.tolist() for g in got] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]  # by unit
     assert dict(stats.wait_seconds) == {}  # not counted before the stream passed them
     stats.settle()
-    # Units 2 and 1 were summed under 100 ms of backward each: no stall. Unit 0's
-    # reduce-scatter had its backward; its all-reduce starts at finish(): a 50 ms stall.
-    assert stats.wait_seconds[CROSS_ALL_REDUCE] == pytest.approx(0.05)
+    # Units 2 and 1 were reduced under 100 ms of backward each: no stall. Unit 0's
+    # reduce-scatter had its backward; its cross-group one starts at finish(): 50 ms.
+    assert stats.wait_seconds[CROSS_REDUCE_SCATTER] == pytest.approx(0.05)
     assert stats.wait_seconds["reduce_scatter"] == pytest.approx(0.0)
+    sync.publish([torch.full((2,), 7.0 + u) for u in range(3)])  # the optimizer's update
+    assert cross.issued[3:] == [("all_gather", u) for u in range(3)]
+    assert sync.outstanding == [0, 1, 2] and not any(w.waited for w in cross.works.values())
+    for u in range(3):  # the next forward: unit u's slice just before its group gathers it
+        assert sync.slice(u)[:2].tolist() == [7.0 + u] * 2
+        assert [bool(cross.works[v].waited) for v in range(3)] == [v <= u for v in range(3)]
+        stream.enqueue(30.0)  # unit u's forward
+    stats.settle()
+    # Unit 0 waited its whole transfer (50 ms); units 1's and 2's, issued with it, ended
+    # while unit 0's forward ran: no stall.
+    assert stats.wait_seconds[CROSS_ALL_GATHER] == pytest.approx(0.05)
+    assert sync.slices[2][:2].tolist() == [9.0, 9.0]  # the gathered slice replaced the old
