@@ -16,8 +16,8 @@ inputShape[0]`; only `reduce_scatter(list)` takes uneven sizes), so:
   `reduce_scatter(list)` does, less the flat copy of its inputs it makes first). Outside
   NCCL's even path the full gradient's storage is freed when the shard is out.
 
-* **All-reduce of a shard** (SUM, asynchronous, in place; hybrid sharding's sum across
-  replica groups, `cephalo.trainer.replicas`): one `all_reduce`, in bf16 where asked.
+* Hybrid sharding's collectives across replica groups (`cephalo.trainer.replicas`) are
+  these two, on the ranks of one position, counted under their own kinds (`CROSS`).
 
 No NCCL form has run here (NCCL wants one GPU per rank; the device machine has one). The
 uneven ones are the same calls the tests run on gloo (the gathers are shared code;
@@ -44,8 +44,6 @@ import torch.distributed as dist
 
 from cephalo.trainer.wait_clock import HostWaitClock, WaitClock, cuda_wait_clock
 
-# The kind (in the stats) of a shard all-reduce (`UnevenCollectives.all_reduce`).
-CROSS_ALL_REDUCE = "cross_all_reduce"
 # What a collectives object made with ``kind_prefix=CROSS`` counts its gathers and
 # reduce-scatters as: hybrid sharding's collectives across replica groups
 # (cephalo.trainer.replicas), apart from those inside a group in the shared stats.
@@ -284,28 +282,6 @@ class UnevenCollectives:
         return self._over_link(Pending(works, out, self.scatter_kind, self.stats,
                                        finish=slice_out), buf)
 
-    def all_reduce(self, shard: torch.Tensor, unit: int,
-                   wire_dtype: torch.dtype | None = None) -> Pending:
-        """Asynchronous SUM all-reduce of a gradient shard in place (hybrid sharding's
-        cross-group sum, cephalo.trainer.replicas); the result is `shard`, summed.
-        `wire_dtype` (e.g. bf16 for an fp32 shard): rounded to it and summed in it by the
-        backend, as the reduce-scatters do, and widened back into `shard`."""
-        narrow = wire_dtype is not None and wire_dtype != shard.dtype and \
-            self.world_size > 1
-        buf = shard.to(wire_dtype) if narrow else shard
-        self._count(CROSS_ALL_REDUCE, unit, buf.numel(), buf.dtype)
-        if self.world_size == 1:
-            return Pending([], shard, CROSS_ALL_REDUCE, self.stats, done=True)
-        self.stats.native_calls[CROSS_ALL_REDUCE] += 1
-        work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-
-        def widen() -> None:
-            shard.copy_(buf)
-
-        # A ring all-reduce is a reduce-scatter and an all-gather: two passes on the link.
-        return self._over_link(Pending([work], shard, CROSS_ALL_REDUCE, self.stats,
-                                       finish=widen if narrow else None), buf, passes=2)
-
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Blocking SUM all-reduce of a small tensor (once per step: grad-norm, loss, and what
         rides along — every rank's timings, the trainer's stop and checkpoint votes)."""
@@ -323,15 +299,14 @@ class UnevenCollectives:
                 self.stats.wait_seconds["all_reduce"] += slept
         return values
 
-    def _over_link(self, pending: Pending, buffer: torch.Tensor | None = None,
-                   passes: int = 1) -> Pending:
+    def _over_link(self, pending: Pending, buffer: torch.Tensor | None = None) -> Pending:
         """`pending` (of the full `buffer`, default its result) also crossing the emulated
-        link, if one is set: queued behind the collectives issued before it. `passes`: how
-        many times a ring moves (n-1)/n of the buffer."""
+        link, if one is set: queued behind the collectives issued before it (a ring moves
+        (n-1)/n of the buffer)."""
         if self.link_bytes_per_second is None:
             return pending
         full = pending.result if buffer is None else buffer
-        seconds = passes * (self.world_size - 1) / self.world_size * full.numel() * \
+        seconds = (self.world_size - 1) / self.world_size * full.numel() * \
             full.element_size() / self.link_bytes_per_second
         self._link_free = max(time.perf_counter(), self._link_free) + seconds
         pending.not_before = self._link_free

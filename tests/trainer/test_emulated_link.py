@@ -32,13 +32,7 @@ def _worker(rank: int, world_size: int) -> dict[str, float]:
     after_both = time.perf_counter() - started
     total = comm.all_reduce_sum(torch.zeros(10, dtype=torch.float64))
     after_all = time.perf_counter() - started
-    # Hybrid sharding's all-reduce of a 100 kB shard: a ring all-reduce is a reduce-scatter
-    # and an all-gather, twice (n-1)/n of the buffer: as long as the 200 kB gather.
-    began = time.perf_counter()
-    summed = comm.all_reduce(torch.ones(NUMEL // 2), 2).wait()
-    cross = time.perf_counter() - began
     return {"issued": issued, "gather": after_gather, "both": after_both, "all": after_all,
-            "cross": cross, "summed": float(summed.sum()),
             "sum": float(full.sum()), "shard": float(shard.sum()), "reduced": float(total.sum()),
             "waited": sum(comm.stats.wait_seconds.values())}
 
@@ -48,8 +42,7 @@ def test_collectives_cross_the_emulated_link_one_after_the_other() -> None:
     one = (NUMEL // 2) * 4 / LINK  # (n-1)/n of a 200 kB buffer at 1 MB/s: 0.1 s
     for r in spawn_ranks(_worker, 2, timeout_seconds=90):
         assert r["sum"] == NUMEL // 2 and r["shard"] == 2 * (NUMEL // 2)  # still right
-        assert r["reduced"] == 0.0 and r["summed"] == 2 * (NUMEL // 2)
-        assert r["cross"] >= one
+        assert r["reduced"] == 0.0
         assert r["gather"] >= one and r["both"] >= 2 * one  # serial: the second waited
         assert r["all"] >= 2 * one + 40 / LINK  # the 80-byte all-reduce's half too
         # From issue to done it was all waiting, as on a slow network (what the trainer's

@@ -35,8 +35,8 @@ UNEVEN = Layout(batch_sizes=[5, 2, 1], micro_batch_sizes=[1, 2, 1],
                 shard_ratios=[0.5, 0.3, 0.2], precisions=list(MIXED))
 SINGLE = Layout([8], [8], [1.0])
 # Hybrid sharding, two replica groups with an fp16 rank in each: an overflow in group 1
-# reaches group 0's shards through the cross-group all-reduce, and with it the norm (only
-# group 0's ranks add to it).
+# reaches the pieces of group 0's ranks through the cross-group reduce-scatter, and with it
+# the norm (every piece adds to it once).
 HYBRID = Layout(batch_sizes=[3, 2, 2, 1], micro_batch_sizes=[1, 2, 1, 1],
                 shard_ratios=[0.6, 0.4, 0.6, 0.4], precisions=["fp32", "fp16", "bf16", "fp16"],
                 replica_groups=[[0, 1], [2, 3]])
