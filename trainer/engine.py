@@ -514,7 +514,9 @@ class Engine:
 
     def memory_estimate_bytes(self, samples: int | None = None) -> int:
         """Device bytes this rank needs at least (cephalo.api.memory, the planner's model
-        too): the training state of its shards, the gathered unit buffers at the peak, and
+        too): the training state of its shards (under hybrid sharding its fp32 slices, the
+        state of its pieces and the slice gradient reduced across groups,
+        `memory.hybrid_state_bytes`), the gathered unit buffers at the peak, and
         the boundary activations kept for backward when not offloaded and the graphs of
         the blocks this rank keeps (kept_blocks_bytes); without recompute, every block's
         graph and the gathered units kept alive instead (kept_graph_bytes). The working
