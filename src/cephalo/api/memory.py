@@ -58,6 +58,16 @@ def state_bytes(owned_parameters: float, precision: str = "fp32") -> float:
     return state_bytes_per_parameter(precision) * owned_parameters
 
 
+def hybrid_state_bytes(owned_parameters_in_group: float, groups: int, precision: str) -> float:
+    """Training state of a rank owning `owned_parameters_in_group` parameters of its replica
+    group's copy under hybrid sharding across `groups` groups (docs/hybrid-sharding.md): its
+    slice's fp32 weights, plus the master, Adam moments and gradient of its 1/G piece of it;
+    G = 1: flat sharding's state (the slice is the master)."""
+    return (state_bytes(owned_parameters_in_group, precision) if groups == 1 else
+            FP32_BYTES * owned_parameters_in_group
+            + state_bytes(owned_parameters_in_group, precision) / groups)
+
+
 def unit_buffer_bytes(largest_unit_parameters: int) -> int:
     """Peak bytes of gathered unit buffers (parameters and full gradients) on a rank."""
     return UNIT_BUFFERS_AT_PEAK * COMM_BYTES_PER_PARAMETER * largest_unit_parameters
