@@ -22,7 +22,10 @@ is perfect (the paper's assumption, NCCL on its own stream), their sum when noth
 updates this GPU's state share (taken as the even share P/N, so that the time does not
 depend on the partition chosen after it) and the step ends with two small all-reduces
 (gradient norm + loss, and the per-rank timings the trainer logs).
-A GPU with ℓ = 0 (state only) still takes part in every collective.
+A GPU with ℓ = 0 (state only) still takes part in every collective. Under hybrid sharding
+(planner/hybrid.py) a unit's forward gather waits its cross-group all-gather too: each
+block's forward collective is AG_block + X_block (`UnitComm.cross_ag_block`) and the first
+unit's X (`cross_ag_first`) is exposed next to AG_emb; the backward's are unchanged.
 The step time of the job is the maximum over GPUs (collectives synchronise them).
 
 Without recompute (`GpuCostModel.without_recompute`, a plan's `recompute: false`) the

@@ -149,7 +149,7 @@ def record_sharding(plan: Plan, choice: Choice, problem: Problem, sharding: str,
                "share a node is not known)")
     else:
         why = (f"flat: no hybrid layout (replica groups of whole nodes) is predicted "
-               f"{HYBRID_MIN_GAIN:.0%} faster than flat's {step:.4g} s per step")
+               f"at least {HYBRID_MIN_GAIN:.0%} faster than flat's {step:.4g} s per step")
     plan.assumptions["sharding"] = "hybrid" if used.groups else "flat"
     plan.assumptions["sharding_reason"] = why
     if not used.rank_node:
