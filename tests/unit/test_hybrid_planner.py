@@ -471,6 +471,37 @@ def test_recalibration_prices_a_running_hybrid_plan_in_its_groups() -> None:
     assert calibration.collective_scale == pytest.approx(1.0, rel=1e-3)
 
 
+def test_recalibration_counts_each_ranks_optimizer_on_its_piece() -> None:
+    """Every rank of a hybrid plan updates its piece, P / (k G) = P / world parameters:
+    where each rank measures the model's own compute (its step with collectives free, less
+    that update), the compute correction is none (it once took P / k off instead)."""
+    from cephalo.planner.evaluate import evaluate
+    from cephalo.planner.recalibrate import Measured, _assignment, complete_profiles, recalibrate
+    spec = cluster_b("gpt-2.7b", 512, 10)
+    cluster = pools_as_cluster(spec)
+    plan = solve(spec, cluster)
+    assert plan.replica_groups and plan.predicted_step_seconds is not None
+    profiles = complete_profiles(spec, cluster, None)
+    assignment, order = _assignment(plan, cluster, [r.batch_size for r in plan.ranks])
+    position = {rank: i for i, rank in enumerate(order)}
+    groups = [[position[r] for r in g] for g in plan.replica_groups]
+    free = evaluate(spec, cluster.model_copy(update={
+        "network_bandwidth_bytes_per_second": 1e20, "network_latency_seconds": 0.0}),
+        profiles, assignment, recompute=plan.recompute is not False,
+        kept_blocks=[plan.ranks[r].kept_blocks for r in order], replica_groups=groups)
+    params = spec.model.resolve().total_parameters()
+    compute = [0.0] * plan.world_size
+    for k, rank in enumerate(order):
+        p = profiles[plan.ranks[rank].gpu]
+        assert p.optimizer_seconds_per_parameter  # the case: the update takes time
+        compute[rank] = free.rank_seconds[k] - (p.optimizer_seconds_fixed or 0.0) - \
+            p.optimizer_seconds_per_parameter * params / plan.world_size
+    calibration = recalibrate(spec, cluster, None, plan,
+                              Measured(plan.predicted_step_seconds, compute))
+    for gpu in {r.gpu for r in plan.ranks}:
+        assert calibration.compute_scale[gpu] == pytest.approx(1.0, rel=1e-9), gpu
+
+
 def _described(nodes: int, sharding: str, min_gain: float = 0.05) -> CephaloJobSpec:
     """GPT-2.7B, B = 2048, on `nodes` nodes of 8 A10G and as many of 8 T4 at 25 Gbit/s."""
     return parse_job({
