@@ -420,6 +420,10 @@ def test_the_printed_plan_shows_the_groups_the_choice_and_each_links_bytes() -> 
     assert f"sharding: hybrid, {len(plan.replica_groups)} replica groups" in text
     assert "bytes per step: intra-node link" in text and "NIC" in text
     assert plan.assumptions["sharding_reason"] in text
+    # Each group holds 4 bytes of weights and 16 / G of optimizer state per parameter.
+    per_parameter = 4 + 16 / len(plan.replica_groups)
+    assert f"{per_parameter:g} bytes of training state per parameter in each replica " \
+        "group" in text
 
 
 # --- the targets (predictions: deterministic) --------------------------------------

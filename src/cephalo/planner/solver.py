@@ -11,7 +11,7 @@ import numpy as np
 
 from cephalo.api.cluster import ClusterSpec
 from cephalo.api.job import CephaloJobSpec
-from cephalo.api.memory import state_bytes_per_parameter
+from cephalo.api.memory import hybrid_state_bytes, state_bytes_per_parameter
 from cephalo.api.plan import IdleGpus, Plan, RankPlan
 from cephalo.api.profile import GpuProfile
 from cephalo.planner.baselines import compute_baselines
@@ -486,7 +486,10 @@ def _plan(full: Problem, choice: Choice, sol: Solution, ev: Evaluation, solved: 
         replica_groups=[list(g) for g in problem.groups],
         optimality_gap_seconds=choice.gap_seconds if chose_gpus else sol.gap_seconds,
         assumptions={
-            "state_bytes_per_parameter": state_bytes_per_parameter(problem.precision),
+            # A hybrid plan's per replica group (4 + 16 / G: hybrid.py).
+            "state_bytes_per_parameter": hybrid_state_bytes(
+                1, len(problem.groups), problem.precision) if problem.groups else
+            state_bytes_per_parameter(problem.precision),
             "network_bandwidth_bytes_per_second": comm.bandwidth_bytes_per_second,
             "network_latency_seconds": comm.latency_seconds,
             **network_assumptions(problem.network, problem.rank_node),
