@@ -108,6 +108,11 @@ class UnitComm:
     even_blocks: int = 0
     ag_block_even: float = 0.0
     rs_block_even: float = 0.0
+    # Hybrid sharding (planner/hybrid.py): the cross-group all-gather of a block's and of
+    # the embedding's updated piece, which a unit's forward waits before its own gather
+    # (the backward's gathers read the slice already there). The head's is in ag_head.
+    cross_ag_block: float = 0.0
+    cross_ag_first: float = 0.0
 
     @classmethod
     def build(cls, model: ModelConfig, comm: CommModel, world_size: int,

@@ -22,7 +22,10 @@ is perfect (the paper's assumption, NCCL on its own stream), their sum when noth
 updates this GPU's state share (taken as the even share P/N, so that the time does not
 depend on the partition chosen after it) and the step ends with two small all-reduces
 (gradient norm + loss, and the per-rank timings the trainer logs).
-A GPU with ℓ = 0 (state only) still takes part in every collective.
+A GPU with ℓ = 0 (state only) still takes part in every collective. Under hybrid sharding
+(planner/hybrid.py) a unit's forward gather waits its cross-group all-gather too: each
+block's forward collective is AG_block + X_block (`UnitComm.cross_ag_block`) and the first
+unit's X (`cross_ag_first`) is exposed next to AG_emb; the backward's are unchanged.
 The step time of the job is the maximum over GPUs (collectives synchronise them).
 
 Without recompute (`GpuCostModel.without_recompute`, a plan's `recompute: false`) the
@@ -286,24 +289,28 @@ class GpuCostModel:
         # Kept blocks are the last k, even ones the first e: `both` are kept and even.
         k = 0.0 if kept is None else np.asarray(kept, dtype=np.float64)
         both = np.maximum(0.0, even + k - layers) if even else 0.0
-        per_block = unit(f, comm.ag_block) + unit(b, ag_back + comm.rs_block)
+        # A block's forward gather waits its cross-group all-gather first (hybrid; else 0).
+        ag_forward = comm.ag_block + comm.cross_ag_block
+        per_block = unit(f, ag_forward) + unit(b, ag_back + comm.rs_block)
         blocks = (layers - k) * per_block
         if even:  # a mixed per-unit plan: some blocks skip the uneven overhead
             ag_even_back = comm.ag_block_even if self.recompute else 0.0
-            per_even = unit(f, comm.ag_block_even) + \
+            per_even = unit(f, comm.ag_block_even + comm.cross_ag_block) + \
                 unit(b, ag_even_back + comm.rs_block_even)
             blocks = (even - both) * per_even + (layers - even - (k - both)) * per_block
         if kept is not None:  # (k = 0 adds exact zeros: the same sums as without `kept`)
-            blocks = blocks + (k - both) * (unit(f, comm.ag_block) +
+            blocks = blocks + (k - both) * (unit(f, ag_forward) +
                                             unit(b_kept, comm.ag_block + comm.rs_block))
             if even:
-                blocks = blocks + both * (unit(f, comm.ag_block_even) +
+                blocks = blocks + both * (unit(f, comm.ag_block_even + comm.cross_ag_block) +
                                           unit(b_kept, comm.ag_block_even + comm.rs_block_even))
         # The embedding's forward hides the first block's gather, the last block's forward
         # the head's: per pass, L + 1 gathers overlap compute. Charging the head's gather
         # to the embedding+head compute keeps the count exact.
         other = unit(fo, comm.ag_head) + unit(bo, ag_first_back + comm.rs_other)
-        fixed = comm.ag_first + comm.all_reduce_seconds + self.optimizer_seconds(comm) + \
+        # The first unit's forward gathers are exposed (hybrid: its cross all-gather too).
+        fixed = comm.ag_first + comm.cross_ag_first + comm.all_reduce_seconds + \
+            self.optimizer_seconds(comm) + \
             comm.step_overhead_seconds + self.step_fixed_seconds
         return fixed + blocks + other
 

@@ -1,22 +1,36 @@
 """Hybrid sharding (issue 44, docs/hybrid-sharding.md): the training state sharded inside
-replica groups of whole nodes and replicated across them, priced as the engine runs it.
+replica groups of whole nodes and, across them, the optimizer's state sharded once more,
+priced as the engine runs it (its second design, "sharded across groups").
 
-The engine runs a hybrid plan as (api/plan.py, `Plan.replica_groups`): each unit's
-all-gathers and reduce-scatters on its group's own process group (a ring over the group's
-ranks: the intra-node link when the group is one node), then each rank's gradient shard
-all-reduced across the groups with the ranks at the same position (sum), issued after the
-unit's reduce-scatter on the same stream, so it overlaps the backward as the reduce-scatters
-do. What this module prices:
+The engine runs a hybrid plan as (api/plan.py, `Plan.replica_groups`; G groups of k
+ranks): the rank at position j of a group keeps the fp32 slice j of every unit (what its
+group's all-gathers read) and the optimizer state of only piece g of that slice (the slice
+split evenly in G). Each unit's all-gathers and reduce-scatters run on the group's own
+process group (a ring over the group's ranks: the intra-node link when the group is one
+node). A unit's slice gradient is then reduce-scattered across the groups with the ranks
+at the same position, to the piece's gradient, issued after the unit's reduce-scatter on
+the same stream, so it overlaps the backward as the reduce-scatters do. After AdamW on the
+pieces, every unit's updated piece is all-gathered across the groups back into the slice,
+issued in forward order; the next step's forward waits for a unit's before its group
+all-gather, so it hides under the forward of the units before it and the first unit's is
+exposed. What this module prices:
 
 * the group's rings: `Topology.ring` over each group's ranks; every rank at the pace of the
-  slowest group's ring, since a unit's cross-group all-reduce waits for every group's
-  reduce-scatter of that unit;
-* the cross-group all-reduce: k positions' rings of G members run at once, one per
-  position; a ring all-reduce of S bytes over G members moves 2(G-1)/G·S per member, and
-  a node's NIC carries the all-reduces of every position on it. With the state sharded
-  evenly inside a group (below) a node holding g of a group's k ranks sends
-  2(G-1)/G · (g/k) · P · bytes per parameter, at the slowest NIC of the nodes used;
-* memory: a group holds the whole state, each rank 1/k of it next to its compute memory.
+  slowest group's ring, since a unit's cross-group collectives wait for every group's;
+* the cross-group collectives: k positions' rings of G members run at once, one per
+  position; a ring reduce-scatter or all-gather over G members moves (G-1)/G of the slice
+  per member, and a node's NIC carries the collectives of every position on it. With the
+  state sharded evenly inside a group (below) a node holding g of a group's k ranks sends
+  (G-1)/G · (g/k) · P · bytes per parameter for each of the two, gradients in
+  reducePrecision under the backward and parameters in gatherPrecision under the next
+  forward, at the slowest NIC of the nodes used. A unit's forward is charged its cross
+  all-gather and its group all-gather one after the other (the engine waits the one
+  before it issues the other), as the backward is charged the two reduce-scatters;
+* the optimizer: AdamW on the piece only, P / (k·G) parameters per rank;
+* memory (`group_state_bytes`): a group holds the slices' fp32 weights (4 bytes a
+  parameter) and 1/G of the optimizer's state (`cephalo.api.memory.hybrid_state_bytes`),
+  plus the slice gradient of the unit being reduced across groups, each rank 1/k of it
+  next to its compute memory.
 
 The planner's space of hybrid plans (`layouts`): the nodes used are whole nodes, the first
 c of each kind of node (nodes of a kind are interchangeable), all holding the same number
@@ -37,6 +51,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from cephalo.api.memory import COMM_BYTES_PER_PARAMETER, hybrid_state_bytes
 from cephalo.api.models import ModelConfig
 from cephalo.planner.comm_model import CommModel, UnitComm
 from cephalo.planner.topology import ASSUMED, Topology
@@ -65,8 +80,9 @@ def hybrid_unit_comm(model: ModelConfig, base: CommModel, topology: Topology,
                      rank_node: Sequence[int], groups: Sequence[Sequence[int]],
                      uneven: bool = False) -> UnitComm:
     """Seconds of each collective a hybrid step issues (module docstring): the group's
-    rings for the gathers, the group's reduce-scatter plus the cross-group all-reduce of
-    the shard for each gradient, the step's small all-reduces over every rank."""
+    rings for the gathers, the group's reduce-scatter plus the cross-group reduce-scatter
+    of the slice for each gradient, the cross-group all-gather of the piece before each
+    unit's forward gather, the step's small all-reduces over every rank."""
     k, num_groups, world = len(groups[0]), len(groups), len(rank_node)
     rings = [topology.ring([rank_node[r] for r in g]) for g in groups]
     ring = replace(base, bandwidth_bytes_per_second=min(b for b, _ in rings),
@@ -78,23 +94,55 @@ def hybrid_unit_comm(model: ModelConfig, base: CommModel, topology: Topology,
     nic = min(topology.nodes[n].nic_bandwidth_bytes_per_second for n in nodes)
     nic_latency = max(topology.nodes[n].nic_latency_seconds for n in nodes)
 
-    def across(params: int) -> float:
-        """The all-reduce of every position's shard of a unit across the groups."""
-        moved = 2 * (num_groups - 1) / num_groups * params * base.reduce_bytes_per_parameter
-        return moved * share / nic + 2 * (num_groups - 1) * nic_latency
+    def across(params: int, bytes_per_parameter: float) -> float:
+        """A ring reduce-scatter or all-gather of every position's slice of a unit across
+        the groups: (G-1)/G of it per member, (G-1) hops."""
+        moved = (num_groups - 1) / num_groups * params * bytes_per_parameter
+        return moved * share / nic + (num_groups - 1) * nic_latency
 
+    def reduced(params: int) -> float:
+        return across(params, base.reduce_bytes_per_parameter)
+
+    def gathered(params: int) -> float:
+        return across(params, base.gather_bytes_per_parameter)
+
+    def forward_gather(own: float, cross: float) -> float:
+        """A unit's forward gather with its cross all-gather before it. The cross
+        all-gathers are all in flight from the step's start, each ahead of the units after
+        it, so on a NIC of their own they pipeline with the group's gathers (the slower of
+        the two per unit); where the group's ring crosses the NICs too, they share them."""
+        return own + cross if spans_nodes else max(own, cross)
+
+    spans_nodes = any(len({rank_node[r] for r in g}) > 1 for g in groups)
     embedding, block, head = (model.embedding_parameters(), model.block_parameters(),
                               model.head_parameters())
     return replace(
-        inside, rs_block=inside.rs_block + across(block),
-        rs_other=inside.rs_other + across(embedding) + across(head),
+        inside, rs_block=inside.rs_block + reduced(block),
+        rs_other=inside.rs_other + reduced(embedding) + reduced(head),
+        # The head is gathered in the forward only; the first unit's cross all-gather has
+        # nothing before it to hide under (exposed, with its own gather).
+        ag_head=forward_gather(inside.ag_head, gathered(head)),
+        cross_ag_block=forward_gather(inside.ag_block, gathered(block)) - inside.ag_block,
+        cross_ag_first=gathered(embedding),
+        state_share_parameters=model.total_parameters() / world,
         all_reduce_seconds=2 * world_ring.small_all_reduce_seconds(world),
         step_overhead_seconds=base.step_overhead_seconds if world > 1 else 0.0)
 
 
+def group_state_bytes(model: ModelConfig, precision: str, num_groups: int) -> float:
+    """The training state one replica group holds, over its ranks (module docstring): the
+    state of the whole model (`hybrid_state_bytes` of all its parameters) and the slice
+    gradient of the largest unit while it is reduced across the groups (none for G = 1:
+    the slice gradient is the piece's)."""
+    params = model.total_parameters()
+    transient = COMM_BYTES_PER_PARAMETER * max(model.unit_parameters()) if num_groups > 1 \
+        else 0
+    return hybrid_state_bytes(params, num_groups, precision) + transient
+
+
 def node_share(rank_node: Sequence[int], groups: Sequence[Sequence[int]]) -> float:
     """The largest share of one group's ranks on one node: with even shards, the share of
-    each unit's all-reduce bytes that node's NIC carries (1 for a group of one node)."""
+    each unit's cross-group bytes that node's NIC carries (1 for a group of one node)."""
     most = 0
     for g in groups:
         per: dict[int, int] = {}
@@ -162,9 +210,10 @@ def link_bytes_per_step(model: ModelConfig, gather_bytes: float, reduce_bytes: f
                         regathered_parameters: int) -> LinkBytes:
     """What the step's big collectives move (ring all-gathers of every unit once, again
     for `regathered_parameters` in the backward, one reduce-scatter; hybrid: plus the
-    cross-group all-reduce). A ring of n ranks moves (n-1)/n of a collective's bytes over
-    each of its hops: every intra-node hop it has and, when it spans nodes, each node's
-    NIC once out (topology.py)."""
+    cross-group reduce-scatter of the gradients and all-gather of the parameters). A ring
+    of n ranks moves (n-1)/n of a collective's bytes over each of its hops: every
+    intra-node hop it has and, when it spans nodes, each node's NIC once out
+    (topology.py)."""
     params = model.total_parameters()
     if not groups:
         groups = [list(range(len(rank_node)))]
@@ -175,6 +224,6 @@ def link_bytes_per_step(model: ModelConfig, gather_bytes: float, reduce_bytes: f
     has_intra = any(len({rank_node[r] for r in g}) < len(g) for g in groups)
     nic = ring if spans_nodes else 0.0
     if num_groups > 1:
-        nic += 2 * (num_groups - 1) / num_groups * params * reduce_bytes * \
+        nic += (num_groups - 1) / num_groups * params * (reduce_bytes + gather_bytes) * \
             node_share(rank_node, groups)
     return LinkBytes(ring if has_intra else 0.0, nic)

@@ -25,7 +25,7 @@ from cephalo.planner.costmodel import (
     UnitComm,
     estimate_profile,
 )
-from cephalo.planner.hybrid import Layout, hybrid_unit_comm
+from cephalo.planner.hybrid import Layout, group_state_bytes, hybrid_unit_comm
 from cephalo.planner.kept_blocks import kept_candidates
 from cephalo.planner.search import ClassTable
 from cephalo.planner.topology import JOB, MEASURED, Network, Topology, topology_network
@@ -84,7 +84,12 @@ class Problem:
         return len(self.groups[0]) if self.groups else self.world_size
 
     @property
-    def state_bytes(self) -> int:
+    def state_bytes(self) -> float:
+        """The training state one copy of it takes over the ranks it is sharded on: flat,
+        the whole model's; hybrid, one replica group's (hybrid.py: the slices' weights and
+        1/G of the optimizer's state)."""
+        if self.groups:
+            return group_state_bytes(self.model, self.precision, len(self.groups))
         return state_bytes_per_parameter(self.precision) * self.model.total_parameters()
 
     @property

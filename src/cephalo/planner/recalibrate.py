@@ -223,7 +223,9 @@ def _compute_scale(spec: CephaloJobSpec, cluster: ClusterSpec,
                   kept_blocks=kept, replica_groups=groups)
     measured_sum: dict[str, float] = {}
     modelled_sum: dict[str, float] = {}
-    world = len(groups[0]) if groups else len(plan_ranks)  # the ranks a state is sharded on
+    # Every rank updates its 1/world of the optimizer's state, flat or hybrid (a rank of a
+    # hybrid plan its piece: 1/G of its slice, planner/hybrid.py).
+    world = len(plan_ranks)
     params = spec.model.resolve().total_parameters()
     # plan_ranks[k] runs on the k-th GPU used (ev.rank_seconds[k]): assignment[gpus[k]].
     gpus = [i for i, a in enumerate(assignment) if a is not None]

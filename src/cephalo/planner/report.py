@@ -109,7 +109,8 @@ def assumptions_lines(plan: Plan) -> list[str]:
         parts.append(f"network source: {source}")
     state = given.get("state_bytes_per_parameter")
     if isinstance(state, int | float):
-        parts.append(f"{state:g} bytes of training state per parameter")
+        where = " in each replica group" if plan.replica_groups else ""
+        parts.append(f"{state:g} bytes of training state per parameter{where}")
     lines = ["assumes: " + ", ".join(parts)]
     if source == ASSUMED:
         lines.append(ASSUMED_NETWORK_HINT)

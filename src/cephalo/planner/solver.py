@@ -11,7 +11,7 @@ import numpy as np
 
 from cephalo.api.cluster import ClusterSpec
 from cephalo.api.job import CephaloJobSpec
-from cephalo.api.memory import state_bytes_per_parameter
+from cephalo.api.memory import hybrid_state_bytes, state_bytes_per_parameter
 from cephalo.api.plan import IdleGpus, Plan, RankPlan
 from cephalo.api.profile import GpuProfile
 from cephalo.planner.baselines import compute_baselines
@@ -19,6 +19,7 @@ from cephalo.planner.costmodel import UNEVEN_COLLECTIVE_OVERHEAD
 from cephalo.planner.evaluate import Evaluation, score
 from cephalo.planner.hybrid_search import (
     HybridInfeasibleError,
+    hybrid_must_beat,
     no_layout_message,
     record_sharding,
     search_layouts,
@@ -97,11 +98,16 @@ def _solve(spec: CephaloJobSpec, problem: Problem, choose_gpus: bool,
                               "planner.objective: throughput, or sharding auto or flat")
     if objective.is_cost:
         sharding = "flat"  # the cost objective ranks flat GPU subsets only (for now)
+    flats: list[tuple[Problem, tuple[Choice, int, bool]]] = []  # auto: each mode's flat
     for priced in (problem, fused_everything(problem), without_recompute(problem)):
         if priced is None:
             continue
         try:
-            mode = _solve_mode(priced, choose_gpus, objective, sharding)
+            if sharding == "hybrid":
+                mode = _solve_hybrid(priced, choose_gpus)
+            else:
+                flats.append((priced, _solve_flat(priced, choose_gpus, objective)))
+                continue
         except FloorNotMetError as err:
             floor_missed = faster_miss(floor_missed, err)
             continue
@@ -113,6 +119,10 @@ def _solve(spec: CephaloJobSpec, problem: Problem, choose_gpus: bool,
                 raise  # recompute mode fits wherever any mode does: its error says why
             continue
         modes.append(mode)
+    if sharding == "auto":
+        modes = _with_hybrid(flats, choose_gpus)
+    elif sharding == "flat":
+        modes = [flat for _, flat in flats]
     if not modes and hybrid_missed is not None:
         raise hybrid_missed
     if not modes:
@@ -180,47 +190,58 @@ def _gap(choice: Choice) -> float:
     return solution.gap_seconds
 
 
-def _solve_mode(problem: Problem, choose_gpus: bool, objective: Objective,
-                sharding: str = "flat") -> tuple[Choice, int, bool]:
-    """The best choice of GPUs and split for `problem`'s recompute mode, how many GPU sets
-    (and hybrid layouts) were solved and whether that was all of them. `sharding`
-    (planner.sharding): flat only, hybrid only, or (auto) the faster of both."""
-    if sharding == "flat":
-        return _solve_flat(problem, choose_gpus, objective)
-    if sharding == "hybrid":
-        search = search_layouts(problem, solve_fixed, _solution_step, every_gpu=not choose_gpus)
-        if search.best is None:
-            raise HybridInfeasibleError(no_layout_message(problem, search))
-        search.best.full = search.full
-        search.best.full_step_seconds = None if search.full is None else \
-            search.full.step_seconds
-        return search.best, search.solved, search.exhaustive
-    flat, solved, exhaustive = _solve_flat(problem, choose_gpus, objective)
-    flat_full = flat.full.step_seconds if flat.full is not None else math.inf
-    search = search_layouts(problem, solve_fixed, _solution_step, every_gpu=not choose_gpus,
-                            beat_seconds=flat.step_seconds, beat_full_seconds=flat_full)
-    # (gpu_subsets_solved and _exhaustive stay the flat search's: a plan flat wins keeps
-    # its bytes; the layouts are every one of their space unless a cluster has too many.)
-    exhaustive = exhaustive and search.exhaustive
-    full = flat.full
-    if search.full is not None and (full is None or
-                                    search.full.step_seconds < full.step_seconds):
-        full = search.full
-    chosen = flat if search.best is None else search.best
-    if chosen is not flat:
-        # The proven bound holds over both spaces: the flat search's and the layouts'.
-        lower = min(flat.step_seconds - flat.gap_seconds,
-                    chosen.step_seconds - chosen.gap_seconds)
-        chosen.gap_seconds = max(0.0, chosen.step_seconds - lower)
-        chosen.other_sharding_step_seconds = flat.step_seconds
-    chosen.full = full
-    chosen.full_step_seconds = None if full is None else full.step_seconds
-    return chosen, solved, exhaustive
+def _solve_hybrid(problem: Problem, choose_gpus: bool) -> tuple[Choice, int, bool]:
+    """The best hybrid choice of GPUs and split for `problem`'s recompute mode
+    (planner.sharding: hybrid), how many layouts were solved and whether that was all."""
+    search = search_layouts(problem, solve_fixed, _solution_step, every_gpu=not choose_gpus)
+    if search.best is None:
+        raise HybridInfeasibleError(no_layout_message(problem, search))
+    search.best.full = search.full
+    search.best.full_step_seconds = None if search.full is None else search.full.step_seconds
+    return search.best, search.solved, search.exhaustive
+
+
+def _with_hybrid(flats: list[tuple[Problem, tuple[Choice, int, bool]]],
+                 choose_gpus: bool) -> list[tuple[Choice, int, bool]]:
+    """planner.sharding: auto. Each recompute mode's flat choice, replaced by the mode's
+    fastest hybrid layout where that is predicted HYBRID_MIN_GAIN faster than the fastest
+    flat plan of any mode (on any GPUs, and on every GPU for the idle margin's
+    comparison): the margin weighs the best of each sharding, not mode by mode."""
+    if not flats:
+        return []
+    flat_best = min(flat.step_seconds for _, (flat, _, _) in flats)
+    flat_full = min((flat.full.step_seconds for _, (flat, _, _) in flats
+                     if flat.full is not None), default=math.inf)
+    bar, bar_full = hybrid_must_beat(flat_best), hybrid_must_beat(flat_full)
+    modes = []
+    for problem, (flat, solved, exhaustive) in flats:
+        search = search_layouts(problem, solve_fixed, _solution_step,
+                                every_gpu=not choose_gpus, beat_seconds=bar,
+                                beat_full_seconds=bar_full)
+        # (gpu_subsets_solved and _exhaustive stay the flat search's: a plan flat wins
+        # keeps its bytes; the layouts are every one of their space unless a cluster has
+        # too many.)
+        exhaustive = exhaustive and search.exhaustive
+        full = flat.full
+        if search.full is not None and search.full.step_seconds < bar_full:
+            full = search.full
+        chosen = flat if search.best is None else search.best
+        if chosen is not flat:
+            # The proven bound holds over both spaces: the flat search's and the layouts'.
+            lower = min(flat.step_seconds - flat.gap_seconds,
+                        chosen.step_seconds - chosen.gap_seconds)
+            chosen.gap_seconds = max(0.0, chosen.step_seconds - lower)
+            chosen.other_sharding_step_seconds = flat_best
+        chosen.full = full
+        chosen.full_step_seconds = None if full is None else full.step_seconds
+        modes.append((chosen, solved, exhaustive))
+    return modes
 
 
 def _solve_flat(problem: Problem, choose_gpus: bool,
                 objective: Objective) -> tuple[Choice, int, bool]:
-    """`_solve_mode` over flat plans only (today's search)."""
+    """The best flat choice of GPUs and split for `problem`'s recompute mode, how many GPU
+    sets were solved and whether that was all of them (today's search)."""
     if choose_gpus:
         return search_subsets(problem, solve_fixed, _solution_step, objective)
     fixed = solve_fixed(problem)
@@ -452,17 +473,23 @@ def _plan(full: Problem, choice: Choice, sol: Solution, ev: Evaluation, solved: 
         notes.append("no measured profile for " + ", ".join(estimated) +
                      ": their times are catalog estimates")
     comm = problem.comm_model  # the ring over the GPUs used
+    # Plan.state_bytes: the whole model's state (a hybrid group's share is in each rank's
+    # predicted memory).
+    whole_state = state_bytes_per_parameter(problem.precision) * problem.model.total_parameters()
     return Plan(
         global_batch_size=problem.global_batch_size, world_size=problem.world_size,
         predicted_step_seconds=ev.step_seconds, predicted_samples_per_second=sps,
         ranks=ranks, baselines=baselines,
         model=problem.model.model_dump(), precision=problem.precision,
-        memory_fraction=problem.memory_fraction, state_bytes=problem.state_bytes,
+        memory_fraction=problem.memory_fraction, state_bytes=whole_state,
         estimated_gpus=estimated, idle_gpus=idle, unit_shard_ratios=per_unit,
         replica_groups=[list(g) for g in problem.groups],
         optimality_gap_seconds=choice.gap_seconds if chose_gpus else sol.gap_seconds,
         assumptions={
-            "state_bytes_per_parameter": state_bytes_per_parameter(problem.precision),
+            # A hybrid plan's per replica group (4 + 16 / G: hybrid.py).
+            "state_bytes_per_parameter": hybrid_state_bytes(
+                1, len(problem.groups), problem.precision) if problem.groups else
+            state_bytes_per_parameter(problem.precision),
             "network_bandwidth_bytes_per_second": comm.bandwidth_bytes_per_second,
             "network_latency_seconds": comm.latency_seconds,
             **network_assumptions(problem.network, problem.rank_node),
