@@ -350,6 +350,7 @@ async def _adopt(ctx: JobContext, plan: Plan, pools: list[Pool],
     summary = _summary(ctx, plan)
     metrics.PREDICTED_SAMPLES.labels(ctx.namespace, ctx.name).set(
         plan.predicted_samples_per_second or 0.0)
+    metrics.set_replica_groups(ctx.namespace, ctx.name, plan.replica_groups, plan.world_size)
     ratio = summary.get("speedupOverEvenFSDP")
     baseline = plan.baselines.get("even_fsdp")
     even = (f"{ratio:.2f}x even FSDP" if ratio else "even FSDP: "
