@@ -266,7 +266,8 @@ async def _select(ctx: JobContext, nodes: list[dict[str, Any]],
     discovery = await free_pools(ctx.kube, key, ctx.uid, nodes, job_tolerations(ctx.job.spec),
                                  fresh=fresh)
     try:
-        return select_cluster(capped_spec(ctx.job.spec), discovery, nodes)
+        return select_cluster(capped_spec(ctx.job.spec), discovery, nodes,
+                              ctx.config.locality_label_keys())
     except NoGpusError as err:
         CLAIMS.release(key)
         await _no_gpus(ctx, str(err))
