@@ -1,0 +1,97 @@
+"""Issue 44, "the operator end to end" under the real control plane: two nodes of two GPUs
+whose NICs the cluster labels slow (cephalo.dev/nic-gbps = 1), added for this test. A job on
+them (its own GPU pool, `ranksPerPod: 0`) is planned hybrid, a replica group per node; the
+real scheduler places its two rank pods, one per node; each pod's two real trainer processes
+(CPU, gloo) read the groups from the plan ConfigMap's plan.json and train to Succeeded. That
+they trained hybrid is read from what they wrote: only replica group 0 writes checkpoint
+files, one per position, and meta.json names the groups. Short: profiles seeded from the
+catalog (no profiler pod), six steps."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from cephalo.api import parse_plan
+from cephalo.api.network import NIC_GBPS_LABEL
+
+from .cluster import Cluster
+from .nodes import GpuNode
+from .operator_run import (
+    JOB_SECONDS,
+    JOBS,
+    Operator,
+    phases_until,
+    seed_estimated_profiles,
+    tiny_job,
+)
+from .rest import wait_until
+
+POOL = "NVIDIA-A10G"  # no session node has it: the job runs on this test's nodes alone
+HYBRID_NODES = [GpuNode(f"gpu-a10g-{i}", POOL, 2, 23028) for i in range(2)]
+
+
+@pytest.fixture(name="two_nodes")
+def two_nodes_fixture(cluster: Cluster) -> Iterator[list[GpuNode]]:
+    """The two nodes, Ready and run by the process kubelet; gone again afterwards, so the
+    other tests see the session's GPUs only."""
+    for node in HYBRID_NODES:
+        cluster.kubelet.node_names.add(node.name)
+        cluster.heartbeat.register(node)
+        cluster.rest.request("PATCH", f"/api/v1/nodes/{node.name}",
+                             {"metadata": {"labels": {NIC_GBPS_LABEL: "1"}}},
+                             ctype="application/merge-patch+json")
+    try:
+        yield HYBRID_NODES
+    finally:
+        for node in HYBRID_NODES:
+            cluster.heartbeat.nodes.pop(node.name, None)
+            cluster.rest.request("DELETE", f"/api/v1/nodes/{node.name}")
+            cluster.kubelet.node_names.discard(node.name)
+
+
+def test_a_job_behind_a_slow_link_trains_hybrid_under_the_real_api_server(
+        cluster: Cluster, operator: Operator, job_namespace: str,
+        two_nodes: list[GpuNode]) -> None:
+    ns, name = job_namespace, "hybrid"
+    log_from = operator.log_size()
+    body = tiny_job(name, ns, ranksPerPod=0, gpuPools=[{"product": POOL}])
+    body["spec"]["planner"]["sharding"] = "auto"
+    seed_estimated_profiles(cluster, ns, body, [POOL])
+    created = cluster.rest.create(JOBS.format(ns=ns), body, fieldValidation="Strict")
+    phases, status = phases_until(cluster, ns, name, created["metadata"]["resourceVersion"],
+                                  {"Succeeded", "Failed"}, JOB_SECONDS)
+    assert phases[-1] == "Succeeded", f"{phases}: {status.get('message')}"
+    assert "Profiling" not in phases, phases  # planned from the seeded profile
+
+    # Planned hybrid, a group per node, in the ConfigMap the ranks mount.
+    cm = cluster.rest.must("GET", f"/api/v1/namespaces/{ns}/configmaps/{name}-plan")
+    plan = parse_plan(json.loads(cm["data"]["plan.json"]))
+    assert plan.replica_groups == [[0, 1], [2, 3]] and plan.pod_ranks == [2, 2], plan
+    assert (status["plan"]["replicaGroups"], status["plan"]["replicaGroupSize"]) == (2, 2)
+    events = [e for e in cluster.rest.must("GET", f"/api/v1/namespaces/{ns}/events")["items"]
+              if (e.get("involvedObject") or {}).get("name") == name]
+    planned = [e["message"] for e in events if e["reason"] == "Planned"]
+    assert planned and "hybrid: 2 replica groups of 2" in planned[-1], planned
+
+    # The real scheduler put one two-GPU pod on each node.
+    pods = cluster.rest.must("GET", f"/api/v1/namespaces/{ns}/pods", params={
+        "labelSelector": f"cephalo.dev/job={name},cephalo.dev/role=trainer"})["items"]
+    assert sorted((p["metadata"]["name"], p["spec"]["nodeName"]) for p in pods) in (
+        [(f"{name}-rank-0", "gpu-a10g-0"), (f"{name}-rank-2", "gpu-a10g-1")],
+        [(f"{name}-rank-0", "gpu-a10g-1"), (f"{name}-rank-2", "gpu-a10g-0")]), pods
+    assert all(p["status"]["phase"] == "Succeeded" for p in pods)
+
+    # The ranks trained hybrid: group 0's two position files, meta.json naming the groups.
+    steps = body["spec"]["training"]["steps"]
+    final = cluster.kubelet.claim_folder(ns, "ckpt") / name / f"step-{steps:08d}"
+    meta = json.loads((final / "meta.json").read_text())
+    assert meta["replica_groups"] == [[0, 1], [2, 3]], meta
+    assert sorted(p.name for p in final.glob("rank-*.pt")) == ["rank-00000.pt", "rank-00001.pt"]
+    assert "forbidden" not in operator.log_text(log_from).lower(), operator.log()
+    cluster.rest.request("DELETE", f"{JOBS.format(ns=ns)}/{name}")
+    wait_until("the job's pods gone", lambda: not cluster.rest.must(
+        "GET", f"/api/v1/namespaces/{ns}/pods",
+        params={"labelSelector": f"cephalo.dev/job={name}"})["items"], JOB_SECONDS)
