@@ -10,19 +10,22 @@ catalog (no profiler pod), six steps."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from cephalo.api import parse_plan
 from cephalo.api.network import NIC_GBPS_LABEL
+from cephalo.operator.placement import KUEUE_PREFERRED_TOPOLOGY
 
 from .cluster import Cluster
+from .kueue import API, KUEUE_NAMESPACE_LABEL, Kueue
 from .nodes import GpuNode
 from .operator_run import (
     JOB_SECONDS,
     JOBS,
     Operator,
+    make_claim,
     phases_until,
     seed_estimated_profiles,
     tiny_job,
@@ -95,3 +98,80 @@ def test_a_job_behind_a_slow_link_trains_hybrid_under_the_real_api_server(
     wait_until("the job's pods gone", lambda: not cluster.rest.must(
         "GET", f"/api/v1/namespaces/{ns}/pods",
         params={"labelSelector": f"cephalo.dev/job={name}"})["items"], JOB_SECONDS)
+
+
+LEAF = "network.topology.nvidia.com/leaf"  # Topograph's leaf-switch label
+
+
+def test_real_kueue_places_the_hybrid_gang_as_its_plan_assumes(
+        cluster: Cluster, kueue: Kueue, operator: Operator, two_nodes: list[GpuNode],
+        on_failure: Callable[[Callable[[], str]], None]) -> None:
+    """The same job queued through real Kueue with topology-aware scheduling (a Topology of
+    Topograph's leaf label and the hostname, a ResourceFlavor of the two nodes on it): the
+    operator (placement.kueueTopologyLevel = the leaf label) asks for the gang in one leaf;
+    Kueue's Workload carries the request, Kueue admits it with a topology assignment (a pod
+    per node of the leaf) and the job trains to Succeeded there."""
+    on_failure(kueue.logs)
+    ns, name = cluster.namespace("tas"), "tas"
+    cluster.rest.merge_patch(f"/api/v1/namespaces/{ns}",
+                             {"metadata": {"labels": {KUEUE_NAMESPACE_LABEL: "true"}}})
+    make_claim(cluster, ns, "ckpt")
+    for node in two_nodes:
+        cluster.rest.merge_patch(f"/api/v1/nodes/{node.name}",
+                                 {"metadata": {"labels": {LEAF: "leaf-1"}}})
+    made = [f"{API}/topologies/{ns}", f"{API}/resourceflavors/{ns}", f"{API}/clusterqueues/{ns}"]
+    cluster.rest.create(f"{API}/topologies", {
+        "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Topology", "metadata": {"name": ns},
+        "spec": {"levels": [{"nodeLabel": LEAF}, {"nodeLabel": "kubernetes.io/hostname"}]}})
+    cluster.rest.create(f"{API}/resourceflavors", {
+        "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor",
+        "metadata": {"name": ns}, "spec": {"nodeLabels": {"nvidia.com/gpu.product": POOL},
+                                           "topologyName": ns}})
+    cluster.rest.create(f"{API}/clusterqueues", {
+        "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue", "metadata": {"name": ns},
+        "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}},
+                 "resourceGroups": [{"coveredResources": ["cpu", "memory", "nvidia.com/gpu"],
+                                     "flavors": [{"name": ns, "resources": [
+                                         {"name": "cpu", "nominalQuota": "64"},
+                                         {"name": "memory", "nominalQuota": "256Gi"},
+                                         {"name": "nvidia.com/gpu", "nominalQuota": 4}]}]}]}})
+    cluster.rest.create(f"{API}/namespaces/{ns}/localqueues", {
+        "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
+        "metadata": {"name": "team"}, "spec": {"clusterQueue": ns}})
+    operator.extra_env["CEPHALO_KUEUE_TOPOLOGY_LEVEL"] = LEAF
+    operator.restart()
+    try:
+        body = tiny_job(name, ns, ranksPerPod=0, gpuPools=[{"product": POOL}])
+        body["spec"]["planner"]["sharding"] = "auto"
+        body["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team"}
+        seed_estimated_profiles(cluster, ns, body, [POOL])
+        created = cluster.rest.create(JOBS.format(ns=ns), body, fieldValidation="Strict")
+        phases, status = phases_until(cluster, ns, name, created["metadata"]["resourceVersion"],
+                                      {"Succeeded", "Failed"}, JOB_SECONDS)
+        assert phases[-1] == "Succeeded", f"{phases}: {status.get('message')}"
+        assert status["plan"]["replicaGroups"] == 2, status["plan"]
+        pods = [p for p in cluster.rest.must("GET", f"/api/v1/namespaces/{ns}/pods")["items"]
+                if "-rank-" in p["metadata"]["name"]]
+        assert len(pods) == 2 and all(
+            p["metadata"]["annotations"].get(KUEUE_PREFERRED_TOPOLOGY) == LEAF and
+            p["metadata"]["labels"].get("kueue.x-k8s.io/managed") == "true" for p in pods), pods
+        gang = [w for w in cluster.rest.must("GET", f"{API}/namespaces/{ns}/workloads")["items"]
+                if sum(p["count"] for p in w["spec"]["podSets"]) == 2]
+        assert len(gang) == 1, gang
+        # Kueue read the request (the pods' shared shape: one PodSet of both) and admitted it
+        # with a topology assignment: one pod per node (the lowest level), both in leaf-1.
+        requests = [p.get("topologyRequest") or {} for p in gang[0]["spec"]["podSets"]]
+        assert [r.get("preferred") for r in requests] == [LEAF], requests
+        assigned = [a.get("topologyAssignment") for a in
+                    gang[0]["status"]["admission"]["podSetAssignments"]]
+        assert assigned and all(a and a["levels"][-1] == "kubernetes.io/hostname"
+                                and sum(s["domainCount"] for s in a["slices"]) == 2
+                                for a in assigned), assigned
+        assert sorted(p["spec"]["nodeName"] for p in pods) == [n.name for n in two_nodes]
+        print(f"realk8s: real Kueue admitted the hybrid gang with topology {assigned}")
+    finally:
+        operator.extra_env.pop("CEPHALO_KUEUE_TOPOLOGY_LEVEL", None)
+        operator.restart()
+        cluster.rest.request("DELETE", f"{JOBS.format(ns=ns)}/{name}")
+        for path in reversed(made):
+            cluster.rest.request("DELETE", path)
