@@ -16,6 +16,7 @@ from typing import Any
 
 from cephalo.api.tracking import MLFLOW_URI_PATTERN
 from cephalo.operator.lease import ElectionTiming
+from cephalo.operator.locality import DEFAULT_LOCALITY_LABELS
 from cephalo.operator.policy import (
     RESTRICTED_VOLUME_TYPES,
     JobPolicy,
@@ -26,6 +27,10 @@ from cephalo.operator.policy import (
     split_names,
 )
 
+# A Kubernetes label key: an optional DNS-subdomain prefix and '/', then a name of at most
+# 63 characters (alphanumerics, '-', '_', '.', alphanumeric at both ends).
+LABEL_KEY = r"([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?" \
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
 DEFAULT_TRAINER_IMAGE = "ghcr.io/cephalo/cephalo-trainer:0.1.0"
 
 
@@ -109,6 +114,17 @@ class OperatorConfig:
     network_profile_max_age_seconds: float = 7 * 86400.0
     network_probe_timeout_seconds: float = 300.0
 
+    # CEPHALO_KUEUE_TOPOLOGY_LEVEL (the chart's placement.kueueTopologyLevel): a level of the
+    # cluster's Kueue Topology (its node label, e.g. network.topology.nvidia.com/leaf or
+    # topology.kubernetes.io/zone). Rank pods of a job queued through Kueue then request the
+    # placement the plan assumes at that level (operator/placement.py); "": no request (a
+    # level the Topology lacks would leave the job inadmissible, so it is never guessed).
+    kueue_topology_level: str = ""
+    # CEPHALO_LOCALITY_LABELS (the chart's placement.localityLabels, comma-separated,
+    # innermost first): node labels that say which nodes share a switch or zone; the plan's
+    # rank order and replica groups follow them (operator/locality.py). "": none.
+    locality_labels: str = ",".join(DEFAULT_LOCALITY_LABELS)
+
     # CEPHALO_MLFLOW_URI (the chart's tracking.mlflowUri): the MLflow tracking server of jobs
     # whose spec.tracking.mlflow gives no trackingUri (rank pods get MLFLOW_TRACKING_URI).
     mlflow_uri: str = ""
@@ -121,6 +137,9 @@ class OperatorConfig:
                          parse_image_prefixes(self.allowed_image_prefixes),
                          parse_names(self.allowed_priority_class_names),
                          parse_tolerations(self.allowed_tolerations))
+
+    def locality_label_keys(self) -> tuple[str, ...]:
+        return tuple(split_names(self.locality_labels))
 
     def election_timing(self) -> ElectionTiming:
         return ElectionTiming(self.lease_duration_seconds, self.renew_deadline_seconds,
@@ -164,6 +183,16 @@ class OperatorConfig:
         if uri and not re.fullmatch(MLFLOW_URI_PATTERN, uri):
             raise ValueError(f"CEPHALO_MLFLOW_URI={uri[:80]!r} must be an http(s) URL of an "
                              "MLflow tracking server (or databricks), without user:password@")
+        level = values.get("kueue_topology_level", "")
+        if level and not re.fullmatch(LABEL_KEY, level):
+            raise ValueError(f"CEPHALO_KUEUE_TOPOLOGY_LEVEL={level[:80]!r} must be a node label "
+                             "key such as topology.kubernetes.io/zone (a level of the cluster's "
+                             "Kueue Topology), or empty for none")
+        for key in split_names(values.get("locality_labels", "")):
+            if not re.fullmatch(LABEL_KEY, key):
+                raise ValueError(f"CEPHALO_LOCALITY_LABELS: {key[:80]!r} is not a node label "
+                                 "key; give keys such as topology.kubernetes.io/zone, "
+                                 "comma-separated, innermost first")
         config = cls(**values)
         if config.leader_election_namespace and (problem := config.election_timing().problem()):
             raise ValueError(f"leader election: {problem}")

@@ -22,6 +22,7 @@ from cephalo.api import ClusterSpec, GpuGroup
 from cephalo.api.cluster import ClusterNode
 from cephalo.api.job import CephaloJobSpec
 from cephalo.api.network import NIC_GBPS_LABEL
+from cephalo.operator.locality import DEFAULT_LOCALITY_LABELS, by_domain, shared_domain
 from cephalo.operator.podspec import pod_sizes
 from cephalo.planner.catalog import gpu_key, lookup_gpu, resolve_gpu, same_gpu
 
@@ -185,7 +186,9 @@ def _matches(pool: Pool, wanted: str) -> bool:
 
 
 def select_cluster(spec: CephaloJobSpec, discovery: Discovery,
-                   nodes: list[dict[str, Any]] | None = None) -> tuple[ClusterSpec, list[Pool]]:
+                   nodes: list[dict[str, Any]] | None = None,
+                   locality_labels: Sequence[str] = DEFAULT_LOCALITY_LABELS,
+                   ) -> tuple[ClusterSpec, list[Pool]]:
     """The job's pool selection applied to the discovered pools → (ClusterSpec, pools used).
 
     Pools are named by their product label; groups carry the catalog name as `product`
@@ -216,10 +219,15 @@ def select_cluster(spec: CephaloJobSpec, discovery: Discovery,
         raise NoGpusError(describe_nothing_found(discovery, missing))
     if spec.max_gpus is not None:
         chosen = _cap(chosen, spec.max_gpus, spec.precision)
+    # Pools that share a switch / zone next to each other in rank order (operator/locality.py).
+    by_name = {n["metadata"]["name"]: n for n in nodes or []}
+    domains = [shared_domain(p.nodes, by_name, locality_labels) for p, _, _ in chosen]
+    order = by_domain(domains)
+    chosen, domains = [chosen[i] for i in order], [domains[i] for i in order]
     groups = [GpuGroup(product=p.catalog_name or p.product, count=count, pool=p.product,
                        memory_bytes=memory or p.memory_bytes) for p, count, memory in chosen]
     placed = describe_nodes([(p, g) for (p, _, _), g in zip(chosen, groups, strict=True)],
-                            nodes or [], spec.ranks_per_pod)
+                            nodes or [], spec.ranks_per_pod, domains)
     return ClusterSpec(groups=groups, nodes=placed, network_source=NETWORK_SOURCE), \
         [p for p, _, _ in chosen]
 
@@ -228,16 +236,18 @@ NETWORK_SOURCE = f"operator (GPU discovery, node label {NIC_GBPS_LABEL})"
 
 
 def describe_nodes(chosen: list[tuple[Pool, GpuGroup]], nodes: list[dict[str, Any]],
-                   ranks_per_pod: int) -> list[ClusterNode]:
+                   ranks_per_pod: int, domains: Sequence[str | None] = ()) -> list[ClusterNode]:
     """Where the ranks of each pool will sit, as the planner's nodes: the pods
     `podspec.pack_ranks` will make of them (one per node of the pool, largest first; at most
     ranksPerPod ranks each), each on a node with its pool's NIC. A pod lands on any node of
     its pool that has room, so its NIC is the pool's slowest labelled one (none: unlabelled,
     the plan assumes the default); a pod cut short by ranksPerPod may share its node with
-    others of the job, and so its NIC (one rank a pod: 1/8 of an 8-GPU node's)."""
+    others of the job, and so its NIC (one rank a pod: 1/8 of an 8-GPU node's). `domains`:
+    each pool's switch / zone (operator/locality.py), given to its pods."""
     by_name = {n["metadata"]["name"]: n for n in nodes}
     out = []
-    for pool, group in chosen:
+    for index, (pool, group) in enumerate(chosen):
+        domain = domains[index] if index < len(domains) else None
         free = list(pool.node_gpus) or [_int(((by_name.get(n) or {}).get("status") or {})
                                              .get("allocatable", {}).get(GPU_RESOURCE))
                                         for n in pool.nodes]
@@ -249,7 +259,8 @@ def describe_nodes(chosen: list[tuple[Pool, GpuGroup]], nodes: list[dict[str, An
             out.append(ClusterNode(gpus={group.key: size}, name=pool.product,
                                    nic_bandwidth_bytes_per_second=None if nic is None
                                    else nic * 1e9 / 8,
-                                   nic_share=size / largest if shared else 1.0))
+                                   nic_share=size / largest if shared else 1.0,
+                                   domain=domain))
     return out
 
 

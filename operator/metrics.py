@@ -75,6 +75,12 @@ RESCALE_ROLLBACKS = Counter("cephalo_operator_rescale_rollbacks_total",
 RANK_BATCH = Gauge("cephalo_operator_rank_batch_size",
                    "Samples each rank takes of the global batch under the split in force "
                    "(live rebalancing moves them without a restart)", (*JOB_LABELS, "rank"))
+# Hybrid sharding (docs/hybrid-sharding.md): which replica group each rank of the plan in
+# force belongs to, so a panel shows the groups beside the per-rank series.
+RANK_REPLICA_GROUP = Gauge("cephalo_operator_rank_replica_group",
+                           "Replica group of each rank under the plan in force (hybrid "
+                           "sharding: groups 0..G-1, each holding the whole training state; "
+                           "flat sharding: every rank in group 0)", (*JOB_LABELS, "rank"))
 REBALANCES = Counter("cephalo_operator_rebalances_total",
                      "Changes of a running job's split of the global batch by live "
                      "rebalancing (no restart)", JOB_LABELS)
@@ -93,7 +99,8 @@ for _outcome in RECONCILE_OUTCOMES:  # both from the start: an error rate reads 
     RECONCILES.labels(_outcome)
 
 _phases: dict[tuple[str, str], str] = {}
-_ranks: dict[tuple[str, str], int] = {}  # RANK_BATCH series per job, to remove them all
+# Per-rank series per job (RANK_BATCH, RANK_REPLICA_GROUP), to remove them all.
+_ranks: dict[tuple[Gauge, str, str], int] = {}
 
 
 def set_phase(namespace: str, job: str, phase: str | None) -> None:
@@ -104,6 +111,7 @@ def set_phase(namespace: str, job: str, phase: str | None) -> None:
             with contextlib.suppress(KeyError):
                 metric.remove(namespace, job)
         set_split(namespace, job, None)
+        set_replica_groups(namespace, job, [], 0)
     else:
         if (namespace, job) not in _phases:
             for counter in JOB_COUNTERS:
@@ -127,16 +135,32 @@ def set_progress(namespace: str, job: str, progress: dict[str, Any] | None) -> N
 
 def set_split(namespace: str, job: str, rebalance: dict[str, Any] | None) -> None:
     """The per-rank batch series from status.rebalance as written (none without it)."""
-    batches = (rebalance or {}).get("batchSizes") or []
-    for rank in range(len(batches), _ranks.get((namespace, job), 0)):
-        with contextlib.suppress(KeyError):  # ranks a smaller gang no longer has
-            RANK_BATCH.remove(namespace, job, str(rank))
-    for rank, batch in enumerate(batches):
-        RANK_BATCH.labels(namespace, job, str(rank)).set(batch)
-    if batches:
-        _ranks[(namespace, job)] = len(batches)
+    _set_per_rank(RANK_BATCH, namespace, job, (rebalance or {}).get("batchSizes") or [])
+
+
+def set_replica_groups(namespace: str, job: str, groups: list[list[int]],
+                       world_size: int) -> None:
+    """Each rank's replica group under the plan just adopted (`groups` empty: flat, every
+    rank in group 0; `world_size` 0: the job is gone, its series too)."""
+    group_of = [0] * world_size
+    for index, group in enumerate(groups):
+        for rank in group:
+            group_of[rank] = index
+    _set_per_rank(RANK_REPLICA_GROUP, namespace, job, group_of)
+
+
+def _set_per_rank(gauge: Gauge, namespace: str, job: str, values: list[int]) -> None:
+    """One series per rank of `values`; the ranks a smaller gang no longer has go."""
+    key = (gauge, namespace, job)
+    for rank in range(len(values), _ranks.get(key, 0)):
+        with contextlib.suppress(KeyError):
+            gauge.remove(namespace, job, str(rank))
+    for rank, value in enumerate(values):
+        gauge.labels(namespace, job, str(rank)).set(value)
+    if values:
+        _ranks[key] = len(values)
     else:
-        _ranks.pop((namespace, job), None)
+        _ranks.pop(key, None)
 
 
 def serve(port: int) -> None:

@@ -266,7 +266,8 @@ async def _select(ctx: JobContext, nodes: list[dict[str, Any]],
     discovery = await free_pools(ctx.kube, key, ctx.uid, nodes, job_tolerations(ctx.job.spec),
                                  fresh=fresh)
     try:
-        return select_cluster(capped_spec(ctx.job.spec), discovery, nodes)
+        return select_cluster(capped_spec(ctx.job.spec), discovery, nodes,
+                              ctx.config.locality_label_keys())
     except NoGpusError as err:
         CLAIMS.release(key)
         await _no_gpus(ctx, str(err))
@@ -350,6 +351,7 @@ async def _adopt(ctx: JobContext, plan: Plan, pools: list[Pool],
     summary = _summary(ctx, plan)
     metrics.PREDICTED_SAMPLES.labels(ctx.namespace, ctx.name).set(
         plan.predicted_samples_per_second or 0.0)
+    metrics.set_replica_groups(ctx.namespace, ctx.name, plan.replica_groups, plan.world_size)
     ratio = summary.get("speedupOverEvenFSDP")
     baseline = plan.baselines.get("even_fsdp")
     even = (f"{ratio:.2f}x even FSDP" if ratio else "even FSDP: "

@@ -21,7 +21,8 @@ from cephalo.api.profile import profile_cache_key
 from cephalo.api.trainer_env import POD_UID, TrainerVars, to_environ
 from cephalo.operator.config import OperatorConfig
 from cephalo.operator.discovery import GPU_RESOURCE, PRODUCT_LABEL, product_matches
-from cephalo.operator.gang import apply_gang, apply_scheduling, group_name
+from cephalo.operator.gang import apply_gang, apply_scheduling, group_name, kueue_queue
+from cephalo.operator.placement import kueue_topology_annotations
 from cephalo.operator.podspec import (
     CPUS_PER_RANK,
     apply_default_resources,
@@ -379,6 +380,9 @@ def render(job: CephaloJob, plan: Plan, config: OperatorConfig | None = None,
           "metadata": object_meta(job, plan_config_map_name(job), {LABEL_ROLE: "plan"},
                             {ANNOTATION_CONFIG_HASH: digest}),
           "data": {"job.yaml": job_yaml(job), "plan.json": plan.to_json()}}
+    # The placement the plan assumes, as Kueue topology requests (operator/placement.py).
+    topology = kueue_topology_annotations(plan, config.kueue_topology_level) \
+        if kueue_queue(job) else {}
     selector = {LABEL_JOB: name, LABEL_ROLE: "trainer"}
     service = {"apiVersion": "v1", "kind": "Service",
                "metadata": object_meta(job, service_name(job), {LABEL_ROLE: "trainer"}),
@@ -444,6 +448,7 @@ def render(job: CephaloJob, plan: Plan, config: OperatorConfig | None = None,
             apply_pod_template(pod, job.spec.pod_template),
             host_memory_bytes(plan.state_bytes, [rank.shard_ratio for rank in group]),
             CPUS_PER_RANK * count)
+        pod["metadata"].setdefault("annotations", {}).update(topology)
         objects.append(apply_gang(pod, job,
                                   group=group_name(name, attempt, digest),
                                   group_size=len(groups), task=dns_safe(pool, 63)))

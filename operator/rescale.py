@@ -101,7 +101,8 @@ async def consider(ctx: JobContext, nodes: list[dict[str, Any]], plan: Plan) -> 
         discovery = await free_pools(ctx.kube, key, ctx.uid, nodes, job_tolerations(spec),
                                      fresh=fresh)
         try:
-            cluster, pools = select_cluster(capped_spec(spec), discovery, nodes)
+            cluster, pools = select_cluster(capped_spec(spec), discovery, nodes,
+                                        ctx.config.locality_label_keys())
         except NoGpusError:
             return None
         offer = {g.pool or g.product: g.count for g in cluster.groups}
@@ -331,7 +332,8 @@ async def held_inputs(ctx: JobContext, nodes: list[dict[str, Any]], gpus: dict[s
     discovery = await free_pools(ctx.kube, (ctx.namespace, ctx.name), ctx.uid, nodes,
                                  job_tolerations(spec), fresh=True)  # a new plan: see consider
     try:
-        cluster, pools = select_cluster(capped_spec(spec), discovery, nodes)
+        cluster, pools = select_cluster(capped_spec(spec), discovery, nodes,
+                                        ctx.config.locality_label_keys())
     except NoGpusError as err:
         log.info("%s/%s: no %s yet: %s", ctx.namespace, ctx.name, why, err)
         return None

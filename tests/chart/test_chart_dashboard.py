@@ -170,7 +170,7 @@ def test_dashboard_queries_use_exported_metrics_and_labels() -> None:
                    "cephalo_memory_capacity_bytes", "cephalo_collective_wait_seconds_total",
                    "cephalo_loss", "cephalo_operator_gang_restarts_total",
                    "cephalo_operator_jobs", "cephalo_operator_planning_duration_seconds_bucket",
-                   "cephalo_operator_reconciles_total"):
+                   "cephalo_operator_reconciles_total", "cephalo_operator_rank_replica_group"):
         assert needed in checked, f"the dashboard has no panel reading {needed}"
 
 

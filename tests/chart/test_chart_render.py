@@ -173,6 +173,8 @@ def test_strict_lint_passes(values: dict[str, Any]) -> None:
      "at '/jobPolicy/allowedTolerations/0/effect'"),
     ({"jobPolicy": {"allowedTolerations": [{"effect": "NoSchedule"}]}},
      "at '/jobPolicy/allowedTolerations/0'"),
+    ({"placement": {"kueueTopologyLevel": "zone=a"}}, "at '/placement/kueueTopologyLevel'"),
+    ({"placement": {"localityLabels": ["/leaf"]}}, "at '/placement/localityLabels/0'"),
     ({"serviceAccount": {"create": False}}, "serviceAccount.name is required"),
     ({"replicas": 0}, "at '/replicas'"),
     ({"leaderElection": {"leaseDurationSeconds": 10}},

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +118,8 @@ def cached_profiles(cluster: Cluster, ns: str) -> list[str]:
         if cm["metadata"]["name"].startswith("cephalo-profile-")]
 
 
-def seed_estimated_profiles(cluster: Cluster, ns: str, body: dict[str, Any]) -> list[str]:
+def seed_estimated_profiles(cluster: Cluster, ns: str, body: dict[str, Any],
+                            products: Sequence[str] = ()) -> list[str]:
     """Cache, as the operator caches a measured profile (its own ConfigMap name and key), the
     catalog's estimate of every node's GPU for `body`'s model: the job then plans with the
     real GPUs' figures, not a CPU's, and starts no profiler pod. Returns the names written.
@@ -125,7 +127,8 @@ def seed_estimated_profiles(cluster: Cluster, ns: str, body: dict[str, Any]) -> 
     For tests whose verdict compares a job's measured speed with its prediction: a profile
     measured on this shared CPU is as fast as the machine was quiet (issue 46: one measured
     while another test's ranks ran at niceness -20 was ~30x slow and cached), while a
-    GPU's estimate is orders of magnitude faster than any CPU rank, on any machine."""
+    GPU's estimate is orders of magnitude faster than any CPU rank, on any machine.
+    `products`: these GPU products (a test's own nodes) instead of the session's nodes'."""
     from cephalo.api import parse_job
     from cephalo.operator.config import OperatorConfig
     from cephalo.operator.render import (
@@ -142,7 +145,7 @@ def seed_estimated_profiles(cluster: Cluster, ns: str, body: dict[str, Any]) -> 
     job = parse_job(body)
     spec = job.spec
     names = []
-    for product in sorted({n.product for n in NODES}):
+    for product in sorted(set(products) or {n.product for n in NODES}):
         gpu = lookup_gpu(product)
         profile = estimate_profile(gpu.name, spec.model.resolve(),
                                    resolve_precision(spec.precision, gpu),

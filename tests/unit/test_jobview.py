@@ -186,3 +186,17 @@ def test_cephalo_status_shows_the_split_in_force() -> None:
         "1 change(s) without a restart",
         "  2026-12-06T15:00:00Z after step 10: split [32, 8] -> [34, 6]"]
     assert lines[0] in job_details(job_from(body), None, [], NOW).splitlines()
+
+
+def test_cephalo_status_names_a_hybrid_plans_replica_groups() -> None:
+    """Issue 44: the groups from status.plan, even where the plan ConfigMap is not readable;
+    a flat plan shows no sharding line."""
+    hybrid = job_from(_job(phase="Running", plan={
+        "worldSize": 4, "pools": {"NVIDIA-A10G": 4}, "replicaGroups": 2,
+        "replicaGroupSize": 2}))
+    details = job_details(hybrid, None, [], NOW).splitlines()
+    assert "Sharding:    hybrid, 2 replica groups of 2 ranks (each holds the whole " \
+        "training state)" in details
+    flat = job_from(_job(phase="Running", plan={"worldSize": 4, "pools": {"NVIDIA-A10G": 4}}))
+    assert not any(line.startswith("Sharding:") for line in
+                   job_details(flat, None, [], NOW).splitlines())

@@ -97,3 +97,20 @@ def test_the_batch_per_rank_follows_status_rebalance_and_goes_with_the_job() -> 
     assert ranks() == {"0": 24.0, "1": 8.0}
     metrics.set_phase("ns-s", "split", None)
     assert ranks() == {}
+
+
+def test_each_ranks_replica_group_follows_the_adopted_plan_and_goes_with_the_job() -> None:
+    """Issue 44: the dashboard's groups panel reads which group each rank is in."""
+    def groups() -> dict[str, float]:
+        page = generate_latest(REGISTRY).decode()
+        return {s.labels["rank"]: s.value for family in text_string_to_metric_families(page)
+                for s in family.samples if s.name == "cephalo_operator_rank_replica_group"
+                and s.labels.get("cephalo_job") == "hy"}
+
+    metrics.set_phase("ns-h", "hy", "Pending")
+    metrics.set_replica_groups("ns-h", "hy", [[0, 1], [2, 3]], 4)
+    assert groups() == {"0": 0.0, "1": 0.0, "2": 1.0, "3": 1.0}
+    metrics.set_replica_groups("ns-h", "hy", [], 3)  # re-planned flat on fewer GPUs
+    assert groups() == {"0": 0.0, "1": 0.0, "2": 0.0}
+    metrics.set_phase("ns-h", "hy", None)
+    assert groups() == {}

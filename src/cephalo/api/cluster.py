@@ -47,6 +47,11 @@ class ClusterNode(BaseModel):
     # at the collective library's efficiency (cephalo.api.network).
     nic_measured: bool = False
     intra_measured: bool = False
+    # Which switch / zone the node sits in, as the cluster publishes it (the operator's
+    # locality labels, e.g. "topology.kubernetes.io/zone=a/network.topology.nvidia.com/leaf=s1",
+    # outermost first): nodes with the same value share it. None: not known. A hybrid plan's
+    # replica group of several nodes stays inside one domain (docs/hybrid-sharding.md).
+    domain: str | None = Field(default=None, max_length=1024)
 
     @model_validator(mode="after")
     def _positive(self) -> ClusterNode:

@@ -128,6 +128,7 @@ def job_details(job: Job, plan: Plan | None, events: Sequence[dict[str, Any]],
              f"Phase:       {job.phase}" + (f"  ({s.message})" if s.message else ""),
              f"Age:         {age(job.created, now)}",
              f"GPUs:        {gpus(job)}",
+             *sharding_lines(job),
              f"Step:        {steps(job)}{_percent_text(job)}   loss {loss}"
              f"   samples/s measured/predicted {throughput(job)}",
              *eta_lines(job, now),
@@ -212,6 +213,17 @@ def elastic_lines(job: Job) -> list[str]:
         lines.append(f"  profiling {product} failed {f.failures or 0} time(s) in a row; left "
                      f"out until {f.retry_time or '-'}: {f.reason or ''}")
     return lines
+
+
+def sharding_lines(job: Job) -> list[str]:
+    """A hybrid plan's replica groups from status.plan (docs/hybrid-sharding.md), so they
+    show even when the plan ConfigMap cannot be read; none for a flat plan."""
+    plan = job.status.plan
+    if plan is None or not plan.replica_groups:
+        return []
+    size = plan.replica_group_size or "?"
+    return [f"Sharding:    hybrid, {plan.replica_groups} replica groups of {size} ranks "
+            "(each holds the whole training state)"]
 
 
 def replan_lines(job: Job) -> list[str]:

@@ -184,8 +184,10 @@ def layouts(problem: Problem) -> tuple[list[Layout], bool]:
         for per_group in range(1, len(chosen) // 2 + 1):
             if len(chosen) % per_group:
                 continue
-            groups = tuple(tuple(r for n in chosen[i:i + per_group] for r in node_ranks[n])
-                           for i in range(0, len(chosen), per_group))
+            spans = [chosen[i:i + per_group] for i in range(0, len(chosen), per_group)]
+            if any(len({topology.nodes[n].domain for n in nodes}) > 1 for nodes in spans):
+                continue  # a group's rings stay inside one switch / zone (ClusterNode.domain)
+            groups = tuple(tuple(r for n in nodes for r in node_ranks[n]) for nodes in spans)
             out.append(Layout(groups, per_group))
     out.sort(key=lambda lay: (-len(lay.ranks), lay.nodes_per_group))
     return out, exhaustive

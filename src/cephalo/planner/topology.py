@@ -57,6 +57,7 @@ class NodeLinks:
     intra_latency_seconds: float
     nic_efficiency: float = 1.0
     intra_efficiency: float = 1.0
+    domain: str | None = None  # ClusterNode.domain: the switch / zone it shares with others
 
 
 @dataclass(frozen=True)
@@ -284,7 +285,7 @@ def topology_network(spec: CephaloJobSpec, cluster: ClusterSpec, base: CommModel
             nic * node.nic_share, figure("inter_node_latency", node.nic_latency_seconds,
                                          describer)[0],
             intra, figure("intra_node_latency", node.intra_latency_seconds, describer)[0],
-            nic_share, intra_share)
+            nic_share, intra_share, node.domain)
         for _ in range(node.count):
             for key in sorted(node.gpus, key=index.__getitem__):  # groups in cluster order
                 placement += [(index[key], len(links))] * node.gpus[key]
