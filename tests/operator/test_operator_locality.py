@@ -39,17 +39,24 @@ def test_a_pools_domain_is_what_all_its_nodes_share_outermost_first() -> None:
                       f"{ZONE}=z1"]) == [4, 2, 0, 3, 1]
 
 
+# Llama-7B's dimensions with 44 blocks (9.6 billion parameters): a replica group of one node
+# of eight 16 GB GPUs cannot hold its share of the state (the fp32 weights and 1/G of the
+# optimizer's, docs/hybrid-sharding.md) with four groups, a group of two nodes can with two.
+BIG_LLAMA = {"family": "llama", "numLayers": 44, "hiddenSize": 4096, "numHeads": 32,
+             "ffnHiddenSize": 11008, "vocabSize": 32000, "sequenceLength": 2048}
+
+
 def _llama(**planner: Any):  # type: ignore[no-untyped-def]
     return parse_job({"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
                       "metadata": {"name": "t"}, "spec": {
-                          "model": {"preset": "llama-7b"}, "globalBatchSize": 256,
+                          "model": BIG_LLAMA, "globalBatchSize": 256,
                           "ranksPerPod": 0, "planner": {
                               "sharding": "hybrid", "chooseGpus": False,
                               "network": {"interNodeGbps": 10.0, "intraNodeGbps": 100.0},
                               **planner}}}).spec
 
 
-# Four nodes of eight 16 GB GPUs: Llama-7B's state needs two such nodes a replica group. By
+# Four nodes of eight 16 GB GPUs: BIG_LLAMA needs two such nodes a replica group. By
 # product the pools interleave the zones (P100 in a, T4 in b, V100 in a).
 INTERLEAVED = [_node("p100-0", "Tesla-P100-PCIE-16GB", **{ZONE: "a"}),
                _node("t4-0", "Tesla-T4", **{ZONE: "b"}), _node("t4-1", "Tesla-T4", **{ZONE: "b"}),
