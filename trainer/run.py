@@ -107,7 +107,7 @@ def _show_held(live: LiveSplit, shown: Hold | None, logger: StepLogger, verbose:
                                  "" if held is None else held.reason)
     if verbose and held is not None:
         print(f"cephalo trainer: rebalancing held by memory: {held.reason} (a smaller "
-              f"shard needs a restart: re-planning)", flush=True)
+              f"microbatch or shard needs a restart: re-planning)", flush=True)
     return held
 
 
