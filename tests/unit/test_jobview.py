@@ -186,3 +186,7 @@ def test_cephalo_status_shows_the_split_in_force() -> None:
         "1 change(s) without a restart",
         "  2026-12-06T15:00:00Z after step 10: split [32, 8] -> [34, 6]"]
     assert lines[0] in job_details(job_from(body), None, [], NOW).splitlines()
+    body["status"]["rebalance"].update(heldStep=20, heldReason="rank 0 would need 38 samples")
+    assert rebalance_lines(job_from(body), None)[-1] == (
+        "  held by memory since step 20: rank 0 would need 38 samples (a smaller microbatch "
+        "or shard needs a restart: re-planning)")
