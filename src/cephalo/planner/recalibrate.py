@@ -94,13 +94,7 @@ def recalibrate(spec: CephaloJobSpec, cluster: ClusterSpec,
         raise ValueError(f"measured step {measured.step_seconds} s is not a positive time")
     given = complete_profiles(spec, cluster, profiles)
     split = split_in_force(plan, measured.batch_sizes)
-    assignment, order = _assignment(plan, cluster, split)
-    # The model prices whole microbatches: a split with a smaller last microbatch is priced
-    # as the global batch of its whole ones (its compute share is corrected in the compute
-    # scale; the step's over-statement, under one microbatch per such rank, goes to c).
-    whole = sum(m * count for m, count in (a for a in assignment if a is not None))
-    if whole != spec.global_batch_size:
-        spec = spec.model_copy(update={"global_batch_size": whole})
+    spec, assignment, order = _priced(spec, cluster, plan, split)
     ranks = [plan.ranks[r] for r in order]
     recompute = plan.recompute is not False
     kept = [r.kept_blocks for r in ranks] if recompute else None
@@ -150,6 +144,36 @@ def complete_profiles(spec: CephaloJobSpec, cluster: ClusterSpec,
             out[gpu.name] = estimate_profile(gpu, model, resolve_precision(spec.precision, gpu),
                                              spec.planner.profile_micro_batch_sizes)
     return out
+
+
+def split_step_seconds(spec: CephaloJobSpec, cluster: ClusterSpec,
+                       profiles: Mapping[str, GpuProfile] | None, plan: Plan,
+                       batch_sizes: Sequence[int] | None) -> float:
+    """The model's step for `plan` run under the split `batch_sizes` (None: the plan's own),
+    priced as `recalibrate` prices the split in force, with the profiles it was planned
+    with: what `cephalo run` compares a rebalanced run's end against."""
+    given = complete_profiles(spec, cluster, profiles)
+    spec, assignment, order = _priced(spec, cluster, plan, split_in_force(plan, batch_sizes))
+    recompute = plan.recompute is not False
+    kept = [plan.ranks[r].kept_blocks for r in order] if recompute else None
+    ev = evaluate(spec, cluster, given, assignment, recompute=recompute, kept_blocks=kept)
+    if not ev.feasible:
+        raise ValueError(f"the plan under the split {batch_sizes} does not fit the model: "
+                         f"{ev.reason}")
+    return ev.step_seconds
+
+
+def _priced(spec: CephaloJobSpec, cluster: ClusterSpec, plan: Plan, split: Sequence[int]
+            ) -> tuple[CephaloJobSpec, list[tuple[int, int] | None], list[int]]:
+    """(spec, assignment, plan rank per GPU used) pricing `plan` under `split`. The model
+    prices whole microbatches: a split with a smaller last microbatch is priced as the
+    global batch of its whole ones (its compute share is corrected in the compute scale;
+    the step's over-statement, under one microbatch per such rank, goes to c)."""
+    assignment, order = _assignment(plan, cluster, split)
+    whole = sum(m * count for m, count in (a for a in assignment if a is not None))
+    if whole != spec.global_batch_size:
+        spec = spec.model_copy(update={"global_batch_size": whole})
+    return spec, assignment, order
 
 
 def split_in_force(plan: Plan, batch_sizes: Sequence[int] | None) -> list[int]:
