@@ -182,3 +182,30 @@ def test_max_samples_is_the_largest_batch_within_the_memory_budget() -> None:
     assert max_samples(engine, None, 6 * per_sample) == 10
     assert max_samples(engine, limit, 6 * per_sample) == 10  # the smaller budget
     assert max_samples(engine, None, None) == 4  # nothing known: the plan's batch at most
+
+
+def test_rank_zero_shows_a_hold_once_and_clears_it(capsys: pytest.CaptureFixture[str]) -> None:
+    from types import SimpleNamespace
+
+    from cephalo.planner.rebalance import Hold
+    from cephalo.trainer.metrics import TrainerMetrics
+    from cephalo.trainer.run import _show_held
+
+    metrics = TrainerMetrics(rank=0, port=0, predicted_step_seconds=None)
+    rebalancer = SimpleNamespace(held=None)
+    live, logger = SimpleNamespace(rebalancer=rebalancer), SimpleNamespace(metrics=metrics)
+
+    def held_series() -> list[tuple[str, float]]:
+        return [(s.labels["reason"], s.value) for family in metrics.registry.collect()
+                if family.name == "cephalo_split_held_step" for s in family.samples]
+
+    shown = None
+    reason = "split [4, 4] kept short of [7, 1] after step 2: rank 0 would need 7 samples"
+    for step in (2, 4):  # two decisions finding the same hold: shown once, since the first
+        rebalancer.held = Hold(step, (4, 4), (7, 1), reason)
+        shown = _show_held(live, shown, logger, verbose=True)  # type: ignore[arg-type]
+    assert held_series() == [(reason, 2.0)]
+    assert capsys.readouterr().out.count("rebalancing held by memory: split [4, 4]") == 1
+    rebalancer.held = None
+    assert _show_held(live, shown, logger, verbose=True) is None  # type: ignore[arg-type]
+    assert held_series() == [] and capsys.readouterr().out == ""
