@@ -146,6 +146,18 @@ def test_a_split_in_force_is_priced_as_the_planner_prices_it() -> None:
     assert in_force.step_seconds != pytest.approx(planned.predicted_step_seconds, rel=1e-3)
 
 
+def test_groups_of_one_pool_are_told_apart_by_their_gpu() -> None:
+    """`cephalo run`'s cluster puts every local device in pool "local": its ranks are placed
+    on the group of their GPU within the pool."""
+    cluster = ClusterSpec(groups=[GpuGroup(product="A10G", count=2, pool="local"),
+                                  GpuGroup(product="T4", count=2, pool="local")])
+    spec = _spec("gpt-small")
+    planned = solve(spec, cluster)
+    assert {r.pool for r in planned.ranks} == {"local"} and len(planned.ranks) > 2
+    assert split_step_seconds(spec, cluster, None, planned, None) == pytest.approx(
+        planned.predicted_step_seconds, rel=1e-6)
+
+
 def test_a_split_that_is_not_the_plans_global_batch_is_refused() -> None:
     spec = _spec()
     planned = solve(spec, CLUSTER)

@@ -195,15 +195,17 @@ def split_in_force(plan: Plan, batch_sizes: Sequence[int] | None) -> list[int]:
 def _assignment(plan: Plan, cluster: ClusterSpec, split: Sequence[int]
                 ) -> tuple[list[tuple[int, int] | None], list[int]]:
     """The (m, ℓ) per GPU in the cluster's order (None: idle) under `split` (the plan's m,
-    ℓ = ⌈b / m⌉) and, per GPU used, the plan rank on it. A rank's pool is its group's pool
-    (default: the GPU's catalog name)."""
-    by_pool: dict[str, list[int]] = {}
+    ℓ = ⌈b / m⌉) and, per GPU used, the plan rank on it. A rank belongs to the group of its
+    pool (default: the GPU's catalog name) and GPU: one pool may hold groups of several
+    GPUs (`cephalo run` puts every local device in pool "local")."""
+    by_pool: dict[tuple[str, str], list[int]] = {}
     for r in plan.ranks:
-        by_pool.setdefault(r.pool or r.gpu, []).append(r.rank)
+        by_pool.setdefault((r.pool or r.gpu, r.gpu), []).append(r.rank)
     assignment: list[tuple[int, int] | None] = []
     order: list[int] = []
     for group in cluster.groups:
-        pool = group.pool or resolve_gpu(group.product, group.memory_bytes).name
+        gpu = resolve_gpu(group.product, group.memory_bytes).name
+        pool = (group.pool or gpu, gpu)
         ranks = by_pool.pop(pool, [])
         for k in range(group.count):
             if k < len(ranks):
@@ -214,10 +216,11 @@ def _assignment(plan: Plan, cluster: ClusterSpec, split: Sequence[int]
             else:
                 assignment.append(None)
         if len(ranks) > group.count:
-            raise ValueError(f"the plan has {len(ranks)} ranks in pool {pool}, which has "
-                             f"{group.count} GPUs")
+            raise ValueError(f"the plan has {len(ranks)} {gpu} ranks in pool {pool[0]}, which "
+                             f"has {group.count} of them")
     if by_pool:
-        raise ValueError(f"the plan uses pools the cluster lacks: {', '.join(sorted(by_pool))}")
+        raise ValueError(f"the plan uses pools the cluster lacks: "
+                         f"{', '.join(sorted(f'{p} ({g})' for p, g in by_pool))}")
     return assignment, order
 
 
