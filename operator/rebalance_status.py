@@ -62,8 +62,8 @@ def observe(ctx: JobContext, scraped: dict[str, Any] | None, pod_uid: str | None
     ctx.record(rebalance=new)
     held = new.get("heldReason")
     if held and held != before.get("heldReason"):
-        ctx.event("Normal", NOT_REBALANCED, f"{held} (no move: a smaller microbatch or shard "
-                  f"for it needs a restart, i.e. re-planning)")
+        ctx.event("Normal", NOT_REBALANCED, f"{held} (more needs a smaller microbatch or "
+                  f"shard: a restart, i.e. re-planning)")
     if not seen:
         return
     metrics.REBALANCES.labels(ctx.namespace, ctx.name).inc(seen)
