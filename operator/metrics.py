@@ -79,7 +79,8 @@ RANK_BATCH = Gauge("cephalo_operator_rank_batch_size",
 # force belongs to, so a panel shows the groups beside the per-rank series.
 RANK_REPLICA_GROUP = Gauge("cephalo_operator_rank_replica_group",
                            "Replica group of each rank under the plan in force (hybrid "
-                           "sharding: groups 0..G-1, each holding the whole training state; "
+                           "sharding: groups 0..G-1, each holding the weights sharded among "
+                           "its ranks; "
                            "flat sharding: every rank in group 0)", (*JOB_LABELS, "rank"))
 REBALANCES = Counter("cephalo_operator_rebalances_total",
                      "Changes of a running job's split of the global batch by live "

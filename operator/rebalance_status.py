@@ -5,7 +5,10 @@ its own, at a step boundary and without a restart; the operator only shows what 
 Rank 0's page counts the changes of its own gang (a new gang starts from 0, under the split
 its checkpoint recorded), so the job's count adds what each gang's count grew by since the
 last scrape, keyed by the rank-0 pod that counted it. Changes made between two scrapes are
-posted as one Event that says how many.
+posted as one Event that says how many. When memory keeps the split short of the one the
+ranks' speeds want (a rank would need more samples than its memory holds at its microbatch
+size), rank 0's page says why; status.rebalance carries it while it lasts and an Event
+`NotRebalanced` says it when it starts or its reason changes.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ if TYPE_CHECKING:
     from cephalo.operator.context import JobContext
 
 REBALANCED = "Rebalanced"  # the Event's reason
+NOT_REBALANCED = "NotRebalanced"  # memory keeps the split short of the one wanted
+HELD_FIELDS = ("heldStep", "heldReason")  # the trainer's current figures, not kept
 
 
 def next_status(before: dict[str, Any] | None, scraped: dict[str, Any], pod_uid: str | None,
@@ -36,6 +41,7 @@ def next_status(before: dict[str, Any] | None, scraped: dict[str, Any], pod_uid:
         "gangChanges": max(count, counted)}
     if pod_uid is not None:
         new["gangPod"] = pod_uid
+    new.update({k: scraped[k] for k in HELD_FIELDS if scraped.get(k) is not None})
     for key in ("lastChangeStep", "lastChangeTime", "lastChangeReason"):
         if before.get(key) is not None:
             new[key] = before[key]
@@ -46,11 +52,18 @@ def next_status(before: dict[str, Any] | None, scraped: dict[str, Any], pod_uid:
 
 
 def observe(ctx: JobContext, scraped: dict[str, Any] | None, pod_uid: str | None) -> None:
-    """Record rank 0's split in status.rebalance; an Event and the counter on a change."""
+    """Record rank 0's split in status.rebalance; an Event and the counter on a change, and
+    an Event `NotRebalanced` when memory starts keeping the split short, or for another
+    rank or split."""
     if not scraped:
         return
-    new, seen = next_status(ctx.decided("rebalance"), scraped, pod_uid, now_iso(ctx.now))
+    before = ctx.decided("rebalance") or {}
+    new, seen = next_status(before, scraped, pod_uid, now_iso(ctx.now))
     ctx.record(rebalance=new)
+    held = new.get("heldReason")
+    if held and held != before.get("heldReason"):
+        ctx.event("Normal", NOT_REBALANCED, f"{held} (more needs a smaller microbatch or "
+                  f"shard: a restart, i.e. re-planning)")
     if not seen:
         return
     metrics.REBALANCES.labels(ctx.namespace, ctx.name).inc(seen)
@@ -59,4 +72,4 @@ def observe(ctx: JobContext, scraped: dict[str, Any] | None, pod_uid: str | None
               f" (now {new['batchSizes']}, microbatches {new['microBatches']}; no restart)")
 
 
-__all__ = ["REBALANCED", "next_status", "observe"]
+__all__ = ["NOT_REBALANCED", "REBALANCED", "next_status", "observe"]

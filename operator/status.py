@@ -174,6 +174,7 @@ SPLIT_SERIES = {"cephalo_split_batch_size": "batchSizes",
                 "cephalo_split_micro_batches": "microBatches"}
 SPLIT_CHANGES = "cephalo_split_changes_total"
 SPLIT_LAST_CHANGE = "cephalo_split_last_change_step"
+SPLIT_HELD = "cephalo_split_held_step"  # memory keeps the split short of the one wanted
 REBALANCE = "rebalance"  # parse_progress's key for them (not a status.progress field)
 MAX_REASON_CHARS = 1024  # the reason is the trainer's sentence: bounded in status
 
@@ -195,6 +196,9 @@ def parse_progress(metrics_text: str) -> dict[str, Any]:
                 last_change["changes"] = sample.value
             if sample.name == SPLIT_LAST_CHANGE:
                 last_change.update(step=sample.value, reason=sample.labels.get("reason", ""))
+            if sample.name == SPLIT_HELD:
+                last_change.update(held_step=sample.value,
+                                   held_reason=sample.labels.get("reason", ""))
             per_rank = SPLIT_SERIES.get(sample.name)
             rank_label = sample.labels.get("of_rank", "")
             if per_rank is not None and rank_label.isdigit() and \
@@ -233,7 +237,8 @@ def _counts(values: dict[int, float]) -> list[int] | None:
 def _rebalance(split: dict[str, dict[int, float]],
                last_change: dict[str, Any]) -> dict[str, Any] | None:
     """The split in force as the page shows it: every rank's batch and microbatch count,
-    this gang's changes, and the last change's step and reason; None when the page shows
+    this gang's changes, the last change's step and reason, and why memory keeps the split
+    short of the one wanted, while it does (held); None when the page shows
     no whole split (a trainer older than live rebalancing, or a gang of over
     MAX_TIMED_RANKS ranks)."""
     batches, micro = _counts(split["batchSizes"]), _counts(split["microBatches"])
@@ -243,10 +248,13 @@ def _rebalance(split: dict[str, dict[int, float]],
         return None
     found: dict[str, Any] = {"batchSizes": batches, "microBatches": micro,
                              "changes": int(changes)}
-    step = last_change.get("step")
-    if step is not None and math.isfinite(step) and 0 <= step < 2**63:
-        found["lastChangeStep"] = int(step)
-        found["lastChangeReason"] = str(last_change.get("reason", ""))[:MAX_REASON_CHARS]
+    for step_key, reason_key, step_field, reason_field in (
+            ("step", "reason", "lastChangeStep", "lastChangeReason"),
+            ("held_step", "held_reason", "heldStep", "heldReason")):
+        step = last_change.get(step_key)
+        if step is not None and math.isfinite(step) and 0 <= step < 2**63:
+            found[step_field] = int(step)
+            found[reason_field] = str(last_change.get(reason_key, ""))[:MAX_REASON_CHARS]
     return found
 
 

@@ -135,7 +135,7 @@ class TrainerMetrics:
         # Rank 0: the split in force (set by `show_split`; per-rank series up to
         # MAX_TIMED_RANKS ranks, as the timing sums).
         self.split_batch = self.split_micro_batches = self.split_changes = None
-        self.split_last_change = None
+        self.split_last_change = self.split_held = None
         self.split: FinalSplit | None = None  # the same figures, for the final message
         if rank == 0:
             self.split_batch = Gauge(
@@ -152,6 +152,11 @@ class TrainerMetrics:
                 "cephalo_split_last_change_step", "The step after which live rebalancing "
                 "last changed the split (no series: never in this gang); `reason` says why",
                 ["rank", "reason"], registry=r)
+            self.split_held = Gauge(
+                "cephalo_split_held_step", "The decision (step) at which memory last kept "
+                "the split short of the one the ranks' speeds want (no series: it does not "
+                "now); `reason` says which rank needs how many samples", ["rank", "reason"],
+                registry=r)
         if pod_uid:  # whose page this is: the operator checks it against the pod it scrapes
             Gauge("cephalo_trainer_info", "The pod serving this page (always 1)",
                   ["rank", "pod_uid"], registry=r).labels(**labels, pod_uid=pod_uid).set(1)
@@ -213,6 +218,16 @@ class TrainerMetrics:
                         self.rank_wait):
             if counter is not None:
                 counter.clear()  # a counter reset, as a restarted process's: rate() copes
+
+    def show_held(self, step: int | None, reason: str) -> None:
+        """Rank 0: memory keeps the split short of the one wanted since decision `step`,
+        for `reason` (cephalo.planner.rebalance.Hold); None: it does not (no series)."""
+        if self.split_held is None:
+            return
+        self.split_held.clear()  # one series: the latest reason
+        if step is not None:
+            self.split_held.labels(rank=self.labels["rank"],
+                                   reason=reason[:FINAL_REASON_CHARS]).set(step)
 
     def observe(self, *, step: int, loss: float, step_seconds: float, samples_per_second: float,
                 tokens_per_second: float, tflops: float, wait_seconds_by_op: dict[str, float],

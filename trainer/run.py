@@ -18,7 +18,7 @@ import torch.distributed as dist
 from cephalo.api import trainer_env
 from cephalo.api.job import CephaloJobSpec
 from cephalo.api.plan import Plan
-from cephalo.planner.rebalance import Decision, Rebalancer, micro_batch_counts
+from cephalo.planner.rebalance import Decision, Hold, Rebalancer, micro_batch_counts
 from cephalo.trainer import checkpoint
 from cephalo.trainer.checkpoint_write import CheckpointWriter
 from cephalo.trainer.data import DataSource
@@ -89,6 +89,26 @@ def _follow_split(engine: Engine, logger: StepLogger,
             None if decision is None else decision.step,
             "" if decision is None else decision.describe())
     return layout.sample_range(engine.rank)
+
+
+def _hold_key(held: Hold | None) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    return None if held is None else (held.kept_batch_sizes, held.wanted_batch_sizes)
+
+
+def _show_held(live: LiveSplit, shown: Hold | None, logger: StepLogger, verbose: bool
+               ) -> Hold | None:
+    """Rank 0's /metrics (and the log) follow why memory keeps the split short of the one
+    the ranks' speeds want, when that changes; returns what is shown now."""
+    held = live.rebalancer.held
+    if _hold_key(held) == _hold_key(shown):  # a later decision finding the same
+        return shown
+    if logger.metrics is not None:
+        logger.metrics.show_held(None if held is None else held.step,
+                                 "" if held is None else held.reason)
+    if verbose and held is not None:
+        print(f"cephalo trainer: rebalancing held by memory: {held.reason} (a smaller "
+              f"microbatch or shard needs a restart: re-planning)", flush=True)
+    return held
 
 
 def _live_split(job: CephaloJobSpec, engine: Engine, memory_limit_bytes: int | None,
@@ -209,6 +229,7 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
                             trackers=trackers)
         start, end = _follow_split(engine, logger)  # a resumed run's split may be another
         votes = _votes(stop_requested, writer, live)
+        held: Hold | None = None  # shown so far: why memory keeps the split short
         while engine.step_count < last:
             step = engine.step_count
             if time_dilation_from_step > 0 and step >= time_dilation_from_step:
@@ -231,6 +252,8 @@ def train(job: CephaloJobSpec, layout: Layout, checkpoint_dir: str | Path | None
                 start, end = _follow_split(engine, logger, decision)
                 if verbose and engine.rank == 0:
                     print(f"cephalo trainer: rebalanced: {decision.describe()}", flush=True)
+            if live is not None:
+                held = _show_held(live, held, logger, verbose and engine.rank == 0)
             if writer is not None:
                 if writer.has_pending and not uploading:  # every rank's upload is done
                     outcome.checkpoints.append(writer.finish())

@@ -16,21 +16,26 @@ from cephalo.api.status import CephaloJobStatus
 from cephalo.operator import context, metrics
 from cephalo.operator.config import OperatorConfig
 from cephalo.operator.progress import parse_progress_checked
-from cephalo.operator.rebalance_status import REBALANCED, next_status, observe
+from cephalo.operator.rebalance_status import NOT_REBALANCED, REBALANCED, next_status, observe
 from cephalo.operator.status import REBALANCE
 from cephalo.trainer.metrics import TrainerMetrics
 
 NOW = "2026-12-06T15:00:00Z"
 REASON = "split [32, 8] -> [34, 6] after step 10: the slowest rank's compute predicted 1.10x"
+HELD = ("split [32, 8] kept short of [36, 4] after step 20: rank 0 would need 36 samples, "
+        "its memory holds 32 at microbatch 8")
 
 
-def _page(changes: list[tuple[list[int], list[int], int]]) -> str:
+def _page(changes: list[tuple[list[int], list[int], int]],
+          held: tuple[int, str] | None = None) -> str:
     """Rank 0's page after the plan's split [32, 8] and then `changes` (split, microbatches,
-    step)."""
+    step); `held`: (step, reason) memory keeps the split short since."""
     trainer = TrainerMetrics(rank=0, port=0, predicted_step_seconds=1.0)
     trainer.show_split([32, 8], [4, 1])
     for split, micro, step in changes:
         trainer.show_split(split, micro, changed_after_step=step, reason=REASON)
+    if held is not None:
+        trainer.show_held(*held)
     return generate_latest(trainer.registry).decode()
 
 
@@ -40,6 +45,19 @@ def test_the_trainers_page_gives_the_split_in_force_and_its_last_change() -> Non
     moved = parse_progress_checked(_page([([34, 6], [5, 1], 10)]))[REBALANCE]
     assert moved == {"batchSizes": [34, 6], "microBatches": [5, 1], "changes": 1,
                      "lastChangeStep": 10, "lastChangeReason": REASON}
+
+
+def test_the_trainers_page_says_why_memory_keeps_the_split_short() -> None:
+    held = parse_progress_checked(_page([], held=(20, HELD)))[REBALANCE]
+    assert held == {"batchSizes": [32, 8], "microBatches": [4, 1], "changes": 0,
+                    "heldStep": 20, "heldReason": HELD}
+    status, _ = next_status(None, held, "pod-a", NOW)
+    assert (status["heldStep"], status["heldReason"]) == (20, HELD)
+    assert CephaloJobStatus.model_validate({"rebalance": status}).rebalance is not None
+    # Memory binds no more (the speeds changed back): the reason goes from status.
+    free = parse_progress_checked(_page([]))[REBALANCE]
+    status, _ = next_status(status, free, "pod-a", NOW)
+    assert "heldReason" not in status and "heldStep" not in status
 
 
 @pytest.mark.parametrize("page", [
@@ -123,6 +141,13 @@ def test_a_change_is_written_with_an_event_and_the_per_rank_batch_series(
     scrape(_page([([34, 6], [5, 1], 10), ([36, 4], [5, 1], 20), ([37, 3], [5, 1], 30)]))
     assert events[-1][2].startswith("2 changes since the last look")
     assert len(events) == 2 and api.body["status"]["rebalance"]["changes"] == 3
+    # Memory keeps the split short: one Event when that starts, none while it lasts.
+    moved = [([34, 6], [5, 1], 10), ([36, 4], [5, 1], 20), ([37, 3], [5, 1], 30)]
+    scrape(_page(moved, held=(40, HELD)))
+    scrape(_page(moved, held=(40, HELD)))
+    assert [(t, r) for t, r, _ in events[2:]] == [("Normal", NOT_REBALANCED)]
+    assert HELD in events[-1][2] and "re-planning" in events[-1][2]
+    assert api.body["status"]["rebalance"]["heldReason"] == HELD
     metrics.set_phase("ns", "rb", None)  # the job is gone: so are its series
     assert batch(0) is None and batch(1) is None
 

@@ -66,6 +66,8 @@ def test_summary_and_loss_plot_show_the_validation_loss(tmp_path: Path,
 
 
 def test_summary_shows_the_split_history_of_live_rebalancing() -> None:
+    from dataclasses import replace
+
     plan = Plan.model_validate({
         "global_batch_size": 8, "world_size": 2, "predicted_samples_per_second": 8.0,
         "ranks": [{"rank": r, "gpu": "cpu", "batch_size": 4, "micro_batch_size": 2,
@@ -85,6 +87,15 @@ def test_summary_shows_the_split_history_of_live_rebalancing() -> None:
     assert "after step     4: [4, 4] -> [6, 2] ([3, 1] microbatches; the slowest rank's " \
            "compute predicted 1.50x faster)" in text
     assert "rank 1 cpu                          batch    2" in text
+    # The split in force at the end against its own prediction (the runner prices it).
+    for r in records[5:]:
+        r.update(step_seconds=0.5, samples_per_second=16.0)
+    summary = summarize(records, plan)
+    assert summary is not None
+    summary = replace(summary, final_split_predicted_samples_per_second=12.0)
+    assert summary.final_split_samples_per_second == 16.0
+    assert "  split in force at the end [6, 2]: measured 16.00 samples/s over steps 6-8, " \
+           "predicted 12.00 (1.33x the prediction)" in format_summary(summary, plan, ["c"] * 2)
     # Rebalancing on but never moved: said so; off (no split recorded): nothing said.
     for r in records:
         r.pop("rebalanced", None)

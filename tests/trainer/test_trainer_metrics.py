@@ -77,7 +77,24 @@ def test_rank_zero_shows_the_split_in_force_and_restarts_its_timing_at_a_change(
     assert value("cephalo_split_changes_total") == 2
 
 
+def test_rank_zero_says_why_memory_kept_the_split_short() -> None:
+    metrics = TrainerMetrics(rank=0, port=0, predicted_step_seconds=None)
+    reason = ("split [32, 32] kept short of [48, 16] after step 10: rank 0 would need 48 "
+              "samples, its memory holds 32 at microbatch 4")
+    metrics.show_split([32, 32], [8, 8])
+    assert "cephalo_split_held_step{" not in generate_latest(metrics.registry).decode()
+    metrics.show_held(10, reason)
+    assert metrics.registry.get_sample_value(
+        "cephalo_split_held_step", {"rank": "0", "reason": reason}) == 10
+    metrics.show_held(20, "another")
+    text = generate_latest(metrics.registry).decode()
+    assert text.count("cephalo_split_held_step{") == 1  # the latest reason only
+    metrics.show_held(None, "")  # memory binds no more
+    assert "cephalo_split_held_step{" not in generate_latest(metrics.registry).decode()
+
+
 def test_other_ranks_show_no_split() -> None:
     metrics = TrainerMetrics(rank=1, port=0, predicted_step_seconds=None)
     metrics.show_split([32, 8], [4, 1], changed_after_step=10, reason="x")
+    metrics.show_held(10, "x")
     assert "cephalo_split" not in generate_latest(metrics.registry).decode()

@@ -186,6 +186,10 @@ def test_cephalo_status_shows_the_split_in_force() -> None:
         "1 change(s) without a restart",
         "  2026-12-06T15:00:00Z after step 10: split [32, 8] -> [34, 6]"]
     assert lines[0] in job_details(job_from(body), None, [], NOW).splitlines()
+    body["status"]["rebalance"].update(heldStep=20, heldReason="rank 0 would need 38 samples")
+    assert rebalance_lines(job_from(body), None)[-1] == (
+        "  held by memory since step 20: rank 0 would need 38 samples (a smaller microbatch "
+        "or shard needs a restart: re-planning)")
 
 
 def test_cephalo_status_names_a_hybrid_plans_replica_groups() -> None:
@@ -195,8 +199,8 @@ def test_cephalo_status_names_a_hybrid_plans_replica_groups() -> None:
         "worldSize": 4, "pools": {"NVIDIA-A10G": 4}, "replicaGroups": 2,
         "replicaGroupSize": 2}))
     details = job_details(hybrid, None, [], NOW).splitlines()
-    assert "Sharding:    hybrid, 2 replica groups of 2 ranks (each holds the whole " \
-        "training state)" in details
+    assert "Sharding:    hybrid, 2 replica groups of 2 ranks (each holds the weights; " \
+        "the optimizer state is split across them)" in details
     flat = job_from(_job(phase="Running", plan={"worldSize": 4, "pools": {"NVIDIA-A10G": 4}}))
     assert not any(line.startswith("Sharding:") for line in
                    job_details(flat, None, [], NOW).splitlines())

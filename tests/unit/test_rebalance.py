@@ -187,6 +187,33 @@ def test_the_memory_bound_caps_a_fast_rank_but_never_its_current_batch() -> None
     assert decision2 is None
 
 
+def test_a_split_memory_forbids_stays_and_says_why() -> None:
+    bal = _rebalancer(interval_steps=1)
+    bal.observe([3.2, 9.6])  # 0.1 and 0.3 s per sample: the balance is [48, 16]
+    assert bal.decide(1, [32, 64]) is None  # rank 0's memory holds no more than it has
+    assert bal.held is not None and bal.held.step == 1
+    assert bal.held.wanted_batch_sizes == (48, 16)
+    assert bal.held.reason == ("split [32, 32] kept short of [48, 16] after step 1: rank 0 "
+                               "would need 48 samples, its memory holds 32 at microbatch 4")
+    # Memory binds part of the way: the move goes as far as it can and says where it stopped.
+    bal.observe([3.2, 9.6])
+    decision = bal.decide(2, [40, 64])
+    assert decision is not None and decision.new_batch_sizes == (40, 24)
+    assert decision.held == bal.held and bal.held is not None
+    assert "rank 0 would need 48 samples, its memory holds 40 at microbatch 4" in \
+        decision.describe()
+    # Once nothing binds, nothing is held.
+    bal.observe([4.0, 7.2])
+    bal.decide(3, [64, 64])
+    assert bal.held is None
+
+
+def test_memory_that_costs_less_than_the_minimum_gain_is_not_a_hold() -> None:
+    bal = _rebalancer(interval_steps=1)
+    bal.observe([3.2, 3.36])  # [32, 32] is within 5 % of the balance
+    assert bal.decide(1, [32, 64]) is None and bal.held is None
+
+
 def test_adopt_refuses_another_global_batch() -> None:
     with pytest.raises(ValueError, match="is not one of 64 samples"):
         _rebalancer().adopt([30, 30])

@@ -18,6 +18,7 @@ from cephalo.planner.recalibrate import (
     complete_profiles,
     recalibrate,
     scale_profile,
+    split_step_seconds,
 )
 
 from .planner_instances import job_spec
@@ -125,6 +126,36 @@ def test_steps_run_under_a_rebalanced_split_calibrate_that_split() -> None:
     as_planned = recalibrate(spec, CLUSTER, None, planned, Measured(
         measured.step_seconds, measured.compute_seconds, measured.wait_seconds))
     assert as_planned.compute_scale != pytest.approx(TRUE_COMPUTE, rel=1e-3)
+
+
+def test_a_split_in_force_is_priced_as_the_planner_prices_it() -> None:
+    """`cephalo run`'s summary compares the split in force at the end with its own
+    prediction: the plan's split gives the plan's prediction, a rebalanced one the planner's
+    evaluation of that assignment."""
+    spec = _spec("gpt-small")
+    planned = solve(spec, CLUSTER)
+    assert split_step_seconds(spec, CLUSTER, None, planned, None) == pytest.approx(
+        planned.predicted_step_seconds, rel=1e-6)
+    split = _rebalanced(planned)
+    kept = [r.kept_blocks for r in planned.ranks] if planned.recompute is not False else None
+    in_force = evaluate(_whole(spec, planned, split), CLUSTER, None,
+                        _assignment(planned, split), recompute=planned.recompute is not False,
+                        kept_blocks=kept)
+    assert split_step_seconds(spec, CLUSTER, None, planned, split) == pytest.approx(
+        in_force.step_seconds, rel=1e-6)
+    assert in_force.step_seconds != pytest.approx(planned.predicted_step_seconds, rel=1e-3)
+
+
+def test_groups_of_one_pool_are_told_apart_by_their_gpu() -> None:
+    """`cephalo run`'s cluster puts every local device in pool "local": its ranks are placed
+    on the group of their GPU within the pool."""
+    cluster = ClusterSpec(groups=[GpuGroup(product="A10G", count=2, pool="local"),
+                                  GpuGroup(product="T4", count=2, pool="local")])
+    spec = _spec("gpt-small")
+    planned = solve(spec, cluster)
+    assert {r.pool for r in planned.ranks} == {"local"} and len(planned.ranks) > 2
+    assert split_step_seconds(spec, cluster, None, planned, None) == pytest.approx(
+        planned.predicted_step_seconds, rel=1e-6)
 
 
 def test_a_split_that_is_not_the_plans_global_batch_is_refused() -> None:

@@ -184,8 +184,9 @@ class Plan(BaseModel):
     # ranks of one pool per pod is ignored where it is used (operator/podspec.py).
     pod_ranks: list[int] = Field(default_factory=list)
     # Hybrid sharding (docs/hybrid-sharding.md): the ranks split into replica groups, each
-    # holding the whole training state sharded unevenly among its own ranks (FSDP on the
-    # group's ranks), the gradient shards all-reduced across groups once a step. Every group
+    # holding the weights sharded unevenly among its own ranks (FSDP on the group's ranks);
+    # across groups each slice's gradient is reduce-scattered and its optimizer state split
+    # (the updated pieces all-gathered back before the next forward). Every group
     # has the same number of ranks, listed in position order; the ranks at one position in
     # every group hold the same slice, so a rank's `shard_ratio` (and every list of
     # `unit_shard_ratios`) is its share *within its group*: each group's ratios sum to 1 and

@@ -44,8 +44,9 @@ class PlanSummary(StatusModel):
         "Gbit/s."))
     # Hybrid sharding (docs/hybrid-sharding.md); omitted for a flat plan.
     replica_groups: int | None = Field(default=None, description=(
-        "Hybrid sharding: how many replica groups the ranks form, each holding the whole "
-        "training state (omitted: flat, one group)."))
+        "Hybrid sharding: how many replica groups the ranks form, each holding the weights "
+        "sharded among its ranks, the optimizer state split across the groups (omitted: "
+        "flat, one group)."))
     replica_group_size: int | None = Field(default=None, description=(
         "Hybrid sharding: ranks per replica group."))
 
@@ -96,6 +97,12 @@ class RebalanceStatus(StatusModel):
         "When the operator saw that change (RFC 3339)."))
     last_change_reason: str | None = Field(default=None, max_length=1024, description=(
         "Why: the old and new split and the predicted gain, as the trainer decided it."))
+    held_step: int | None = Field(default=None, ge=0, description=(
+        "Present while memory keeps the split short of the one the ranks' speeds want: "
+        "the step of the decision that found it."))
+    held_reason: str | None = Field(default=None, max_length=1024, description=(
+        "Why the split stays short: which rank would need how many samples and how many its "
+        "memory holds at its microbatch size (more needs a restart: re-planning)."))
     gang_pod: str | None = Field(default=None, max_length=128, description=(
         "The uid of the rank-0 pod whose changes gangChanges counts (a new gang counts "
         "from 0)."))

@@ -223,7 +223,7 @@ def sharding_lines(job: Job) -> list[str]:
         return []
     size = plan.replica_group_size or "?"
     return [f"Sharding:    hybrid, {plan.replica_groups} replica groups of {size} ranks "
-            "(each holds the whole training state)"]
+            "(each holds the weights; the optimizer state is split across them)"]
 
 
 def replan_lines(job: Job) -> list[str]:
@@ -244,8 +244,9 @@ def replan_lines(job: Job) -> list[str]:
 
 def rebalance_lines(job: Job, plan: Plan | None) -> list[str]:
     """spec.planner.rebalance and the split in force (docs/rebalancing.md): each rank's batch
-    and microbatches against the plan's, the changes made without a restart, and the last
-    one's step and reason; nothing before rank 0 has shown a split."""
+    and microbatches against the plan's, the changes made without a restart, the last
+    one's step and reason, and why memory keeps the split short while it does; nothing
+    before rank 0 has shown a split."""
     status = job.status.rebalance
     if status is None or not status.batch_sizes:
         return []
@@ -260,6 +261,10 @@ def rebalance_lines(job: Job, plan: Plan | None) -> list[str]:
     if status.last_change_step is not None:
         lines.append(f"  {status.last_change_time or ''} after step {status.last_change_step}: "
                      f"{status.last_change_reason or ''}")
+    if status.held_step is not None:
+        lines.append(f"  held by memory since step {status.held_step}: "
+                     f"{status.held_reason or ''} (a smaller microbatch or shard needs a "
+                     f"restart: re-planning)")
     return lines
 
 

@@ -68,6 +68,12 @@ class Summary:
     # the end (None: the trainer recorded none, e.g. rebalancing off).
     rebalances: list[dict[str, Any]] = field(default_factory=list)
     final_batch_sizes: list[int] | None = None
+    # After a change: the median samples/s over the steps of the split in force at the end
+    # (the step a change lands on left out) and their span; its prediction, which only the
+    # runner can price (cephalo.planner.recalibrate.split_step_seconds).
+    final_split_samples_per_second: float | None = None
+    final_split_steps: tuple[int, int] | None = None
+    final_split_predicted_samples_per_second: float | None = None
 
 
 def summarize(records: Sequence[dict], plan: Plan) -> Summary | None:
@@ -88,12 +94,21 @@ def summarize(records: Sequence[dict], plan: Plan) -> Summary | None:
     idle = [max(0.0, step_s - c - w) for c, w in zip(compute, wait, strict=True)]
     last = records[-1]
     final = last.get("rebalanced", {}).get("to", last.get("batch_sizes"))
-    return Summary(plan.global_batch_size / step_s, plan.predicted_samples_per_second,
-                   records[0]["loss"], last["loss"], int(last["step"]),
-                   compute, wait, idle, step_s, int(records[0]["step"]),
-                   validation_points(records),
-                   [r["rebalanced"] for r in records if r.get("rebalanced")],
-                   None if final is None else [int(b) for b in final])
+    rebalances = [r["rebalanced"] for r in records if r.get("rebalanced")]
+    summary = Summary(plan.global_batch_size / step_s, plan.predicted_samples_per_second,
+                      records[0]["loss"], last["loss"], int(last["step"]),
+                      compute, wait, idle, step_s, int(records[0]["step"]),
+                      validation_points(records), rebalances,
+                      None if final is None else [int(b) for b in final])
+    if rebalances and final is not None:
+        # The final split's steps after the one its change landed on.
+        changed = max(int(r["step"]) for r in rebalances)
+        tail = [r for r in records if int(r["step"]) > changed + 1]
+        if tail:
+            summary.final_split_samples_per_second = plan.global_batch_size / \
+                statistics.median(r["step_seconds"] for r in tail)
+            summary.final_split_steps = (int(tail[0]["step"]), int(tail[-1]["step"]))
+    return summary
 
 
 def validation_points(records: Sequence[dict]) -> list[tuple[int, float]]:
@@ -146,6 +161,13 @@ def split_history(summary: Summary, plan: Plan) -> list[str]:
         lines.append(f"    after step {change['step']:>5}: {change['from']} -> {change['to']} "
                      f"({change['micro_batches']} microbatches; the slowest rank's compute "
                      f"predicted {1 + change['predicted_gain']:.2f}x faster)")
+    measured, span = summary.final_split_samples_per_second, summary.final_split_steps
+    if measured is not None and span is not None:
+        predicted = summary.final_split_predicted_samples_per_second
+        versus = f", predicted {predicted:.2f} ({measured / predicted:.2f}x the prediction)" \
+            if predicted else " (no prediction for it)"
+        lines.append(f"  split in force at the end {summary.final_batch_sizes}: measured "
+                     f"{measured:.2f} samples/s over steps {span[0]}-{span[1]}{versus}")
     return lines
 
 

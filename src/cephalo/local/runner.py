@@ -7,10 +7,12 @@ tensorboard/ (spec.tracking.tensorboard), mlflow-run.json (spec.tracking.mlflow)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 
 import yaml
@@ -55,6 +57,7 @@ from cephalo.local.report import (
 from cephalo.planner import solve
 from cephalo.planner.catalog import lookup_gpu, resolve_precision
 from cephalo.planner.measured_sizes import describe_unmeasured, plan_on_measured_sizes
+from cephalo.planner.recalibrate import split_step_seconds
 from cephalo.planner.report import format_plan, model_title
 
 # Collectives between local processes: gloo over loopback, or NCCL over PCIe.
@@ -411,6 +414,9 @@ def _run_in(run_dir: Path, job: CephaloJob, options: RunOptions, devices: list[L
     job_file = write_job(job, options, run_dir)
     spec = load_job(str(job_file)).spec
     threads = _threads_per_rank(devices)
+    # The model's step for another split of the plan (None: a plan given by hand, whose
+    # inputs are not known here).
+    price_split: Callable[[list[int]], float] | None = None
     if given_plan is not None:
         plan = given_plan
         if emulation is not None:
@@ -452,6 +458,7 @@ def _run_in(run_dir: Path, job: CephaloJob, options: RunOptions, devices: list[L
         except ValueError as err:
             raise RunError(f"planning failed: {err}") from None
         plan = settled.plan
+        price_split = partial(split_step_seconds, spec, cluster, settled.profiles, plan)
         for product in sorted(emulation.dilation if emulation else {}):  # with every point
             (run_dir / "profiles" / f"emulated-{product}.json").write_text(
                 settled.profiles[product].to_compact_json())
@@ -493,6 +500,11 @@ def _run_in(run_dir: Path, job: CephaloJob, options: RunOptions, devices: list[L
     if summary is None:
         out("\nNo steps were run (the job was already complete?).")
         return 0
+    if summary.final_split_samples_per_second is not None and price_split is not None and \
+            summary.final_batch_sizes is not None:
+        with contextlib.suppress(ValueError):  # a split the model cannot price: say none
+            summary.final_split_predicted_samples_per_second = \
+                plan.global_batch_size / price_split(summary.final_batch_sizes)
     out(format_summary(summary, plan, labels))
     plots = write_plots(read_history(run_dir / "metrics.jsonl") or result.records, summary,
                         labels, run_dir, plan.predicted_step_seconds)

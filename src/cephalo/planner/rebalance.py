@@ -40,6 +40,19 @@ SMOOTHING = 1 / 3
 
 
 @dataclass(frozen=True)
+class Hold:
+    """Memory keeps the split short of the one the figures want (issue 45, item 2): the
+    ranks that would need more samples than their memory holds at their microbatch size.
+    Growing them needs a smaller microbatch or a smaller shard, i.e. a restart
+    (re-planning); moving shards in place is not done."""
+
+    step: int  # the decision (1-based step) that found it
+    kept_batch_sizes: tuple[int, ...]  # the split in force after that decision
+    wanted_batch_sizes: tuple[int, ...]  # the split without the memory bounds
+    reason: str
+
+
+@dataclass(frozen=True)
 class Decision:
     """A new split, effective from the step after `step`."""
 
@@ -48,12 +61,14 @@ class Decision:
     new_batch_sizes: tuple[int, ...]
     seconds_per_sample: tuple[float | None, ...]  # the smoothed figures it was taken on
     predicted_gain: float  # old predicted compute / new - 1
+    held: Hold | None = None  # memory stopped the move short of the split wanted
 
     def describe(self) -> str:
         times = ", ".join("-" if t is None else f"{t * 1e3:.2f}" for t in self.seconds_per_sample)
+        held = "" if self.held is None else f"; {self.held.reason}"
         return (f"split {list(self.old_batch_sizes)} -> {list(self.new_batch_sizes)} after step "
                 f"{self.step}: the slowest rank's compute predicted "
-                f"{1 + self.predicted_gain:.2f}x faster (ms per sample: {times})")
+                f"{1 + self.predicted_gain:.2f}x faster (ms per sample: {times}){held}")
 
 
 def micro_batch_counts(batch_sizes: Sequence[int], micro_batch_sizes: Sequence[int]
@@ -151,6 +166,8 @@ class Rebalancer:
         self.slowest_seconds: float | None = None
         self._left: tuple[tuple[int, ...], float] | None = None
         self.history: list[Decision] = []
+        # Set by each decision that memory kept short of the split wanted; None otherwise.
+        self.held: Hold | None = None
 
     @property
     def global_batch_size(self) -> int:
@@ -200,17 +217,42 @@ class Rebalancer:
         before = predicted_compute_seconds(times, self.batch_sizes)
         after = predicted_compute_seconds(times, new)
         gain = before / after - 1 if after > 0 else 0.0
-        if new == self.batch_sizes or gain < self.min_gain or self._measured_worse(new):
+        moves = new != self.batch_sizes and gain >= self.min_gain and \
+            not self._measured_worse(new)
+        self.held = self._hold(step, times, low, caps, new if moves else self.batch_sizes)
+        if not moves:
             return None
         decision = Decision(step=step, old_batch_sizes=tuple(self.batch_sizes),
                             new_batch_sizes=tuple(new), seconds_per_sample=tuple(times),
-                            predicted_gain=gain)
+                            predicted_gain=gain, held=self.held)
         left = self.slowest_seconds
         self.adopt(new)
         if left is not None:
             self._left = (decision.old_batch_sizes, left)
         self.history.append(decision)
         return decision
+
+    def _hold(self, step: int, times: Sequence[float | None], low: Sequence[int],
+              caps: Sequence[int], kept: Sequence[int]) -> Hold | None:
+        """Why the split `kept` (in force after this decision) stays short of the one the
+        figures want without memory bounds, when the difference is worth a move (at least
+        `min_gain`); None when memory costs less than that."""
+        unbounded = [0 if t is None else self.global_batch_size for t in times]
+        wanted = best_split(times, self.global_batch_size, unbounded, low)
+        short = predicted_compute_seconds(times, kept) / \
+            max(predicted_compute_seconds(times, wanted), 1e-300) - 1
+        if short < self.min_gain:
+            return None
+        bound = [f"rank {i} would need {w} samples, its memory holds {max(c, k)} at "
+                 f"microbatch {m}"
+                 for i, (w, c, k, m) in enumerate(zip(wanted, caps, kept,
+                                                      self.micro_batch_sizes, strict=True))
+                 if w > max(c, k)]
+        if not bound:  # short for another reason (hysteresis), not memory
+            return None
+        return Hold(step=step, kept_batch_sizes=tuple(kept), wanted_batch_sizes=tuple(wanted),
+                    reason=f"split {list(kept)} kept short of {wanted} after step {step}: "
+                           + "; ".join(bound))
 
     def _measured_worse(self, new: Sequence[int]) -> bool:
         """`new` is the split just left, and the split in force measures no `min_gain`

@@ -94,13 +94,7 @@ def recalibrate(spec: CephaloJobSpec, cluster: ClusterSpec,
         raise ValueError(f"measured step {measured.step_seconds} s is not a positive time")
     given = complete_profiles(spec, cluster, profiles)
     split = split_in_force(plan, measured.batch_sizes)
-    assignment, order = _assignment(plan, cluster, split)
-    # The model prices whole microbatches: a split with a smaller last microbatch is priced
-    # as the global batch of its whole ones (its compute share is corrected in the compute
-    # scale; the step's over-statement, under one microbatch per such rank, goes to c).
-    whole = sum(m * count for m, count in (a for a in assignment if a is not None))
-    if whole != spec.global_batch_size:
-        spec = spec.model_copy(update={"global_batch_size": whole})
+    spec, assignment, order = _priced(spec, cluster, plan, split)
     ranks = [plan.ranks[r] for r in order]
     recompute = plan.recompute is not False
     kept = [r.kept_blocks for r in ranks] if recompute else None
@@ -155,6 +149,36 @@ def complete_profiles(spec: CephaloJobSpec, cluster: ClusterSpec,
     return out
 
 
+def split_step_seconds(spec: CephaloJobSpec, cluster: ClusterSpec,
+                       profiles: Mapping[str, GpuProfile] | None, plan: Plan,
+                       batch_sizes: Sequence[int] | None) -> float:
+    """The model's step for `plan` run under the split `batch_sizes` (None: the plan's own),
+    priced as `recalibrate` prices the split in force, with the profiles it was planned
+    with: what `cephalo run` compares a rebalanced run's end against."""
+    given = complete_profiles(spec, cluster, profiles)
+    spec, assignment, order = _priced(spec, cluster, plan, split_in_force(plan, batch_sizes))
+    recompute = plan.recompute is not False
+    kept = [plan.ranks[r].kept_blocks for r in order] if recompute else None
+    ev = evaluate(spec, cluster, given, assignment, recompute=recompute, kept_blocks=kept)
+    if not ev.feasible:
+        raise ValueError(f"the plan under the split {batch_sizes} does not fit the model: "
+                         f"{ev.reason}")
+    return ev.step_seconds
+
+
+def _priced(spec: CephaloJobSpec, cluster: ClusterSpec, plan: Plan, split: Sequence[int]
+            ) -> tuple[CephaloJobSpec, list[tuple[int, int] | None], list[int]]:
+    """(spec, assignment, plan rank per GPU used) pricing `plan` under `split`. The model
+    prices whole microbatches: a split with a smaller last microbatch is priced as the
+    global batch of its whole ones (its compute share is corrected in the compute scale;
+    the step's over-statement, under one microbatch per such rank, goes to c)."""
+    assignment, order = _assignment(plan, cluster, split)
+    whole = sum(m * count for m, count in (a for a in assignment if a is not None))
+    if whole != spec.global_batch_size:
+        spec = spec.model_copy(update={"global_batch_size": whole})
+    return spec, assignment, order
+
+
 def split_in_force(plan: Plan, batch_sizes: Sequence[int] | None) -> list[int]:
     """The batch per plan rank the measured steps ran under: `batch_sizes` (checked: one per
     rank, the same global batch, none on a rank the plan gives no microbatch size), else the
@@ -174,15 +198,17 @@ def split_in_force(plan: Plan, batch_sizes: Sequence[int] | None) -> list[int]:
 def _assignment(plan: Plan, cluster: ClusterSpec, split: Sequence[int]
                 ) -> tuple[list[tuple[int, int] | None], list[int]]:
     """The (m, ℓ) per GPU in the cluster's order (None: idle) under `split` (the plan's m,
-    ℓ = ⌈b / m⌉) and, per GPU used, the plan rank on it. A rank's pool is its group's pool
-    (default: the GPU's catalog name)."""
-    by_pool: dict[str, list[int]] = {}
+    ℓ = ⌈b / m⌉) and, per GPU used, the plan rank on it. A rank belongs to the group of its
+    pool (default: the GPU's catalog name) and GPU: one pool may hold groups of several
+    GPUs (`cephalo run` puts every local device in pool "local")."""
+    by_pool: dict[tuple[str, str], list[int]] = {}
     for r in plan.ranks:
-        by_pool.setdefault(r.pool or r.gpu, []).append(r.rank)
+        by_pool.setdefault((r.pool or r.gpu, r.gpu), []).append(r.rank)
     assignment: list[tuple[int, int] | None] = []
     order: list[int] = []
     for group in cluster.groups:
-        pool = group.pool or resolve_gpu(group.product, group.memory_bytes).name
+        gpu = resolve_gpu(group.product, group.memory_bytes).name
+        pool = (group.pool or gpu, gpu)
         ranks = by_pool.pop(pool, [])
         for k in range(group.count):
             if k < len(ranks):
@@ -193,10 +219,11 @@ def _assignment(plan: Plan, cluster: ClusterSpec, split: Sequence[int]
             else:
                 assignment.append(None)
         if len(ranks) > group.count:
-            raise ValueError(f"the plan has {len(ranks)} ranks in pool {pool}, which has "
-                             f"{group.count} GPUs")
+            raise ValueError(f"the plan has {len(ranks)} {gpu} ranks in pool {pool[0]}, which "
+                             f"has {group.count} of them")
     if by_pool:
-        raise ValueError(f"the plan uses pools the cluster lacks: {', '.join(sorted(by_pool))}")
+        raise ValueError(f"the plan uses pools the cluster lacks: "
+                         f"{', '.join(sorted(f'{p} ({g})' for p, g in by_pool))}")
     return assignment, order
 
 
