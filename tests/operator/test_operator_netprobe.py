@@ -22,6 +22,7 @@ from kube_emulator import ApiEmulator
 from kube_fixtures import gpu_node, job_body
 from kubelet import (
     WAIT_SECONDS,
+    ExtraPassKubelet,
     OperatorProcess,
     Scheduler,
     apply_job,
@@ -69,7 +70,7 @@ async def _cluster(api: ApiEmulator, tmp_path: Path, jobs: set[str],
 
 
 @pytest_asyncio.fixture(name="stack")
-async def stack_fixture(emulator: ApiEmulator, tmp_path: Path
+async def stack_fixture(emulator: ApiEmulator, tmp_path: Path, extra_passes: ExtraPassKubelet
                         ) -> AsyncIterator[tuple[ApiEmulator, ProcessKubelet]]:
     kubelet, operator = await _cluster(emulator, tmp_path, {"n1", "n2"})
     try:
