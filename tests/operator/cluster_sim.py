@@ -46,6 +46,7 @@ from kube_fixtures import cluster_a
 from kubelet import (
     OperatorProcess,
     apply_nodes,
+    cancel_task,
     free_port,
     probe_fit_json,
     real_profile,
@@ -98,10 +99,7 @@ class TrainingSim:
         return self
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_task(self._task)
         if self._runner is not None:
             await self._runner.cleanup()
 

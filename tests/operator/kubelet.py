@@ -160,6 +160,14 @@ def stored_job(api: ApiEmulator, ns: str, name: str) -> dict[str, Any] | None:
         k: v for k, v in job.items() if k in ("apiVersion", "kind", "metadata", "spec")}
 
 
+async def cancel_task(task: asyncio.Task[None] | None) -> None:
+    """Stop a background loop (a kubelet's, a sim's) and wait until it has."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 class ExtraPassKubelet:
     """Runs every extra profiler pass (a profiler pod with --micro-batch-sizes) as the test
     runs the first: Succeeded with real_profile_json at the asked sizes. The tests that play
@@ -180,10 +188,7 @@ class ExtraPassKubelet:
         return self
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_task(self._task)
 
     async def _loop(self) -> None:
         while True:
@@ -197,7 +202,7 @@ class ExtraPassKubelet:
         meta = pod["metadata"]
         if meta.get("labels", {}).get("cephalo.dev/role") != "profiler" \
                 or not is_extra_pass(pod) or meta.get("deletionTimestamp") \
-                or (pod.get("status") or {}).get("phase", "Pending") != "Pending" \
+                or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed") \
                 or (pod.get("spec") or {}).get("schedulingGates"):
             return
         job = stored_job(self.api, meta["namespace"], meta["labels"]["cephalo.dev/job"])
