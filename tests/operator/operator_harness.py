@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest_asyncio
 from kube_emulator import ApiEmulator
@@ -72,13 +73,13 @@ def phases(api: ApiEmulator, name: str) -> list[str]:
     return seen
 
 
-def extra_rounds(api: ApiEmulator, name: str) -> int:
-    """Rounds of extra profiler passes the operator asked for (sizes a plan assigned beyond
-    the profiled ones; the job's annotation)."""
+def extra_passes_asked(api: ApiEmulator, name: str) -> dict[str, Any]:
+    """The extra profiler passes the operator asked for (sizes a plan assigned beyond the
+    profiled ones; the job's annotation): {"rounds": n, "passes": {product: [sizes, ...]}}."""
     job = next(j for j in api.list_objects("cephalojobs", NS, group="cephalo.dev")
                if j["metadata"]["name"] == name)
     state = (job["metadata"].get("annotations") or {}).get(ANNOTATION_PROFILE_EXTRA_SIZES)
-    return int(json.loads(state)["rounds"]) if state else 0
+    return json.loads(state) if state else {"rounds": 0, "passes": {}}
 
 
 def events(api: ApiEmulator, name: str) -> list[tuple[str, str, str]]:

@@ -140,7 +140,7 @@ async def test_the_network_is_measured_cached_and_reused(
 
 
 async def test_a_probe_that_cannot_finish_is_given_up_and_the_network_assumed(
-        emulator: ApiEmulator, tmp_path: Path) -> None:
+        emulator: ApiEmulator, tmp_path: Path, extra_passes: ExtraPassKubelet) -> None:
     # The kubelet runs the job's ranks but not its probe pods (they stay Running, as a rank
     # whose peer is unreachable would): the probe is given up after its timeout.
     kubelet, operator = await _cluster(emulator, tmp_path, set(),
