@@ -103,10 +103,10 @@ class OperatorConfig:
     # without it and says so.
     network_probe: bool = True
     # CEPHALO_MEASURE_EXTRA_SIZES: a plan's micro-batch sizes beyond the profiled ones get
-    # one more profiler pass before the plan is used (issue 46 item 3). Off for now: the
-    # operator's emulator tests play one profiler pass per product and would wait on the
-    # extra one; with it off such a plan is used and says which sizes it extrapolated.
-    measure_extra_sizes: bool = False
+    # one more profiler pass per product before the plan is used (issue 46 item 3): a
+    # rank's memory there is a linear extrapolation, which can put it out of memory on its
+    # first step. Off: such a plan is used and says which sizes it extrapolated.
+    measure_extra_sizes: bool = True
     # CEPHALO_OPERATOR_NAMESPACE (the chart: the pod's own namespace, by the downward API):
     # where the network measurements are cached, once for every namespace's jobs and
     # readable by the operator alone; "" (kopf run by hand): in each job's namespace.

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -45,7 +46,7 @@ from cephalo.api.network_profile import NETWORK_PROFILE_KEY, NetworkProfile
 from cephalo.api.profile import CollectiveProfile
 from cephalo.operator.discovery import Pool
 from cephalo.operator.gang import pod_group_api, pod_groups_path, render_pod_group
-from cephalo.operator.kube import core_path, job_path
+from cephalo.operator.kube import ApiError, core_path, job_path
 from cephalo.operator.netprobe_choice import (
     LABEL_NETWORK_PROFILE,
     Probe,
@@ -67,6 +68,8 @@ NETWORK_MEASURED = "NetworkMeasured"  # condition type
 NOT_MEASURED = "NotMeasured"  # its reason: a re-plan left a link unmeasured (not failed)
 ANNOTATION_PROBES_FAILED = "cephalo.dev/network-probes-failed"  # probe key -> why, JSON
 JOIN_TIMEOUT_SECONDS = 60.0  # the ranks' rendezvous (a node that cannot reach the other)
+# Namespaces whose network cache the operator was refused a LIST of (logged once each).
+_CACHE_REFUSED: set[str] = set()
 
 
 def cache_namespace(ctx: JobContext) -> str:
@@ -77,9 +80,26 @@ def cache_namespace(ctx: JobContext) -> str:
 
 
 async def cached_all(ctx: JobContext) -> list[NetworkProfile]:
-    """Every readable measurement in the cache (one LIST: a few per pair of pools)."""
-    return read_cache(await ctx.kube.list(core_path(cache_namespace(ctx), "configmaps"),
-                                          f"{LABEL_NETWORK_PROFILE}=true"))
+    """Every readable measurement in the cache (one LIST: a few per pair of pools); none
+    when the operator may not list it (said once per namespace: the job plans with what
+    it has, never fails on a cache)."""
+    namespace = cache_namespace(ctx)
+    try:
+        listed = await ctx.kube.list(core_path(namespace, "configmaps"),
+                                     f"{LABEL_NETWORK_PROFILE}=true")
+    except ApiError as err:
+        if err.status != HTTPStatus.FORBIDDEN:
+            raise
+        # An operator run without CEPHALO_OPERATOR_NAMESPACE under the chart's RBAC: the
+        # ClusterRole gets ConfigMaps by name only; LIST is granted in its own namespace.
+        if namespace not in _CACHE_REFUSED:
+            _CACHE_REFUSED.add(namespace)
+            log.warning("network cache in namespace %s not listable (%s): planning without "
+                        "cached network measurements; set CEPHALO_OPERATOR_NAMESPACE to the "
+                        "operator's namespace (the chart does) or grant list on configmaps "
+                        "there", namespace, err)
+        return []
+    return read_cache(listed)
 
 
 async def cached_network(ctx: JobContext, cluster: ClusterSpec, pools: list[Pool],

@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT / "tests" / "operator"))  # the emulator and kubelet
 from kube_emulator import ApiEmulator
 from kube_fixtures import gpu_node, job_body
 from kubelet import (
+    ExtraPassKubelet,
     OperatorProcess,
     apply_job,
     apply_nodes,
@@ -218,6 +219,7 @@ async def _run_under_chart_rbac(scope: str, tmp: Path, stack: AsyncExitStack) ->
     await apply_nodes(api, [gpu_node(*n) for n in NODES] + [gpu_node("cpu-0", None, 0)])
     proc = ChartOperator(kubeconfig, tmp / "operator.log", one(objects, "Deployment"))
     proc.start()
+    extra_passes = ExtraPassKubelet(api).start()  # the chart measures beyond-profile sizes
     try:
         await _one_job_life(api)
     except AssertionError as err:
@@ -225,6 +227,7 @@ async def _run_under_chart_rbac(scope: str, tmp: Path, stack: AsyncExitStack) ->
                              f"{sorted(map(str, denied))}\noperator log:\n"
                              f"{proc.log()[-3000:]}") from None
     finally:
+        await extra_passes.stop()
         await proc.stop()
     return Run(rbac, seen, denied)
 

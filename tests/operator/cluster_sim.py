@@ -43,10 +43,18 @@ import kmock
 from aiohttp import web
 from kube_emulator import ApiEmulator
 from kube_fixtures import cluster_a
-from kubelet import OperatorProcess, apply_nodes, free_port, probe_fit_json, set_pod
+from kubelet import (
+    OperatorProcess,
+    apply_nodes,
+    cancel_task,
+    free_port,
+    probe_fit_json,
+    real_profile,
+    set_pod,
+    stored_job,
+)
 
 from cephalo.api import API_GROUP, API_VERSION, KIND, PLURAL, parse_job
-from cephalo.planner import estimate_profile, lookup_gpu
 
 ROLE, JOB, RANK, ATTEMPT = ("cephalo.dev/role", "cephalo.dev/job", "cephalo.dev/rank",
                             "cephalo.dev/attempt")
@@ -91,10 +99,7 @@ class TrainingSim:
         return self
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_task(self._task)
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -154,12 +159,10 @@ class TrainingSim:
     async def _profile(self, pod: dict[str, Any]) -> None:
         ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
         product = pod["spec"]["nodeSelector"]["nvidia.com/gpu.product"]
-        job = self._job(ns, pod["metadata"]["labels"][JOB])
-        spec = parse_job(job).spec
-        profile = estimate_profile(lookup_gpu(product).name, spec.model.resolve(),
-                                   spec.precision, spec.planner.profile_micro_batch_sizes)
+        # the product's first pass or an extra one (--micro-batch-sizes) alike
+        profile = real_profile(pod, self._job(ns, pod["metadata"]["labels"][JOB]))
         factor = self.speed.get(product, 1.0)
-        profile = profile.model_copy(update={"source": "measured", "points": [
+        profile = profile.model_copy(update={"points": [
             p.model_copy(update={"block_forward_seconds": p.block_forward_seconds * factor,
                                  "block_backward_seconds": p.block_backward_seconds * factor})
             for p in profile.points]})
@@ -173,8 +176,10 @@ class TrainingSim:
                    for c in self.api.calls)
 
     def _job(self, ns: str, name: str) -> dict[str, Any]:
-        return {k: v for k, v in self.api._store[(API_GROUP, PLURAL, ns, name)].items()
-                if k in ("apiVersion", "kind", "metadata", "spec")}
+        job = stored_job(self.api, ns, name)
+        if job is None:
+            raise KeyError(name)
+        return job
 
     async def _train(self, key: str, ranks: list[dict[str, Any]]) -> None:
         ns, name = key.split("/", 1)

@@ -15,6 +15,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).parent))  # kube_emulator, kube_selectors, kubelet
 
 from kube_emulator import ApiEmulator
+from kubelet import ExtraPassKubelet
 
 from cephalo.api import API_GROUP, API_VERSION, KIND, PLURAL
 
@@ -45,3 +46,13 @@ def _no_ambient_kubeconfig(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KUBECONFIG", raising=False)
     if "KUBERNETES_SERVICE_HOST" in os.environ:
         monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
+
+
+@pytest_asyncio.fixture(name="extra_passes")
+async def extra_passes_fixture(emulator: ApiEmulator) -> AsyncIterator[ExtraPassKubelet]:
+    """The extra profiler passes run in the background (the test plays each first pass)."""
+    kubelet = ExtraPassKubelet(emulator).start()
+    try:
+        yield kubelet
+    finally:
+        await kubelet.stop()

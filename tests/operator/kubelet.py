@@ -23,7 +23,7 @@ from typing import Any
 
 from kube_emulator import ApiEmulator
 
-from cephalo.api import parse_job
+from cephalo.api import API_GROUP, PLURAL, GpuProfile, parse_job
 from cephalo.api.profile import CollectiveProfile
 from cephalo.planner import estimate_profile, lookup_gpu
 
@@ -117,15 +117,100 @@ async def wait_for(what: str, predicate: Callable[[], Any],
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def real_profile_json(pod: dict[str, Any], job_body: dict[str, Any]) -> str:
-    """What a profiler pod would print: a GpuProfile of the product it is pinned to."""
+# The profiler's flag for an extra pass: sizes a plan assigned beyond the profiled ones
+# (operator/render.py render_profiler_pod; cephalo.trainer.profile reads it).
+MICRO_BATCH_SIZES_FLAG = "--micro-batch-sizes"
+
+
+def profiler_sizes(pod: dict[str, Any], job_body: dict[str, Any]) -> list[int]:
+    """The micro-batch sizes a profiler pod measures: its --micro-batch-sizes (an extra
+    pass), else the job's profileMicroBatchSizes (the product's first pass)."""
+    command = pod["spec"]["containers"][0]["command"]
+    if MICRO_BATCH_SIZES_FLAG in command:
+        return [int(m) for m in command[command.index(MICRO_BATCH_SIZES_FLAG) + 1].split(",")]
+    return list(parse_job(job_body).spec.planner.profile_micro_batch_sizes)
+
+
+def is_extra_pass(pod: dict[str, Any]) -> bool:
+    return MICRO_BATCH_SIZES_FLAG in pod["spec"]["containers"][0]["command"]
+
+
+def real_profile(pod: dict[str, Any], job_body: dict[str, Any]) -> GpuProfile:
+    """What a profiler pod would measure: the catalog's estimate of the product it is
+    pinned to, at the sizes it was told (profiler_sizes), as measured (a profiler's
+    output is: the operator measures sizes beyond it, never beyond an estimate)."""
     product = pod["spec"]["nodeSelector"]["nvidia.com/gpu.product"]
     spec = parse_job(job_body).spec
-    profile = estimate_profile(lookup_gpu(product).name, spec.model.resolve(), spec.precision,
-                               spec.planner.profile_micro_batch_sizes)
-    text = profile.to_compact_json()
+    return estimate_profile(lookup_gpu(product).name, spec.model.resolve(), spec.precision,
+                            profiler_sizes(pod, job_body)).model_copy(
+                                update={"source": "measured"})
+
+
+def real_profile_json(pod: dict[str, Any], job_body: dict[str, Any]) -> str:
+    """What a profiler pod would print: real_profile as its termination message."""
+    text = real_profile(pod, job_body).to_compact_json()
     assert len(text.encode()) <= 4096, "a termination message holds at most 4096 bytes"
     return text
+
+
+def stored_job(api: ApiEmulator, ns: str, name: str) -> dict[str, Any] | None:
+    """The CephaloJob as applied (no status), None once deleted."""
+    job = api._store.get((API_GROUP, PLURAL, ns, name))
+    return None if job is None else {
+        k: v for k, v in job.items() if k in ("apiVersion", "kind", "metadata", "spec")}
+
+
+async def cancel_task(task: asyncio.Task[None] | None) -> None:
+    """Stop a background loop (a kubelet's, a sim's) and wait until it has."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+class ExtraPassKubelet:
+    """Runs every extra profiler pass (a profiler pod with --micro-batch-sizes) as the test
+    runs the first: Succeeded with real_profile_json at the asked sizes. The tests that play
+    profiler pods by hand script each product's first pass; the extra one comes only after
+    the operator planned on it, so this answers it in the background. `answered`: the pods
+    it ran, in order. `profile_json(pod, job body)`: what a pass prints, for a test that
+    plays its first passes with a profile of its own."""
+
+    def __init__(self, api: ApiEmulator,
+                 profile_json: Callable[[dict[str, Any], dict[str, Any]], str] = real_profile_json
+                 ) -> None:
+        self.api, self.profile_json = api, profile_json
+        self.answered: list[str] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> ExtraPassKubelet:
+        self._task = asyncio.create_task(self._loop())
+        return self
+
+    async def stop(self) -> None:
+        await cancel_task(self._task)
+
+    async def _loop(self) -> None:
+        while True:
+            for pod in self.api.list_objects("pods"):
+                # a pod that went between reading and writing it: the next look sees why
+                with contextlib.suppress(AssertionError):
+                    await self._answer(pod)
+            await asyncio.sleep(0.05)
+
+    async def _answer(self, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        if meta.get("labels", {}).get("cephalo.dev/role") != "profiler" \
+                or not is_extra_pass(pod) or meta.get("deletionTimestamp") \
+                or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed") \
+                or (pod.get("spec") or {}).get("schedulingGates"):
+            return
+        job = stored_job(self.api, meta["namespace"], meta["labels"]["cephalo.dev/job"])
+        if job is None:
+            return
+        await set_pod(self.api, meta["namespace"], meta["name"], "Succeeded",
+                      message=self.profile_json(pod, job))
+        self.answered.append(meta["name"])
 
 
 async def finish_profilers(api: ApiEmulator, ns: str, job_body: dict[str, Any],

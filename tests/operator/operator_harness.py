@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest_asyncio
 from kube_emulator import ApiEmulator
 from kube_fixtures import cluster_a
 from kubelet import (
     WAIT_SECONDS,
+    ExtraPassKubelet,
     OperatorProcess,
     apply_nodes,
     job_status,
@@ -24,14 +26,17 @@ from kubelet import (
 
 from cephalo.api import parse_plan
 from cephalo.operator.rbac import allowed
+from cephalo.operator.render import ANNOTATION_PROFILE_EXTRA_SIZES
 
 NS = "default"
 SMALL = {"gpuPools": [{"product": "L4"}, {"product": "RTX-A6000"}]}  # 2 profilers, 3 ranks
 
 
 @pytest_asyncio.fixture(name="start_operator")
-async def start_operator_fixture(emulator: ApiEmulator, tmp_path: Path):
-    """Factory: start the operator process (with extra env); every process is stopped after."""
+async def start_operator_fixture(emulator: ApiEmulator, tmp_path: Path,
+                                 extra_passes: ExtraPassKubelet):
+    """Factory: start the operator process (with extra env); every process is stopped after.
+    Extra profiler passes are answered (conftest's extra_passes)."""
     await apply_nodes(emulator, cluster_a())
     started: list[OperatorProcess] = []
 
@@ -66,6 +71,15 @@ def phases(api: ApiEmulator, name: str) -> list[str]:
         if phase and (not seen or seen[-1] != phase):
             seen.append(phase)
     return seen
+
+
+def extra_passes_asked(api: ApiEmulator, name: str) -> dict[str, Any]:
+    """The extra profiler passes the operator asked for (sizes a plan assigned beyond the
+    profiled ones; the job's annotation): {"rounds": n, "passes": {product: [sizes, ...]}}."""
+    job = next(j for j in api.list_objects("cephalojobs", NS, group="cephalo.dev")
+               if j["metadata"]["name"] == name)
+    state = (job["metadata"].get("annotations") or {}).get(ANNOTATION_PROFILE_EXTRA_SIZES)
+    return json.loads(state) if state else {"rounds": 0, "passes": {}}
 
 
 def events(api: ApiEmulator, name: str) -> list[tuple[str, str, str]]:

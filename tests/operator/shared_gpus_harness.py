@@ -10,7 +10,7 @@ from typing import Any
 import pytest_asyncio
 from kube_emulator import ApiEmulator
 from kube_fixtures import gpu_node
-from kubelet import OperatorProcess, Scheduler, apply_nodes, call, set_pod
+from kubelet import ExtraPassKubelet, OperatorProcess, Scheduler, apply_nodes, call, set_pod
 
 from cephalo.operator.rbac import allowed
 
@@ -81,7 +81,10 @@ class Cluster:
 
 
 @pytest_asyncio.fixture(name="cluster")
-async def cluster_fixture(emulator: ApiEmulator, tmp_path: Path) -> AsyncIterator[Cluster]:
+async def cluster_fixture(emulator: ApiEmulator, tmp_path: Path,
+                          extra_passes: ExtraPassKubelet) -> AsyncIterator[Cluster]:
+    """The shared cluster; the tests play each product's first profiler pass, extra_passes
+    (conftest) the others."""
     await apply_nodes(emulator, shared_cluster())
     cluster = Cluster(emulator, tmp_path)
     try:

@@ -29,6 +29,7 @@ from kubelet import apply_job, call, free_port, set_pod, wait_for
 from operator_harness import (  # noqa: F401 (fixtures)
     NS,
     cond,
+    extra_passes_asked,
     plan_of,
     start_operator_fixture,
     wait_phase,
@@ -233,6 +234,11 @@ async def test_plan_on_cluster_equals_the_operators_plan(
                "not on a node yet)" in s for s in said), err
     assert any("not usable: b-p100: tainted team:NoSchedule" in s for s in said), err
     assert any("profile L4: cached ConfigMap cephalo-profile-l4-" in s for s in said), err
+    # gpt-small at batch 64 on two GPUs takes microbatches above 8: the operator measured
+    # them first (issue 46 item 3), and the preview planned with that pass's cached profile.
+    assert extra_passes_asked(emulator, "target")["rounds"] >= 1
+    assert any("+ ConfigMap cephalo-profile-" in s and "(sizes " in s for s in said), err
+    assert not any(r.extrapolated for r in chosen.ranks), chosen.to_json()
 
 
 async def test_bad_input_and_bad_clusters_are_one_line_each(

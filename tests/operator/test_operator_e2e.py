@@ -33,6 +33,7 @@ from operator_harness import (  # noqa: F401 (fixtures)
     SMALL,
     cond,
     events,
+    extra_passes_asked,
     operator_fixture,
     phases,
     plan_of,
@@ -241,7 +242,10 @@ async def test_operator_killed_mid_phase_resumes_without_duplicates(
     for plural in ("pods", "configmaps", "services"):
         dup = {k: n for k, n in emulator.created(plural).items() if n > 1}
         assert not dup, f"{plural} created twice: {dup}"
-    assert phases(emulator, "rs") == ["Profiling", "Planning", "Pending", "Running", "Succeeded"]
+    # A plan with sizes beyond the profiled ones measured them first (a pass per round).
+    extra = ["Profiling", "Planning"] * extra_passes_asked(emulator, "rs")["rounds"]
+    assert phases(emulator, "rs") == ["Profiling", "Planning", *extra, "Pending", "Running",
+                                      "Succeeded"]
 
 
 async def test_suspend_stops_ranks_and_resume_restarts_them(
@@ -319,13 +323,17 @@ async def test_progress_is_scraped_from_rank_0_and_operator_metrics_are_served(
     finally:
         await runner.cleanup()
     assert 'cephalo_operator_jobs{phase="Running"} 1.0' in text
-    assert "cephalo_operator_planning_duration_seconds_count 1.0" in text
+    # Planned once, and again after each round of extra profiler passes (sizes beyond the
+    # profiled ones); each pass is a profiling of its product.
+    extra = extra_passes_asked(emulator, "prog")
+    assert f"cephalo_operator_planning_duration_seconds_count {1 + extra['rounds']}.0" in text
     assert 'cephalo_operator_reconciles_total{outcome="ok"}' in text
     job_labels = '{cephalo_job="prog",cephalo_namespace="default"}'  # as on trainer series
     assert f"cephalo_operator_predicted_samples_per_second{job_labels}" in text
     measured = f"cephalo_operator_measured_samples_per_second{job_labels}"
     assert f"{measured} 123.5" in text
-    assert 'cephalo_operator_profiling_duration_seconds_count{product="L4"} 1.0' in text
+    l4 = 1 + len(extra["passes"].get("L4", []))
+    assert f'cephalo_operator_profiling_duration_seconds_count{{product="L4"}} {l4}.0' in text
 
 
 def _rank_0_page(step: int, step_seconds: list[float]) -> str:

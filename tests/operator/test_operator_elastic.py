@@ -10,7 +10,9 @@ import asyncio
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
+import kmock
 import pytest
 import yaml
 from aiohttp import ClientSession
@@ -84,6 +86,43 @@ async def test_an_elastic_job_grows_when_another_job_lets_its_gpus_go(sim: Sim,
     status = await wait_for("a Succeeded", lambda: (
         s if (s := status_of(sim.api, "a")).get("phase") == "Succeeded" else None), WAIT_SECONDS)
     assert world_sizes(sim.api, "a") == [4, 8]
+
+
+def _lists_configmaps_in_the_jobs_namespace(req: Any) -> bool:
+    """The operator's LIST of ConfigMaps in the job's namespace: what the chart's RBAC
+    refuses (its ClusterRole gets ConfigMaps by name; LIST only in the operator's own
+    namespace, by a Role)."""
+    res = req.resource
+    return not req.headers.get("User-Agent", "").startswith("kmock/") and res is not None \
+        and res.plural == "configmaps" and str(req.method.value) == "GET" \
+        and req.name is None and req.namespace == NS
+
+
+async def test_a_network_cache_the_operator_may_not_list_is_no_cached_network(
+        sim: Sim) -> None:
+    """An operator started without CEPHALO_OPERATOR_NAMESPACE under the chart's RBAC: the
+    network cache is looked for in the job's namespace, where LIST is refused (403). The
+    rescale plans with no cached network and says so once in the log; the reconcile never
+    fails on it (it did: the job stayed on 4 GPUs, each pass raising the 403)."""
+    sim.api[_lists_configmaps_in_the_jobs_namespace] << kmock.KubernetesError(
+        status=403, reason="Forbidden", message="forbidden by the chart's RBAC", details={})
+    await call(sim.api, "PATCH", "/api/v1/nodes/a10g-1/status", {"status": {"conditions": [
+        {"type": "Ready", "status": "True"}]}})
+    await hold_four_gpus(sim)
+    await apply_job(sim.api, elastic_job("a", 400, elastic=ELASTIC))
+    status = await running_with_progress(sim.api, "a")
+    assert status["plan"]["worldSize"] == 4
+    await call(sim.api, "DELETE", JOBS.format(ns=NS) + "/b")  # b ends: its GPUs are free
+    status = await wait_for("a rescaled to 8 GPUs and Running", lambda: (
+        s if (s := status_of(sim.api, "a")).get("phase") == "Running"
+        and s["plan"]["worldSize"] == 8 else None), WAIT_SECONDS)
+    assert status["elastic"]["rescales"] == 1
+    refused = [c for c in sim.api.calls if c.resource == "configmaps" and c.verb == "list"
+               and c.namespace == NS]
+    assert refused, "the operator never looked for the network cache"
+    log = sim.operator.log()
+    assert log.count("network cache") == 1, log[-4000:]
+    assert "CEPHALO_OPERATOR_NAMESPACE" in log
 
 
 async def test_a_node_that_flaps_five_times_causes_at_most_one_rescale(sim: Sim) -> None:

@@ -31,6 +31,7 @@ from kube_emulator import ApiEmulator
 from kube_fixtures import gpu_node, job_body
 from kubelet import (
     WAIT_SECONDS,
+    ExtraPassKubelet,
     OperatorProcess,
     Scheduler,
     apply_job,
@@ -38,6 +39,7 @@ from kubelet import (
     free_port,
     job_status,
     pods,
+    profiler_sizes,
     set_pod,
     wait_for,
 )
@@ -74,10 +76,11 @@ def _job(name: str, steps: int = STEPS, **spec: Any) -> dict[str, Any]:
                     checkpoint={"claimName": f"ckpt-{name}", "intervalSteps": 1000}, **spec)
 
 
-def _profile(body: dict[str, Any]) -> str:
+def _profile(pod: dict[str, Any], body: dict[str, Any]) -> str:
+    """What the profiler pod prints, at its sizes (the job's, or an extra pass's)."""
     spec = parse_job(body).spec
     p = estimate_profile(lookup_gpu(POOL).name, spec.model.resolve(), spec.precision,
-                         spec.planner.profile_micro_batch_sizes)
+                         profiler_sizes(pod, body))
     p = p.model_copy(update={"source": "measured", "points": [q.model_copy(update={
         k: v * q.micro_batch_size for k, v in SECONDS_PER_SAMPLE.items()}) for q in p.points]})
     return p.to_compact_json()
@@ -108,9 +111,13 @@ async def cluster_fixture(emulator: ApiEmulator, tmp_path: Path) -> AsyncIterato
                            CEPHALO_TRAINER_METRICS_PORT=str(kubelet.metrics_port),
                            CEPHALO_PROGRESS_INTERVAL_SECONDS="0.3",
                            CEPHALO_NODE_DEBOUNCE_SECONDS="0.2").start()
+    # b's plan takes microbatches above its profiled sizes: the extra pass, answered as
+    # the test answers the first.
+    extra_passes = ExtraPassKubelet(emulator, _profile).start()
     try:
         yield Cluster(emulator, kubelet, proc)
     finally:
+        await extra_passes.stop()
         await proc.stop()
         print(kubelet.logs())
         await kubelet.stop()
@@ -173,7 +180,8 @@ async def test_job_a_grows_onto_every_gpu_when_job_b_ends(cluster: Cluster,
     b = _job("b", 100_000, maxGpus=HALF)
     await apply_job(api, b)
     profiler = await wait_for("b's profiler", lambda: pods(api, NS, "profiler", "b"))
-    await set_pod(api, NS, profiler[0]["metadata"]["name"], "Succeeded", message=_profile(b))
+    await set_pod(api, NS, profiler[0]["metadata"]["name"], "Succeeded",
+                  message=_profile(profiler[0], b))
     await wait_for("b Running on half the GPUs", lambda: (s := job_status(api, NS, "b")).get(
         "phase") == "Running" and s["plan"]["worldSize"] == HALF)
     # a: the same model, so b's cached profile serves it (no profiler pod while b runs)

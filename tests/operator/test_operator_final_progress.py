@@ -20,6 +20,7 @@ from kube_emulator import ApiEmulator
 from kube_fixtures import gpu_node
 from kubelet import (
     WAIT_SECONDS,
+    ExtraPassKubelet,
     OperatorProcess,
     Scheduler,
     apply_job,
@@ -47,9 +48,11 @@ async def cluster_fixture(emulator: ApiEmulator,
                              metrics_port=free_port()).start()
     proc = OperatorProcess(emulator.kubeconfig, tmp_path / "operator.log",
                            CEPHALO_TRAINER_METRICS_PORT=str(free_port())).start()
+    extra_passes = ExtraPassKubelet(emulator, _profile).start()  # as the test's first pass
     try:
         yield emulator, kubelet
     finally:
+        await extra_passes.stop()
         await proc.stop()
         print(kubelet.logs())
         await kubelet.stop()
@@ -61,7 +64,8 @@ async def test_a_succeeded_job_reports_its_last_step_loss_and_throughput(cluster
     body = _job("done", STEPS)
     await apply_job(api, body)
     profiler = await wait_for("the profiler pod", lambda: pods(api, NS, "profiler", "done"))
-    await set_pod(api, NS, profiler[0]["metadata"]["name"], "Succeeded", message=_profile(body))
+    await set_pod(api, NS, profiler[0]["metadata"]["name"], "Succeeded",
+                  message=_profile(profiler[0], body))
     status = await wait_for("Succeeded", lambda: (
         s if (s := job_status(api, NS, "done")).get("phase") in ("Succeeded", "Failed")
         else None), WAIT_SECONDS * 2)

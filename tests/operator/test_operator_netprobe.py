@@ -22,6 +22,7 @@ from kube_emulator import ApiEmulator
 from kube_fixtures import gpu_node, job_body
 from kubelet import (
     WAIT_SECONDS,
+    ExtraPassKubelet,
     OperatorProcess,
     Scheduler,
     apply_job,
@@ -69,7 +70,7 @@ async def _cluster(api: ApiEmulator, tmp_path: Path, jobs: set[str],
 
 
 @pytest_asyncio.fixture(name="stack")
-async def stack_fixture(emulator: ApiEmulator, tmp_path: Path
+async def stack_fixture(emulator: ApiEmulator, tmp_path: Path, extra_passes: ExtraPassKubelet
                         ) -> AsyncIterator[tuple[ApiEmulator, ProcessKubelet]]:
     kubelet, operator = await _cluster(emulator, tmp_path, {"n1", "n2"})
     try:
@@ -139,7 +140,7 @@ async def test_the_network_is_measured_cached_and_reused(
 
 
 async def test_a_probe_that_cannot_finish_is_given_up_and_the_network_assumed(
-        emulator: ApiEmulator, tmp_path: Path) -> None:
+        emulator: ApiEmulator, tmp_path: Path, extra_passes: ExtraPassKubelet) -> None:
     # The kubelet runs the job's ranks but not its probe pods (they stay Running, as a rank
     # whose peer is unreachable would): the probe is given up after its timeout.
     kubelet, operator = await _cluster(emulator, tmp_path, set(),

@@ -25,6 +25,7 @@ import pytest_asyncio
 from kube_emulator import ApiEmulator
 from kube_fixtures import gpu_node, job_body
 from kubelet import (
+    ExtraPassKubelet,
     OperatorProcess,
     Scheduler,
     apply_job,
@@ -87,7 +88,8 @@ async def _discover(api: ApiEmulator, kubelet: ProcessKubelet,
 
 
 @pytest_asyncio.fixture(name="stack")
-async def stack_fixture(emulator: ApiEmulator, tmp_path: Path) -> AsyncIterator[Stack]:
+async def stack_fixture(emulator: ApiEmulator, tmp_path: Path,
+                        extra_passes: ExtraPassKubelet) -> AsyncIterator[Stack]:
     podmonitor = one(render({"metrics": {"podMonitor": {"enabled": True}}}), "PodMonitor")
     # Prometheus, the operator, rank 0, rank 1: ports polled before anything listens there,
     # so below the ephemeral range (tests/ports.py), and consecutive (never the same twice).

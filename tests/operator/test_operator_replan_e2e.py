@@ -58,7 +58,10 @@ def _job(name: str, max_gpus: int = 2, steps: int = 40, enabled: bool = True,
                     training={"steps": steps, "learningRate": 1e-3, "schedule": "constant",
                               "seed": 1},
                     data={"synthetic": {}},
-                    planner={"profileMicroBatchSizes": [1, 2, 4], "chooseGpus": True,
+                    # Profiled up to the global batch: no plan takes a microbatch beyond
+                    # (no extra profiler pass; the calibrated plan below is solved from
+                    # this profile alone)
+                    planner={"profileMicroBatchSizes": [1, 2, 4, 32], "chooseGpus": True,
                              "replan": {"afterSteps": 3, "restartCostSeconds": 0.0,
                                         "enabled": enabled},
                              **planner},

@@ -178,19 +178,25 @@ def make_claim(cluster: Cluster, ns: str, name: str) -> None:
 
 
 def tiny_job(name: str, ns: str, **spec: Any) -> dict[str, Any]:
-    """examples/custom-tiny-gpt.yaml, scaled down: six steps, two ranks (one a GPU node)."""
+    """examples/custom-tiny-gpt.yaml, scaled down: six steps, two ranks (one a GPU node).
+
+    Profiled at 1, 2 and the global batch: no rank's microbatch (at most its batch) lies
+    above the profiled sizes, so the operator never makes its extra profiler pass for sizes
+    beyond them (issue 46 item 3; a real profiler pod per product, and a Profiling phase
+    after Planning). The emulator's tests cover that pass."""
+    batch = int(spec.get("globalBatchSize", 8))
     return {"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
             "metadata": {"name": name, "namespace": ns},
             "spec": {"model": {"family": "gpt", "numLayers": 2, "hiddenSize": 64,
                                "numHeads": 4, "ffnHiddenSize": 256, "vocabSize": 256,
                                "sequenceLength": 32},
-                     "globalBatchSize": 8, "training": {"steps": 6, "learningRate": 1.0e-3,
-                                                        "schedule": "constant", "seed": 1},
+                     "globalBatchSize": batch, "training": {"steps": 6, "learningRate": 1.0e-3,
+                                                            "schedule": "constant", "seed": 1},
                      "data": {"synthetic": {}},
                      # CPU ranks planned as GPUs: calibrated and reported, never re-planned
                      # (a re-plan restarts both trainers; tests/realk8s/test_operator_replan
                      # is re-planning's test)
-                     "planner": {"profileMicroBatchSizes": [1, 2], "chooseGpus": False,
-                                 "replan": {"maxReplans": 0}},
+                     "planner": {"profileMicroBatchSizes": sorted({1, 2, batch}),
+                                 "chooseGpus": False, "replan": {"maxReplans": 0}},
                      "ranksPerPod": 1, "checkpoint": {"claimName": "ckpt", "intervalSteps": 3},
                      "backoffLimit": 1, **spec}}

@@ -68,9 +68,8 @@ def _reasons(cluster: Cluster, ns: str, name: str) -> list[str]:
 
 
 def _job(name: str, ns: str, **spec: Any) -> dict[str, Any]:
-    body = tiny_job(name, ns, **spec)
+    body = tiny_job(name, ns, globalBatchSize=16, **spec)
     body["spec"]["training"]["steps"] = LONG
-    body["spec"]["globalBatchSize"] = 16
     body["spec"]["checkpoint"]["intervalSteps"] = 10_000  # the drain's checkpoint only
     return body
 

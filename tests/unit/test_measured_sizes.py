@@ -167,3 +167,22 @@ def test_a_plan_that_keeps_moving_is_used_after_the_last_round_and_says_so() -> 
     (note,) = result.plan.notes
     assert note.startswith("planned with micro-batch size 16 of A10G (beyond the profiled "
                            "1-8) extrapolated: measuring moved the plan 2 times")
+
+
+def test_a_pass_that_cannot_be_measured_leaves_the_plan_so_far_and_names_its_sizes() -> None:
+    """`cephalo plan --cluster` reads each pass from the operator's cache: one not cached
+    yet stops there, with the sizes the operator measures before it uses the plan."""
+    spec = _spec()
+    profiles = {A10G.name: _measured(spec, [1, 2])}
+    first = solve(spec, CLUSTER, profiles)
+    asked: list[Mapping[str, list[int]]] = []
+
+    def nothing_cached(wanted: Mapping[str, list[int]]) -> None:
+        asked.append(wanted)
+        return None
+
+    result = plan_on_measured_sizes(lambda p: solve(spec, CLUSTER, p), nothing_cached, profiles)
+    assert result.plan == first and result.rounds == 0 and result.profiles == profiles
+    assert asked == [unmeasured_micro_batch_sizes(first, profiles)]
+    assert result.not_measured == asked[0] and result.not_measured
+    assert not result.plan.notes or "measuring moved" not in " ".join(result.plan.notes)

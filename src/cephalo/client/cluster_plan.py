@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -66,7 +67,11 @@ from cephalo.operator.render import (
     checkpoint_target,
     profile_config_map_name,
 )
-from cephalo.planner.measured_sizes import unmeasured_micro_batch_sizes, with_unmeasured_note
+from cephalo.planner.measured_sizes import (
+    describe_unmeasured,
+    plan_on_measured_sizes,
+    size_list,
+)
 from cephalo.planner.worker import encode_request, run_request
 
 MEMORY_BYTES = 512 * 1024**2  # only named in the worker's out-of-memory message
@@ -145,13 +150,29 @@ def plan_on_cluster(session: Session, job: CephaloJob, namespace: str,
     profiles = _cached_profiles(session, job, namespace, pools, config, result.profiles)
     cluster = _measured_network(session, job, cluster, pools, nodes, notes)
     result.cluster = cluster
-    outcome = run_request(encode_request(spec, cluster, profiles), MEMORY_BYTES)
-    if outcome[0] != "ok":
-        result.error, result.error_reason = str(outcome[2]), str(outcome[1])
+
+    def solve(current: Mapping[str, GpuProfile]) -> Plan:
+        outcome = run_request(encode_request(spec, cluster, dict(current)), MEMORY_BYTES)
+        if outcome[0] != "ok":
+            raise _PlanningError(str(outcome[1]), str(outcome[2]))
+        return parse_plan(json.loads(outcome[1]))
+
+    def cached_passes(wanted: Mapping[str, list[int]]) -> dict[str, GpuProfile] | None:
+        return _cached_passes(session, job, namespace, config, wanted, result.profiles)
+
+    # As the operator plans (reconcile._plan): sizes a plan assigns beyond the profiled
+    # ones are measured by an extra profiler pass per product and planned again; here
+    # each pass is read from the operator's cache.
+    try:
+        settled = plan_on_measured_sizes(solve, cached_passes, profiles)
+    except _PlanningError as err:
+        result.error, result.error_reason = err.message, err.reason
         return result
-    plan = parse_plan(json.loads(outcome[1]))
-    if wanted := unmeasured_micro_batch_sizes(plan, profiles):  # as reconcile._plan says
-        plan = with_unmeasured_note(plan, wanted, profiles)
+    plan = settled.plan
+    if settled.not_measured:
+        what = describe_unmeasured(settled.not_measured, settled.profiles)
+        notes.append(f"the operator measures {what} before it uses the plan (one profiler "
+                     "pass per GPU product, not cached yet): its plan may then differ")
     if spec.ranks_per_pod != 1:  # as the operator packs them (reconcile._plan)
         plan = with_pod_ranks(plan, pack_ranks(
             plan, {p.product: p.node_gpus for p in pools}, spec.ranks_per_pod))
@@ -245,22 +266,52 @@ def _measured_network(session: Session, job: CephaloJob, cluster: ClusterSpec,
     return with_measured_network(cluster, known.measured)
 
 
+class _PlanningError(Exception):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason, self.message = reason, message
+
+
+def _cached_passes(session: Session, job: CephaloJob, namespace: str, config: OperatorConfig,
+                   wanted: Mapping[str, list[int]],
+                   said: dict[str, str]) -> dict[str, GpuProfile] | None:
+    """The operator's cached extra passes for `wanted` ({product: sizes}), None when any
+    is not cached (the operator would measure it first)."""
+    found: dict[str, GpuProfile] = {}
+    for product, sizes in wanted.items():
+        name = profile_config_map_name(product, job, config, sizes)
+        profile = _cached_profile(session, namespace, name)
+        if profile is None:
+            return None
+        found[product] = profile
+        said[product] += f" + ConfigMap {name} (sizes {size_list(sizes)})"
+    return found
+
+
+def _cached_profile(session: Session, namespace: str, name: str) -> GpuProfile | None:
+    """The profile cached in ConfigMap `name`; None when there is none (or none readable)."""
+    try:
+        cm = session.call("get", "configmaps", namespace, session.kube.get,
+                          core_path(namespace, "configmaps", name))
+    except Forbidden:
+        return None
+    try:
+        return GpuProfile.model_validate_json(((cm or {}).get("data") or {}).get(PROFILE_KEY, ""))
+    except ValidationError:
+        return None
+
+
 def _cached_profiles(session: Session, job: CephaloJob, namespace: str, pools: list[Pool],
                      config: OperatorConfig, said: dict[str, str]) -> dict[str, GpuProfile]:
     profiles: dict[str, GpuProfile] = {}
     for pool in pools:
         assert pool.catalog_name is not None
         name = profile_config_map_name(pool.catalog_name, job, config)
-        try:
-            cm = session.call("get", "configmaps", namespace, session.kube.get,
-                              core_path(namespace, "configmaps", name))
-        except Forbidden:
-            cm = None
-        try:
-            profiles[pool.catalog_name] = GpuProfile.model_validate_json(
-                ((cm or {}).get("data") or {}).get(PROFILE_KEY, ""))
-            said[pool.catalog_name] = f"cached ConfigMap {name}"
-        except ValidationError:
+        profile = _cached_profile(session, namespace, name)
+        if profile is None:
             said[pool.catalog_name] = ("catalog estimate (no cached profile: the operator "
                                        "would profile it first)")
+        else:
+            profiles[pool.catalog_name] = profile
+            said[pool.catalog_name] = f"cached ConfigMap {name}"
     return profiles

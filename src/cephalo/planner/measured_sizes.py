@@ -15,7 +15,7 @@ on its ranks (RankPlan.extrapolated).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cephalo.api.plan import Plan
 from cephalo.api.profile import GpuProfile, merge_points, profiled_sizes
@@ -89,23 +89,32 @@ class MeasuredPlan:
     plan: Plan
     profiles: dict[str, GpuProfile]  # with every point measured for it
     rounds: int  # extra profiler passes made (0: the plan used only profiled sizes)
+    # Sizes a pass was wanted for but `measure` had none of (a preview reading the
+    # operator's cache: the operator measures them before it uses the plan).
+    not_measured: dict[str, list[int]] = field(default_factory=dict)
 
 
-def plan_on_measured_sizes(solve: Callable[[Mapping[str, GpuProfile]], Plan],
-                           measure: Callable[[Mapping[str, list[int]]], Mapping[str, GpuProfile]],
-                           profiles: Mapping[str, GpuProfile]) -> MeasuredPlan:
+def plan_on_measured_sizes(
+        solve: Callable[[Mapping[str, GpuProfile]], Plan],
+        measure: Callable[[Mapping[str, list[int]]], Mapping[str, GpuProfile] | None],
+        profiles: Mapping[str, GpuProfile]) -> MeasuredPlan:
     """Plan, measure the sizes the plan assigns beyond the profiled ones, plan again, until
     the plan uses only measured sizes or MAX_MEASURE_ROUNDS passes were made (then the plan
     says what is left extrapolated). `solve(profiles)` plans; `measure({product: sizes})`
     runs the profiler for just those sizes and returns {product: profile with those
-    points} (the caller's I/O: `cephalo run`'s profiler processes)."""
+    points} (the caller's I/O: `cephalo run`'s profiler processes), or None when it cannot
+    (`cephalo plan --cluster`: a pass the operator has not cached yet): the plan so far
+    is returned with the sizes in `not_measured`."""
     current = dict(profiles)
     plan = solve(current)
     for rounds in range(MAX_MEASURE_ROUNDS):
         wanted = unmeasured_micro_batch_sizes(plan, current)
         if not wanted:
             return MeasuredPlan(plan, current, rounds)
-        current = merge_measured(current, measure(wanted))
+        measured = measure(wanted)
+        if measured is None:
+            return MeasuredPlan(plan, current, rounds, wanted)
+        current = merge_measured(current, measured)
         plan = solve(current)
     left = unmeasured_micro_batch_sizes(plan, current)
     return MeasuredPlan(with_unmeasured_note(plan, left, current), current,
