@@ -19,6 +19,7 @@ from kube_emulator import ApiEmulator
 from kube_fixtures import gpu_node, job_body
 from kubelet import (
     WAIT_SECONDS,
+    ExtraPassKubelet,
     OperatorProcess,
     Scheduler,
     apply_job,
@@ -26,13 +27,14 @@ from kubelet import (
     free_port,
     job_status,
     pods,
+    profiler_sizes,
     set_pod,
     wait_for,
 )
 from operator_harness import NS, events
 from process_kubelet import ProcessKubelet
 
-from cephalo.api import GpuProfile, parse_job
+from cephalo.api import parse_job
 from cephalo.planner import estimate_profile, lookup_gpu
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]  # real trainer processes
@@ -55,13 +57,14 @@ def _job(name: str) -> dict[str, Any]:
                     checkpoint={"claimName": f"ckpt-{name}", "intervalSteps": 1000})
 
 
-def _profile(body: dict[str, Any]) -> GpuProfile:
+def _profile(pod: dict[str, Any], body: dict[str, Any]) -> str:
+    """What the profiler pod prints, at its sizes (the job's, or an extra pass's)."""
     spec = parse_job(body).spec
     p = estimate_profile(lookup_gpu(POOL).name, spec.model.resolve(), spec.precision,
-                         spec.planner.profile_micro_batch_sizes)
+                         profiler_sizes(pod, body))
     return p.model_copy(update={"source": "measured", "points": [q.model_copy(update={
         k: v * q.micro_batch_size for k, v in SECONDS_PER_SAMPLE.items()})
-        for q in p.points]})
+        for q in p.points]}).to_compact_json()
 
 
 @pytest_asyncio.fixture(name="cluster")
@@ -77,9 +80,12 @@ async def cluster_fixture(emulator: ApiEmulator, tmp_path: Path
     proc = OperatorProcess(emulator.kubeconfig, tmp_path / "operator.log",
                            CEPHALO_TRAINER_METRICS_PORT=str(kubelet.metrics_port),
                            CEPHALO_PROGRESS_INTERVAL_SECONDS="0.3").start()
+    # A plan above the profiled sizes: the extra pass, answered as the test answers the first.
+    extra_passes = ExtraPassKubelet(emulator, _profile).start()
     try:
         yield emulator, kubelet
     finally:
+        await extra_passes.stop()
         await proc.stop()
         print(kubelet.logs())
         await kubelet.stop()
@@ -93,7 +99,7 @@ async def test_a_rank_slowed_mid_run_is_rebalanced_without_a_restart(
     await apply_job(api, body)
     profiler = await wait_for("rb's profiler", lambda: pods(api, NS, "profiler", "rb"))
     await set_pod(api, NS, profiler[0]["metadata"]["name"], "Succeeded",
-                  message=_profile(body).to_compact_json())
+                  message=_profile(profiler[0], body))
     running = await wait_for("rb Running with its plan's split shown", lambda: (
         s if (s := job_status(api, NS, "rb")).get("phase") == "Running" and
         (s.get("rebalance") or {}).get("batchSizes") else None))
