@@ -38,8 +38,9 @@ from cephalo.api.network import NIC_GBPS_LABEL
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]  # real trainer processes
 STEPS = 6
-SLOW_NIC_GBPS = "0.01"  # the tiny model: flat sharding's gathers across it then cost clearly more (> the
-# planner's 5 % margin for hybrid) than the cross-group halves
+# The tiny model: flat sharding's gathers across it then cost clearly more (> the planner's
+# 5 % margin for hybrid) than the cross-group halves.
+SLOW_NIC_GBPS = "0.01"
 
 
 @pytest_asyncio.fixture(name="cluster")
