@@ -114,9 +114,9 @@ def plan_with(spec: CephaloJobSpec, cpu: GpuProfile, fit: dict[str, float],
 
 
 def run_plan(plan: Plan, nodes: Nodes, job_file: Path, work: Path,
-             timeout_seconds: float = 300.0) -> list[dict]:
-    """Run the plan's trainer ranks (rank 0 in A, rank 1 in B); rank 0's step records,
-    warm-up steps left out."""
+             timeout_seconds: float = 300.0, ranks_per_node: int = 1) -> list[dict]:
+    """Run the plan's trainer ranks (the first `ranks_per_node` in A, the rest in B); rank
+    0's step records, warm-up steps left out."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"run-{plan.world_size}-", dir=work))
     plan_file = run_dir / "plan.json"
     plan_file.write_text(plan.to_json())
@@ -127,11 +127,11 @@ def run_plan(plan: Plan, nodes: Nodes, job_file: Path, work: Path,
         for rank in range(plan.world_size):
             env = rank_environment(rank, plan, ranks, run_dir, job_file, plan_file,
                                    MASTER_PORT, THREADS, checkpoint_dir="")
-            env.update(MASTER_ADDR=ADDRESS_A, GLOO_SOCKET_IFNAME=DEVICE_A if rank == 0
-                       else DEVICE_B)
+            in_a = rank < ranks_per_node
+            env.update(MASTER_ADDR=ADDRESS_A, GLOO_SOCKET_IFNAME=DEVICE_A if in_a else DEVICE_B)
             log = open(run_dir / f"rank-{rank}.log", "wb")  # noqa: SIM115 (closed below)
             procs.append((start_timed(
-                ["ip", "netns", "exec", nodes.a if rank == 0 else nodes.b, sys.executable,
+                ["ip", "netns", "exec", nodes.a if in_a else nodes.b, sys.executable,
                  "-m", "cephalo.trainer"], env=env, stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, cwd=run_dir), log))
         for proc, _ in procs:
