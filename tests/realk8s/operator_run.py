@@ -118,6 +118,25 @@ def cached_profiles(cluster: Cluster, ns: str) -> list[str]:
         if cm["metadata"]["name"].startswith("cephalo-profile-")]
 
 
+def profiles_cached_for(cluster: Cluster, ns: str, body: dict[str, Any]) -> bool:
+    """Whether the operator holds a cached profile of `body`'s model for every product of the
+    session's nodes: the job then plans without profiling. Not "any profile is cached":
+    other tests seed profiles of their own models in the shared namespace (a faults test that
+    went by any cached profile expected no Profiling phase after the hybrid test ran, and
+    failed a fresh-clone CI run)."""
+    from cephalo.api import parse_job
+    from cephalo.operator.config import OperatorConfig
+    from cephalo.operator.render import profile_config_map_name
+    from cephalo.planner.catalog import lookup_gpu
+
+    from .cluster import NODES
+
+    job = parse_job(body)
+    wanted = {profile_config_map_name(lookup_gpu(n.product).name, job, OperatorConfig())
+              for n in NODES}
+    return wanted <= set(cached_profiles(cluster, ns))
+
+
 def seed_estimated_profiles(cluster: Cluster, ns: str, body: dict[str, Any],
                             products: Sequence[str] = ()) -> list[str]:
     """Cache, as the operator caches a measured profile (its own ConfigMap name and key), the

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .cluster import NODES, Cluster
-from .operator_run import JOBS, Operator, cached_profiles, phases_until, tiny_job
+from .operator_run import JOBS, Operator, phases_until, profiles_cached_for, tiny_job
 from .rest import wait_until
 
 STEP_SECONDS = 120.0  # a phase change on two shared cores (profiling included)
@@ -64,8 +64,8 @@ def _phase(cluster: Cluster, ns: str, name: str, phase: str) -> dict[str, Any]:
 def test_killed_rank_suspend_resume_node_loss_and_delete_while_running(
         cluster: Cluster, operator: Operator, job_namespace: str, tmp_path: Path) -> None:
     ns, name = job_namespace, "long"
-    cached = cached_profiles(cluster, ns)  # the job test's, when it ran first
     body = tiny_job(name, ns, terminationGracePeriodSeconds=10, backoffLimit=3)
+    cached = profiles_cached_for(cluster, ns, body)  # the job test's, when it ran first
     body["spec"]["training"]["steps"] = 1_000_000  # runs until the test ends it
     created = cluster.rest.create(JOBS.format(ns=ns), body, fieldValidation="Strict")
     follow_log = tmp_path / "cephalo-logs-f.txt"

@@ -21,7 +21,7 @@ import yaml
 from cephalo.cli import main as cli_main
 
 from .cluster import Cluster
-from .operator_run import JOB_SECONDS, JOBS, Operator, cached_profiles, phases_until, tiny_job
+from .operator_run import JOB_SECONDS, JOBS, Operator, phases_until, profiles_cached_for, tiny_job
 from .rest import wait_until
 
 # Short: the checks that need the finished job's pods run on the re-created job (no TTL);
@@ -39,10 +39,10 @@ def test_job_trains_under_the_real_api_server_and_exports(
     ns = job_namespace
     # The namespace is the faults test's too: in the suite its job profiled both GPU products
     # already, and then this job must plan from the cached profiles, never profiling.
-    cached = cached_profiles(cluster, ns)
+    body = tiny_job("tiny", ns, ttlSecondsAfterFinished=TTL_SECONDS)
+    cached = profiles_cached_for(cluster, ns, body)
     started = time.monotonic()
-    first = cluster.rest.create(JOBS.format(ns=ns), tiny_job(
-        "tiny", ns, ttlSecondsAfterFinished=TTL_SECONDS), fieldValidation="Strict")
+    first = cluster.rest.create(JOBS.format(ns=ns), body, fieldValidation="Strict")
     phases, status = phases_until(cluster, ns, "tiny", first["metadata"]["resourceVersion"],
                                   {"Succeeded", "Failed"}, JOB_SECONDS)
     assert phases[-1] == "Succeeded", f"{phases}: {status.get('message')}"
