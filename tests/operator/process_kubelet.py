@@ -36,12 +36,13 @@ import re
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kube_emulator import ApiEmulator
-from kubelet import free_port, pod_status
+from kubelet import ExtraPassKubelet, OperatorProcess, free_port, pod_status
 
 ROLE, JOB, ATTEMPT = "cephalo.dev/role", "cephalo.dev/job", "cephalo.dev/attempt"
 HASH = "cephalo.dev/config-hash"
@@ -256,3 +257,29 @@ class ProcessKubelet:
         deadline = time.monotonic() + 10
         while self._tasks and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def trainers_and_operator(
+        api: ApiEmulator, folder: Path, jobs: set[str],
+        profile_json: Callable[[dict[str, Any], dict[str, Any]], str],
+        operator_env: dict[str, str] | None = None, **kubelet: Any,
+) -> AsyncIterator[ProcessKubelet]:
+    """The tests' real-trainer cluster around `api`: a ProcessKubelet running `jobs`' rank
+    pods, the kopf operator as a process (reading the ranks' metrics from the kubelet's port
+    unless `operator_env` says otherwise), and the operator's extra profiler passes answered
+    with `profile_json` as the test answers the first. Logs are printed on the way out
+    (shown only when the test failed)."""
+    ranks = ProcessKubelet(api, folder / "kubelet", jobs=jobs, metrics_port=free_port(),
+                           **kubelet).start()
+    env = {"CEPHALO_TRAINER_METRICS_PORT": str(ranks.metrics_port), **(operator_env or {})}
+    proc = OperatorProcess(api.kubeconfig, folder / "operator.log", **env).start()
+    extra_passes = ExtraPassKubelet(api, profile_json).start()
+    try:
+        yield ranks
+    finally:
+        await extra_passes.stop()
+        await proc.stop()
+        print(ranks.logs())
+        await ranks.stop()
+        print(proc.log()[-8000:])

@@ -20,8 +20,6 @@ from kube_emulator import ApiEmulator
 from kube_fixtures import gpu_node
 from kubelet import (
     WAIT_SECONDS,
-    ExtraPassKubelet,
-    OperatorProcess,
     Scheduler,
     apply_job,
     apply_nodes,
@@ -32,7 +30,7 @@ from kubelet import (
     wait_for,
 )
 from operator_harness import NS, events
-from process_kubelet import ProcessKubelet
+from process_kubelet import ProcessKubelet, trainers_and_operator
 from test_operator_elastic_e2e import POOL, _job, _profile
 
 pytestmark = pytest.mark.asyncio
@@ -44,19 +42,10 @@ async def cluster_fixture(emulator: ApiEmulator,
                           tmp_path: Path) -> AsyncIterator[tuple[ApiEmulator, ProcessKubelet]]:
     await apply_nodes(emulator, [gpu_node("a10g-0", POOL, 2, 23028)])
     Scheduler(emulator, run=False)
-    kubelet = ProcessKubelet(emulator, tmp_path / "kubelet", jobs={"done"},
-                             metrics_port=free_port()).start()
-    proc = OperatorProcess(emulator.kubeconfig, tmp_path / "operator.log",
-                           CEPHALO_TRAINER_METRICS_PORT=str(free_port())).start()
-    extra_passes = ExtraPassKubelet(emulator, _profile).start()  # as the test's first pass
-    try:
+    # The operator scrapes a port no rank serves: the last step comes from the final message.
+    async with trainers_and_operator(emulator, tmp_path, {"done"}, _profile, {
+            "CEPHALO_TRAINER_METRICS_PORT": str(free_port())}) as kubelet:
         yield emulator, kubelet
-    finally:
-        await extra_passes.stop()
-        await proc.stop()
-        print(kubelet.logs())
-        await kubelet.stop()
-        print(proc.log()[-8000:])  # shown only when the test failed
 
 
 async def test_a_succeeded_job_reports_its_last_step_loss_and_throughput(cluster) -> None:

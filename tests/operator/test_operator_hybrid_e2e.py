@@ -20,19 +20,16 @@ from kube_emulator import ApiEmulator
 from kube_fixtures import gpu_node
 from kubelet import (
     WAIT_SECONDS,
-    ExtraPassKubelet,
-    OperatorProcess,
     Scheduler,
     apply_job,
     apply_nodes,
-    free_port,
     job_status,
     pods,
     set_pod,
     wait_for,
 )
 from operator_harness import NS, events, plan_of
-from process_kubelet import ProcessKubelet
+from process_kubelet import ProcessKubelet, trainers_and_operator
 from test_operator_elastic_e2e import POOL, _job, _profile
 
 from cephalo.api.network import NIC_GBPS_LABEL
@@ -52,21 +49,9 @@ async def cluster_fixture(emulator: ApiEmulator,
         node["metadata"]["labels"][NIC_GBPS_LABEL] = SLOW_NIC_GBPS
     await apply_nodes(emulator, [*nodes, gpu_node("cpu-0", None, 0)])
     Scheduler(emulator, run=False)
-    kubelet = ProcessKubelet(emulator, tmp_path / "kubelet", jobs={"hy"},
-                             metrics_port=free_port()).start()
-    proc = OperatorProcess(emulator.kubeconfig, tmp_path / "operator.log",
-                           CEPHALO_TRAINER_METRICS_PORT=str(kubelet.metrics_port),
-                           CEPHALO_PROGRESS_INTERVAL_SECONDS="0.3").start()
-    # A plan above the profiled sizes: the extra pass, answered as the test answers the first.
-    extra_passes = ExtraPassKubelet(emulator, _profile).start()
-    try:
+    async with trainers_and_operator(emulator, tmp_path, {"hy"}, _profile, {
+            "CEPHALO_PROGRESS_INTERVAL_SECONDS": "0.3"}) as kubelet:
         yield emulator, kubelet
-    finally:
-        await extra_passes.stop()
-        await proc.stop()
-        print(kubelet.logs())
-        await kubelet.stop()
-        print(proc.log()[-8000:])  # shown only when the test failed
 
 
 async def test_a_job_behind_a_slow_link_trains_hybrid_to_succeeded(cluster) -> None:

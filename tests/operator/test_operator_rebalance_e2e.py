@@ -19,12 +19,9 @@ from kube_emulator import ApiEmulator
 from kube_fixtures import gpu_node, job_body
 from kubelet import (
     WAIT_SECONDS,
-    ExtraPassKubelet,
-    OperatorProcess,
     Scheduler,
     apply_job,
     apply_nodes,
-    free_port,
     job_status,
     pods,
     profiler_sizes,
@@ -32,7 +29,7 @@ from kubelet import (
     wait_for,
 )
 from operator_harness import NS, events
-from process_kubelet import ProcessKubelet
+from process_kubelet import ProcessKubelet, trainers_and_operator
 
 from cephalo.api import parse_job
 from cephalo.planner import estimate_profile, lookup_gpu
@@ -73,23 +70,11 @@ async def cluster_fixture(emulator: ApiEmulator, tmp_path: Path
     await apply_nodes(emulator, [gpu_node("a10g-0", POOL, 2, 23028),
                                  gpu_node("cpu-0", None, 0)])
     Scheduler(emulator, run=False)
-    kubelet = ProcessKubelet(emulator, tmp_path / "kubelet", jobs={"rb"},
-                             metrics_port=free_port(), rank_env={1: {
-                                 "CEPHALO_TIME_DILATION": str(DILATION),
-                                 "CEPHALO_TIME_DILATION_FROM_STEP": str(SLOW_FROM)}}).start()
-    proc = OperatorProcess(emulator.kubeconfig, tmp_path / "operator.log",
-                           CEPHALO_TRAINER_METRICS_PORT=str(kubelet.metrics_port),
-                           CEPHALO_PROGRESS_INTERVAL_SECONDS="0.3").start()
-    # A plan above the profiled sizes: the extra pass, answered as the test answers the first.
-    extra_passes = ExtraPassKubelet(emulator, _profile).start()
-    try:
+    async with trainers_and_operator(emulator, tmp_path, {"rb"}, _profile, {
+            "CEPHALO_PROGRESS_INTERVAL_SECONDS": "0.3"}, rank_env={1: {
+                "CEPHALO_TIME_DILATION": str(DILATION),
+                "CEPHALO_TIME_DILATION_FROM_STEP": str(SLOW_FROM)}}) as kubelet:
         yield emulator, kubelet
-    finally:
-        await extra_passes.stop()
-        await proc.stop()
-        print(kubelet.logs())
-        await kubelet.stop()
-        print(proc.log()[-8000:])  # shown only when the test failed
 
 
 async def test_a_rank_slowed_mid_run_is_rebalanced_without_a_restart(
