@@ -68,7 +68,7 @@ async def consider(ctx: JobContext, nodes: list[dict[str, Any]],
     timing = progress.get("timing") or {}
     step = progress.get("step")
     compute, wait = timing.get("computeSeconds"), timing.get("waitSeconds")
-    if step is None or int(timing.get("steps") or 0) < _timed_steps_needed(spec) or \
+    if step is None or int(timing.get("steps") or 0) < _timed_steps_needed(spec, plan) or \
             not timing.get("stepSeconds") or (compute is not None and
                                               len(compute) != plan.world_size):
         return None  # not enough timed steps yet (of the split in force), or another gang's
@@ -165,13 +165,17 @@ async def consider(ctx: JobContext, nodes: list[dict[str, Any]],
     return rescale.Growth(candidate, [p for p in held.pools if p.product in used], storage)
 
 
-def _timed_steps_needed(spec: CephaloJobSpec) -> int:
+def _timed_steps_needed(spec: CephaloJobSpec, plan: Plan) -> int:
     """Timed steps of one split before a calibration: `afterSteps`, and with live
     rebalancing more than its interval (the timing restarts at each change, so the split
-    then outlived a decision: it is the one rebalancing settled on)."""
+    then outlived a decision: it is the one rebalancing settled on). A gang with fewer than
+    two ranks that take samples has no split to move: it waits `afterSteps` only (a
+    one-GPU job of 12 steps otherwise never calibrated under the default interval of 10)."""
     needed = int(spec.planner.replan.after_steps)
     rebalance = spec.planner.rebalance
-    return max(needed, rebalance.interval_steps + 1) if rebalance.enabled else needed
+    movable = sum(1 for r in plan.ranks if r.batch_size > 0) >= 2
+    return max(needed, rebalance.interval_steps + 1) if rebalance.enabled and movable \
+        else needed
 
 
 def split_in_force(rebalance: dict[str, Any] | None, plan: Plan) -> list[int] | None:

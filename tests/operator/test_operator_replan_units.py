@@ -161,8 +161,27 @@ def test_with_live_rebalancing_a_calibration_waits_for_a_settled_split() -> None
             "model": {"preset": "gpt-tiny"}, "globalBatchSize": 16,
             "planner": {"replan": {"afterSteps": 5}, "rebalance": rebalance}})
 
-    assert _timed_steps_needed(spec({"enabled": False})) == 5
+    plan = _four_rank_plan()
+    assert _timed_steps_needed(spec({"enabled": False}), plan) == 5
     # The timing restarts at each change: a split timed past one interval outlived a
     # decision (the one rebalancing settled on).
-    assert _timed_steps_needed(spec({"enabled": True, "intervalSteps": 10})) == 11
-    assert _timed_steps_needed(spec({"enabled": True, "intervalSteps": 2})) == 5
+    assert _timed_steps_needed(spec({"enabled": True, "intervalSteps": 10}), plan) == 11
+    assert _timed_steps_needed(spec({"enabled": True, "intervalSteps": 2}), plan) == 5
+
+
+def test_a_gang_with_no_split_to_move_calibrates_after_its_steps_alone() -> None:
+    """Regression (a fresh-clone CI run): a one-GPU job of 12 steps waited for the default
+    rebalancing interval's 11 timed steps, never calibrated, and its PredictionOff test on
+    the real control plane failed: one rank has no split for rebalancing to settle."""
+    from cephalo.api.job import CephaloJobSpec
+    from cephalo.operator.replan import _timed_steps_needed
+
+    spec = CephaloJobSpec.model_validate({
+        "model": {"preset": "gpt-tiny"}, "globalBatchSize": 16,
+        "planner": {"replan": {"afterSteps": 3}}})  # rebalancing on, interval 10: defaults
+    plan = _four_rank_plan()
+    one = plan.model_copy(update={"ranks": [plan.ranks[0].model_copy(update={
+        "batch_size": plan.global_batch_size, "shard_ratio": 1.0, "num_micro_batches":
+        plan.global_batch_size // plan.ranks[0].micro_batch_size})], "world_size": 1})
+    assert _timed_steps_needed(spec, one) == 3
+    assert _timed_steps_needed(spec, plan) == 11

@@ -6,6 +6,7 @@ the operator (the chart's RBAC) recalibrates, re-plans on one GPU through the re
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from .cluster import Cluster
@@ -74,8 +75,12 @@ def test_a_prediction_no_replan_can_fix_is_reported_under_the_real_api_server(
         # A model of this test's own: its cache entries are the seeded estimates alone.
         model={"family": "gpt", "numLayers": 3, "hiddenSize": 64, "numHeads": 4,
                "ffnHiddenSize": 256, "vocabSize": 256, "sequenceLength": 32},
-        training={"steps": 12, "learningRate": 1.0e-3, "schedule": "constant", "seed": 1},
-        planner={"profileMicroBatchSizes": [1, 2], "chooseGpus": True,
+        # Long enough for the operator to see afterSteps timed steps while it runs (one
+        # microbatch of 8 a step: ~0.15 s a step here).
+        training={"steps": 60, "learningRate": 1.0e-3, "schedule": "constant", "seed": 1},
+        # Every size a one-GPU plan of batch 8 may take, seeded: no extra profiler pass (on
+        # by default) measures this CPU and replaces the estimate the verdict relies on.
+        planner={"profileMicroBatchSizes": [1, 2, 4, 8], "chooseGpus": True,
                  "replan": {"afterSteps": 3, "restartCostSeconds": 0.0}},
         podTemplate={"env": [{"name": "CEPHALO_TIME_DILATION", "value": "10"}]},
         checkpoint={"claimName": "ckpt", "intervalSteps": 1000})
@@ -84,7 +89,11 @@ def test_a_prediction_no_replan_can_fix_is_reported_under_the_real_api_server(
     phases, status = phases_until(cluster, ns, "slowgpu", created["metadata"]["resourceVersion"],
                                   {"Succeeded", "Failed"}, JOB_SECONDS)
     assert phases[-1] == "Succeeded", f"{phases}: {status.get('message')}"
-    off = {c["type"]: c for c in status["conditions"]}["PredictionOff"]
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert "PredictionOff" in conditions, json.dumps({
+        "phases": phases, "replan": status.get("replan"),
+        "timing": (status.get("progress") or {}).get("timing")})
+    off = conditions["PredictionOff"]
     assert off["status"] == "True" and "no re-plan" in off["message"], off
     assert "Profiling" not in phases, phases  # planned with the seeded profiles
     assert set(seeded) <= set(cached_profiles(cluster, ns))

@@ -112,7 +112,11 @@ def _assert_near_a_fresh_plan(records: list[dict[str, Any]]) -> None:
     ratio = predicted_compute_seconds(seconds_per_sample, fresh) / \
         predicted_compute_seconds(seconds_per_sample, final)
     print(f"\nfinal split {final} vs a fresh plan {fresh} on the same figures: {ratio:.2f}x")
-    assert ratio >= RECOVERY
+    # Or one sample from it: a batch of 8 moves in steps of 1/8, and the figures measured
+    # after the last decision (rank 0's compute is wall time, which load inflates) may name
+    # a neighbour of the split that decision took; a fresh-clone CI run at load 3 read 0.89x.
+    off_by = max(abs(a - b) for a, b in zip(final, fresh, strict=True))
+    assert ratio >= RECOVERY or off_by <= 1, (final, fresh, ratio)
 
 
 def _print_recovery(records: list[dict[str, Any]], moved_after: int) -> None:
