@@ -50,6 +50,13 @@ def two_nodes_fixture(cluster: Cluster) -> Iterator[list[GpuNode]]:
         cluster.rest.request("PATCH", f"/api/v1/nodes/{node.name}",
                              {"metadata": {"labels": {NIC_GBPS_LABEL: SLOW_NIC_GBPS}}},
                              ctype="application/merge-patch+json")
+    # Both Ready before any job: a plan made while one was still joining saw two GPUs
+    # (a fresh-clone CI run planned world size 2, flat).
+    for node in HYBRID_NODES:
+        wait_until(f"{node.name} Ready", lambda n=node: any(
+            c["type"] == "Ready" and c["status"] == "True" for c in (cluster.rest.must(
+                "GET", f"/api/v1/nodes/{n.name}").get("status") or {}).get("conditions", [])),
+            120.0, 0.2)
     try:
         yield HYBRID_NODES
     finally:

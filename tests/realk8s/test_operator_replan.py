@@ -37,7 +37,10 @@ def test_a_too_optimistic_network_is_replanned_under_the_real_api_server(
                                   "seed": 1},
         planner={"profileMicroBatchSizes": [1, 2], "chooseGpus": True,
                  "networkBandwidthGbps": 100.0, "networkLatencyMicroseconds": 0.0,
-                 "replan": {"afterSteps": 3, "restartCostSeconds": 0.0}},
+                 "replan": {"afterSteps": 3, "restartCostSeconds": 0.0},
+                 # Rebalancing (on by default) would hold the calibration for its
+                 # interval's 11 timed steps; this test is about the network's re-plan.
+                 "rebalance": {"enabled": False}},
         podTemplate={"env": [{"name": "CEPHALO_LINK_BYTES_PER_SECOND",
                               "value": str(LINK_BYTES_PER_SECOND)}]},
         checkpoint={"claimName": "ckpt", "intervalSteps": 1000})
