@@ -4,15 +4,17 @@ plan, and the predicted targets on the paper's Cluster B."""
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 import random
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 
-from cephalo.api import ClusterSpec, load_job, parse_job
+from cephalo.api import ClusterSpec, parse_job
 from cephalo.api.cluster import ClusterNode
 from cephalo.api.crd import open_api_v3_schema
 from cephalo.api.job import CephaloJobSpec, JobFileError
@@ -37,16 +39,24 @@ def _with_sharding(spec: CephaloJobSpec, sharding: str) -> CephaloJobSpec:
         update={"sharding": sharding})})
 
 
+def _bench_module() -> ModuleType:
+    """bench/hybrid_sharding.py, whose job builder the docs' table is generated with."""
+    found = importlib.util.spec_from_file_location(
+        "bench_hybrid_sharding", ROOT / "bench" / "hybrid_sharding.py")
+    assert found is not None and found.loader is not None
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)
+    return module
+
+
+_BENCH = _bench_module()
+
+
 def cluster_b(preset: str, batch: int, gbps: float, sharding: str = "auto") -> CephaloJobSpec:
     """The issue's job: examples/llama-7b-cluster-b.yaml with this model and batch,
-    precision auto, bf16 gathers and reduce-scatters, every NIC at `gbps`."""
-    spec = load_job(str(ROOT / "examples/llama-7b-cluster-b.yaml")).spec.to_wire()
-    spec.update(model={"preset": preset}, globalBatchSize=batch, precision="auto",
-                gatherPrecision="bf16", reducePrecision="bf16")
-    spec["planner"]["network"]["interNodeGbps"] = gbps
-    spec["planner"]["sharding"] = sharding
-    return parse_job({"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
-                      "metadata": {"name": "b"}, "spec": spec}).spec
+    precision auto, bf16 gathers and reduce-scatters, every NIC at `gbps` (the bench's)."""
+    spec: CephaloJobSpec = _BENCH.job(preset, batch, gbps, sharding)
+    return spec
 
 
 # --- the spec field ------------------------------------------------------------------
