@@ -48,7 +48,13 @@ def test_a_rank_slowed_mid_run_is_rebalanced_without_a_restart_under_the_real_ap
     moved = [e for e in events if e["reason"] == "Rebalanced"]
     assert moved and "no restart" in moved[0]["message"], [e["reason"] for e in events]
     planned = [r.batch_size for r in parse_plan(json.loads(plan["data"]["plan.json"])).ranks]
-    assert rebalance["batchSizes"][1] < planned[1], (planned, rebalance)
+    # Rank 1 took fewer samples than its plan gave it at some look after a move (each Event
+    # says the split then: "(now [a, b], ..."). Not necessarily at the end: rank 0's compute
+    # is wall time, so at load the split may move back later (a fresh-clone CI run at load
+    # ended [12, 4] = the plan after 9 changes).
+    splits = [json.loads(e["message"].split("(now ", 1)[1].split("]", 1)[0] + "]")
+              for e in moved]
+    assert min(split[1] for split in splits) < planned[1], (planned, splits, rebalance)
     assert "forbidden" not in operator.log_text(log_from).lower(), operator.log()
     print(f"\nsplit {planned} -> {rebalance}")
     cluster.rest.request("DELETE", f"{JOBS.format(ns=ns)}/slowrank")
