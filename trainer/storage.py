@@ -28,11 +28,14 @@ import posixpath
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import fsspec
-import torch.distributed as dist
 from fsspec.implementations.local import LocalFileSystem
+
+if TYPE_CHECKING:  # torch.distributed only where a collective runs: `cephalo export` checks
+    # its checkpoint location with Store before it needs torch (seconds of start-up)
+    import torch.distributed as dist
 
 PROBE_DIR = ".cephalo-probe"
 CHUNK_BYTES = 1 << 22
@@ -230,6 +233,8 @@ def gather(group: dist.ProcessGroup | None, world_size: int, value: Any) -> list
     """Every rank's `value` on every rank (object all-gather on the given gloo group)."""
     if world_size == 1:
         return [value]
+    import torch.distributed as dist
+
     out: list[Any] = [None] * world_size
     dist.all_gather_object(out, value, group=group)
     return out

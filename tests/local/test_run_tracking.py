@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 
@@ -19,12 +20,17 @@ from .cli_helpers import cephalo_cmd, run_cephalo, run_without_module
 
 pytestmark = pytest.mark.slow
 
+POLL_SECONDS = 0.05  # far below how long a rank serves its page (seconds)
+
 
 def _read_pages_while(proc: subprocess.Popen, ports: list[int]) -> list[str]:
-    """Each port's /metrics page, read while `proc` runs (polled: the ranks serve from
-    start-up to exit, seconds on end); "" for a port never read."""
+    """Each port's /metrics page, read while `proc` runs (polled every POLL_SECONDS: the
+    ranks serve from start-up to exit, seconds on end); "" for a port never read."""
     pages = dict.fromkeys(ports, "")
     while proc.poll() is None and not all(pages.values()):
+        # A pause between rounds: a refused connection returns at once, and without it this
+        # loop spun a core for the whole start-up of the ranks it waits for.
+        time.sleep(POLL_SECONDS)
         for port in ports:
             if not pages[port]:
                 try:

@@ -74,10 +74,8 @@ def parse_size_bytes(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from cephalo.trainer.checkpoint import find_latest, full_state_dict
-    from cephalo.trainer.checkpoint_check import check_checkpoint
+    # torch and the checkpoint readers load once the arguments are checked: a refused
+    # argument is answered without them (importing torch is seconds of CPU).
     from cephalo.trainer.storage import CheckpointError, Store, describe
 
     root = args.checkpoint_dir
@@ -130,6 +128,11 @@ def run(args: argparse.Namespace) -> int:
             raise ExportError(f"--config-output {config_output} lies inside the checkpoint "
                               f"directory {root}; write it somewhere else")
     mlflow_run = _mlflow_run_file(store.is_local, Path(store.root)) if args.mlflow else None
+    import torch
+
+    from cephalo.trainer.checkpoint import find_latest, full_state_dict
+    from cephalo.trainer.checkpoint_check import check_checkpoint
+
     try:
         info = find_latest(store)
     except OSError as err:  # credentials, missing bucket, network

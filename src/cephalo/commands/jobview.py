@@ -4,22 +4,31 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cephalo.api import Plan
-from cephalo.client import Job
-from cephalo.client.errors import HELM_INSTALL
 from cephalo.planner.report import format_plan
+
+if TYPE_CHECKING:  # cephalo.client imports the kubernetes client: only a command that connects
+    from cephalo.client import Job
 
 BAR_CELLS = 24
 # The chart's operator pods carry these labels (charts/cephalo-operator/_helpers.tpl); the
 # namespace is the release's, which the client cannot know: -A.
 OPERATOR_PODS = ("kubectl get pods -A -l app.kubernetes.io/name=cephalo-operator,"
                  "app.kubernetes.io/component=operator")
-UNSEEN = ("Operator:    no operator has written this job's status yet: is one running, and "
-          "does it watch this namespace (chart value watchNamespaces)?\n"
-          f"             {OPERATOR_PODS}, then kubectl logs -n ITS-NAMESPACE POD; none "
-          f"installed: {HELM_INSTALL}")
+
+
+def unseen() -> str:
+    """What to check when no operator has written a job's status (a function: importing
+    cephalo.client.errors runs cephalo.client's __init__, the kubernetes client and kopf,
+    which `cephalo --help` and the commands that do not connect should not pay for)."""
+    from cephalo.client.errors import HELM_INSTALL
+
+    return ("Operator:    no operator has written this job's status yet: is one running, and "
+            "does it watch this namespace (chart value watchNamespaces)?\n"
+            f"             {OPERATOR_PODS}, then kubectl logs -n ITS-NAMESPACE POD; none "
+            f"installed: {HELM_INSTALL}")
 
 
 def age(since: datetime.datetime | None, now: datetime.datetime) -> str:
@@ -135,7 +144,7 @@ def job_details(job: Job, plan: Plan | None, events: Sequence[dict[str, Any]],
              f"Restarts:    {s.restarts or 0} (backoffLimit "
              f"{job.spec.backoff_limit if job.spec else '?'}), preemptions {s.preemptions or 0}"]
     if job.unseen:
-        lines.append(UNSEEN)
+        lines.append(unseen())
     lines += elastic_lines(job)
     lines += replan_lines(job)
     lines += rebalance_lines(job, plan)

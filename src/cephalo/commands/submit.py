@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cephalo.client import validate_job
 from cephalo.commands.cluster_args import add_cluster_arguments, client_from
 from cephalo.commands.watch import follow
 from cephalo.planner.report import format_plan
@@ -24,6 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from cephalo.client import validate_job  # the kubernetes client only when the command runs
+
     job = validate_job(args.file)  # before any connection: a bad file sends nothing
     client = client_from(args)
     created = client.submit(job, namespace=args.namespace)

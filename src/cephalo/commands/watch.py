@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from cephalo.client import CephaloClient, Job
 from cephalo.commands.cluster_args import add_cluster_arguments, client_from
 from cephalo.commands.jobview import duration, progress_text
+
+if TYPE_CHECKING:  # the kubernetes client only when a command connects (not for --help)
+    from cephalo.client import CephaloClient, Job
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
