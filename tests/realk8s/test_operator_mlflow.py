@@ -56,17 +56,15 @@ def test_a_gang_restarted_job_is_one_mlflow_run(cluster: Cluster, operator: Oper
                     tracking={"mlflow": {"trackingUri": mlflow_server,
                                          "experiment": experiment}})
     body["spec"]["training"]["steps"] = STEPS
-    stalled = (ns, f"{name}-rank-1")
-    cluster.kubelet.pod_env[stalled] = {"CEPHALO_TIME_DILATION": STALL_DILATION,
-                                        "CEPHALO_TIME_DILATION_FROM_STEP": str(STALL_STEP)}
-    try:
+    # Left before the kill: attempt 1's rank 1 (the same pod name) runs at full speed.
+    with cluster.kubelet.pod_env_for([(ns, f"{name}-rank-1")], {
+            "CEPHALO_TIME_DILATION": STALL_DILATION,
+            "CEPHALO_TIME_DILATION_FROM_STEP": str(STALL_STEP)}):
         created = cluster.rest.create(JOBS.format(ns=ns), body, fieldValidation="Strict")
         client = MlflowClient(tracking_uri=mlflow_server)
         # Rank 0 of attempt 0 has logged steps: kill rank 1 (the whole gang restarts).
         wait_until("attempt 0's steps in MLflow", lambda: _losses(client, experiment),
                    JOB_SECONDS, interval_seconds=0.5)
-    finally:  # attempt 1's rank 1 (the same pod name) runs at full speed
-        cluster.kubelet.pod_env.pop(stalled, None)
     assert max(_losses(client, experiment)) <= STALL_STEP  # stalled there: mid-training
     cluster.kubelet.kill(ns, f"{name}-rank-1")
     phases, status = phases_until(cluster, ns, name, created["metadata"]["resourceVersion"],
