@@ -39,7 +39,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +150,20 @@ class ProcessKubelet:
         what comes before (a real kubelet may take as long pulling an image)."""
         with self._lock:
             self._hold = which
+
+    @contextlib.contextmanager
+    def pod_env_for(self, pods: Iterable[tuple[str, str]],
+                    env: dict[str, str]) -> Iterator[None]:
+        """`env` added to the pods named (namespace, name), every incarnation started while
+        inside (rank pods keep their names across restarts), none after."""
+        pods = list(pods)
+        for pod in pods:
+            self.pod_env[pod] = env
+        try:
+            yield
+        finally:
+            for pod in pods:
+                self.pod_env.pop(pod, None)
 
     def held(self) -> list[str]:
         """namespace/name of the pods held now."""

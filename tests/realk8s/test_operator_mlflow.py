@@ -19,15 +19,26 @@ from .cluster import Cluster
 from .operator_run import JOB_SECONDS, JOBS, Operator, phases_until, tiny_job
 from .rest import wait_until
 
-STEPS = 100  # long enough that the kill lands mid-training on two shared cores: it lands
-# within a second or two of the first step MLflow shows (rank 0 sends each step as it ends,
-# the test polls every 0.5 s); 400 took 216 s of a 15-minute suite, 200 took 107 s
+STEPS = 10
+# Attempt 0's rank 1 stalls in this step (0-based; the checkpoint at step 3 written before it)
+# until the test kills it: the kill lands mid-training on a machine of any speed and load, with
+# no steps run only to wait for it (it was 100 steps, a race the steps' length had to win: 66 s
+# of a suite run).
+STALL_STEP = 4
+# Its stall: the trainer's time dilation, sleeping this many times the step's own CPU time
+# (milliseconds here: minutes of sleep, far beyond the kill; the collective timeout is 600 s).
+STALL_DILATION = "100000"
 
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with running_mlflow_server(tmp_path_factory.mktemp("mlflow")) as uri:
-        yield uri
+    # No job runner: MLflow 3's server otherwise starts a job runner and two huey consumers
+    # (three more processes importing mlflow: seconds of a shared CPU) for GenAI jobs this
+    # test never submits.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+        with running_mlflow_server(tmp_path_factory.mktemp("mlflow")) as uri:
+            yield uri
 
 
 def _losses(client: Any, experiment: str) -> list[int]:
@@ -45,11 +56,16 @@ def test_a_gang_restarted_job_is_one_mlflow_run(cluster: Cluster, operator: Oper
                     tracking={"mlflow": {"trackingUri": mlflow_server,
                                          "experiment": experiment}})
     body["spec"]["training"]["steps"] = STEPS
-    created = cluster.rest.create(JOBS.format(ns=ns), body, fieldValidation="Strict")
-    client = MlflowClient(tracking_uri=mlflow_server)
-    # Rank 0 of attempt 0 has logged steps: kill rank 1 (the whole gang restarts).
-    wait_until("attempt 0's steps in MLflow", lambda: _losses(client, experiment),
-               JOB_SECONDS, interval_seconds=0.5)
+    # Left before the kill: attempt 1's rank 1 (the same pod name) runs at full speed.
+    with cluster.kubelet.pod_env_for([(ns, f"{name}-rank-1")], {
+            "CEPHALO_TIME_DILATION": STALL_DILATION,
+            "CEPHALO_TIME_DILATION_FROM_STEP": str(STALL_STEP)}):
+        created = cluster.rest.create(JOBS.format(ns=ns), body, fieldValidation="Strict")
+        client = MlflowClient(tracking_uri=mlflow_server)
+        # Rank 0 of attempt 0 has logged steps: kill rank 1 (the whole gang restarts).
+        wait_until("attempt 0's steps in MLflow", lambda: _losses(client, experiment),
+                   JOB_SECONDS, interval_seconds=0.5)
+    assert max(_losses(client, experiment)) <= STALL_STEP  # stalled there: mid-training
     cluster.kubelet.kill(ns, f"{name}-rank-1")
     phases, status = phases_until(cluster, ns, name, created["metadata"]["resourceVersion"],
                                   {"Succeeded", "Failed"}, JOB_SECONDS)
