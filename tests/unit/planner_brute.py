@@ -49,8 +49,9 @@ def _comm_and_share(problem: Problem, even: EvenUnits):  # type: ignore[no-untyp
     return mixed_unit_comm(problem.model, problem.comm_model, n, even), share, False
 
 
-def _options(problem: Problem, cls, comm, share: float, kept_blocks: bool):  # type: ignore[no-untyped-def]
-    """(batch, seconds, memory, m, ℓ, k) arrays of one class's candidates within its room."""
+def _candidates(problem: Problem, cls, kept_blocks: bool):  # type: ignore[no-untyped-def]
+    """(m, ℓ, k, memory) arrays of every candidate of one class: the same for every even
+    set (only the seconds and the room depend on it), so built once per class."""
     batch, layers = problem.global_batch_size, problem.model.num_layers
     pairs = [(0, 0)] if problem.allow_state_only else []
     pairs += [(m, b // m) for b in range(1, batch + 1) for m in range(1, b + 1) if b % m == 0]
@@ -58,8 +59,13 @@ def _options(problem: Problem, cls, comm, share: float, kept_blocks: bool):  # t
     rows = np.array([(m, ell, k) for m, ell in pairs for k in keeps if m or not k],
                     dtype=np.int64).reshape(-1, 3)
     m, ell, k = rows.T
+    return m, ell, k, cls.cost.compute_memory_bytes(m, ell, k)
+
+
+def _options(cls, candidates, comm, share: float):  # type: ignore[no-untyped-def]
+    """(batch, seconds, memory, m, ℓ, k) arrays of one class's candidates within its room."""
+    m, ell, k, memory = candidates
     seconds = cls.cost.step_seconds(ell, m, comm, k)
-    memory = cls.cost.compute_memory_bytes(m, ell, k)
     ok = memory + share <= cls.budget_bytes * (1 + _RELAXED_RTOL)
     return m[ok] * ell[ok], seconds[ok], memory[ok], m[ok], ell[ok], k[ok]
 
@@ -73,9 +79,11 @@ def brute_force_optimum(problem: Problem, kept_blocks: bool = True) -> Optimum |
     found: list[tuple[float, EvenUnits, list[int], list[int], list[int]]] = []
     layers = problem.model.num_layers
     sets = [EvenUnits.all(layers)] if problem.groups else sorted(even_sets(layers))
+    candidates = [_candidates(problem, cls, kept_blocks) for cls in problem.classes]
     for even in sets:
         comm, share, all_even = _comm_and_share(problem, even)
-        options = [_options(problem, cls, comm, share, kept_blocks) for cls in problem.classes]
+        options = [_options(cls, cands, comm, share)
+                   for cls, cands in zip(problem.classes, candidates, strict=True)]
         # Partial combinations over ranks 0..r: batch, slowest time, memory, chosen rows.
         sums, slowest, used = np.zeros(1, np.int64), np.full(1, -math.inf), np.zeros(1)
         rows = np.zeros((1, 0), dtype=np.int64)
@@ -92,8 +100,8 @@ def brute_force_optimum(problem: Problem, kept_blocks: bool = True) -> Optimum |
         if not all_even:
             fits = used <= total_budget * (1 + _RELAXED_RTOL) - problem.state_bytes
             slowest, rows = slowest[fits], rows[fits]
+        picks = [options[problem.rank_class[r]] for r in range(n)]
         for i in np.argsort(slowest, kind="stable"):
-            picks = [options[problem.rank_class[r]] for r in range(n)]
             micro = [int(picks[r][3][rows[i, r]]) for r in range(n)]
             ell = [int(picks[r][4][rows[i, r]]) for r in range(n)]
             kept = [int(picks[r][5][rows[i, r]]) for r in range(n)]

@@ -204,3 +204,24 @@ def test_the_operator_measures_again_over_an_old_format_cache_entry() -> None:
              for p in ("cpu", "T4")]
     found, missing = asyncio.run(cached_profiles(ctx, pools))  # type: ignore[arg-type]
     assert list(found) == ["cpu"] and [p.product for p in missing] == ["T4"]
+
+
+def test_compute_seconds_are_kept_read_only_and_the_same_as_fresh_ones() -> None:
+    """The searches ask for the same sizes for every candidate: the answer is kept (by the
+    sizes' values, whatever their dtype), shared read-only, also by the no-recompute copy,
+    and equal to what a fresh model computes."""
+    points = [ProfilePoint(micro_batch_size=m, block_forward_seconds=0.1 * m + 0.05,
+                           block_backward_seconds=0.25 * m, compute_memory_bytes=1000 * m)
+              for m in (1, 2, 4)]
+    profile = _profile().model_copy(update={"points": points})
+    cost = _cost(profile)
+    first = cost.compute_seconds(np.array([1, 3, 6]))
+    assert cost.compute_seconds(np.array([1.0, 3.0, 6.0])) is first
+    assert cost.without_recompute(CONFIG).compute_seconds(np.array([1, 3, 6])) is first
+    with pytest.raises(ValueError, match="read-only"):
+        first[0, 0] = 0.0
+    fresh = _cost(profile).compute_seconds(np.array([6, 3, 1]))
+    assert np.array_equal(first, fresh[:, ::-1])
+    assert first[0].tolist() == pytest.approx([0.15, 0.35, 0.65])  # 6: extrapolated
+    assert UnitComm.build(CONFIG, CommModel(1e9, 1e-5), 3, True) is \
+        UnitComm.build(CONFIG, CommModel(1e9, 1e-5), 3, True)

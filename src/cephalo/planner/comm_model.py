@@ -4,6 +4,7 @@ for a model, world size and sharding (`UnitComm`)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -117,6 +118,13 @@ class UnitComm:
     @classmethod
     def build(cls, model: ModelConfig, comm: CommModel, world_size: int,
               uneven: bool) -> UnitComm:
+        # Every argument is immutable (a frozen model and dataclass) and so is the answer:
+        # the searches price the same few (world size, sharding) pairs for every candidate.
+        return _built_unit_comm(model, comm, world_size, uneven)
+
+    @classmethod
+    def _build(cls, model: ModelConfig, comm: CommModel, world_size: int,
+               uneven: bool) -> UnitComm:
         def ring(params: int, kind: str) -> float:
             return comm.ring_seconds(params * comm.bytes_per_parameter(kind), world_size,
                                      uneven, kind)
@@ -131,3 +139,10 @@ class UnitComm:
                    overlap_fraction=comm.overlap_fraction, all_reduce_seconds=all_reduce,
                    state_share_parameters=model.total_parameters() / max(world_size, 1),
                    step_overhead_seconds=comm.step_overhead_seconds if world_size > 1 else 0.0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _built_unit_comm(model: ModelConfig, comm: CommModel, world_size: int,
+                     uneven: bool) -> UnitComm:
+    """UnitComm.build's answers, kept (bounded) by their immutable arguments."""
+    return UnitComm._build(model, comm, world_size, uneven)

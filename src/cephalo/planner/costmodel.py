@@ -52,6 +52,7 @@ runs them all per microbatch, so a block's backward costs b - f and gathers noth
 from __future__ import annotations
 
 import copy
+import functools
 import math
 
 import numpy as np
@@ -70,6 +71,12 @@ from cephalo.planner.comm_model import UNEVEN_COLLECTIVE_OVERHEAD as UNEVEN_COLL
 from cephalo.planner.comm_model import CommModel as CommModel
 from cephalo.planner.comm_model import UnitComm as UnitComm
 from cephalo.planner.estimate import estimate_profile as estimate_profile
+
+# How many distinct size arrays one cost model remembers compute_seconds for, and the
+# largest it remembers (a search asks for a few dozen small ones again and again; the
+# bounds keep a plan's memory, limited in the operator's planning process, within ~8 MiB).
+_COMPUTE_MEMO_ENTRIES = 256
+_COMPUTE_MEMO_SIZES = 1024
 
 
 class GpuCostModel:
@@ -120,6 +127,9 @@ class GpuCostModel:
         elif model is not None:
             self._graph_bytes_per_sample = float(memory.block_graph_bytes(
                 1, model.tokens_per_sample, model.hidden_size, model.ffn_hidden_size))
+        # compute_seconds' answers by sizes; shared with the mode copies (without_recompute,
+        # fused_everything), whose compute time is the same function of m.
+        self._compute_memo: dict[bytes, np.ndarray] = {}
         probe = profile.single_rank_step
         if probe is not None:
             self.step_fixed_seconds = max(0.0, probe.seconds - self.modelled_seconds(probe))
@@ -187,13 +197,24 @@ class GpuCostModel:
         return np.where((m > 0) & (tail > layered), np.inf, out)
 
     def compute_seconds(self, m: np.ndarray) -> np.ndarray:
-        """(4, len(m)) array: block fwd, block bwd, other fwd, other bwd seconds per microbatch."""
+        """(4, len(m)) array: block fwd, block bwd, other fwd, other bwd seconds per microbatch.
+        Read-only: the searches ask for the same few sizes again and again (every candidate's
+        step_seconds), so each answer is kept, keyed by the sizes' float64 bytes."""
         m = np.asarray(m, dtype=np.float64)
+        key = m.tobytes()
+        out = self._compute_memo.get(key)
+        if out is not None:
+            return out
         top = self._m[-1]
         out = np.empty((4, m.size))
         for k in range(4):
             inside = np.interp(m, self._m, self._series[k])
             out[k] = np.where(m > top, self._series[k, -1] + self._slopes[k] * (m - top), inside)
+        out.flags.writeable = False  # shared by every caller that asks for these sizes
+        if m.size <= _COMPUTE_MEMO_SIZES:
+            if len(self._compute_memo) >= _COMPUTE_MEMO_ENTRIES:
+                self._compute_memo.clear()  # bounded: keeps only the recent sizes
+            self._compute_memo[key] = out
         return out
 
     def compute_memory_bytes(self, m: np.ndarray, ell: np.ndarray | int | None = None,
@@ -265,9 +286,10 @@ class GpuCostModel:
             per_micro = self.compute_seconds(np.maximum(m, 1))
         f, b, fo, bo = per_micro * ell
         ag_back, ag_first_back = comm.ag_block, comm.ag_first
-        b_kept = np.maximum(b - f, 0.0)  # a kept block's backward: no recompute
         if kept is not None and not np.any(kept):
             kept = None  # k = 0 everywhere: the same sums without the kept terms
+        # A kept block's backward: no recompute (only where some block is kept).
+        b_kept = np.maximum(b - f, 0.0) if kept is not None or not self.recompute else b
         if not self.recompute:
             kept = None
             # The backward reuses the forward's graphs: no recompute, no second gather (the
@@ -275,13 +297,18 @@ class GpuCostModel:
             b = b_kept
             ag_back, ag_first_back = 0.0, (comm.ag_first if self.fused_all else 0.0)
         # A forward pass runs all ℓ microbatches through a unit at once: its fixed part is
-        # paid once, not ℓ times (a profile point is one microbatch's whole pass).
+        # paid once, not ℓ times (a profile point is one microbatch's whole pass). Skipped
+        # where the profile separated none: subtracting zeros leaves the same numbers.
         busy = ell > 0
-        f = f - np.where(busy, (ell - 1) * self._forward_fixed[0], 0.0)
-        fo = fo - np.where(busy, (ell - 1) * self._forward_fixed[1], 0.0)
+        if self._forward_fixed[0]:
+            f = f - np.where(busy, (ell - 1) * self._forward_fixed[0], 0.0)
+        if self._forward_fixed[1]:
+            fo = fo - np.where(busy, (ell - 1) * self._forward_fixed[1], 0.0)
         hidden = comm.overlap_fraction
 
         def unit(compute: np.ndarray, collective: float) -> np.ndarray:
+            if hidden == 1.0:  # perfect overlap (NCCL): the longer of the two, half the work
+                return np.maximum(compute, collective)
             return np.maximum(compute, collective) + (1.0 - hidden) * np.minimum(compute,
                                                                                  collective)
 
@@ -346,6 +373,15 @@ def modelled_single_rank_step_seconds(profile: GpuProfile) -> float | None:
 
 def _linear_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     """Least-squares (intercept, slope) with slope >= 0; one point: zero slope."""
+    return _linear_fit_of(np.asarray(x, dtype=np.float64).tobytes(),
+                          np.asarray(y, dtype=np.float64).tobytes())
+
+
+@functools.lru_cache(maxsize=4096)
+def _linear_fit_of(x_bytes: bytes, y_bytes: bytes) -> tuple[float, float]:
+    """_linear_fit by the points' float64 bytes: every plan builds the same profiles' cost
+    models again (each subset and mode of the GPUs), and a fit is a least-squares solve."""
+    x, y = np.frombuffer(x_bytes), np.frombuffer(y_bytes)
     if x.size < 2 or np.ptp(x) == 0:
         return float(y.mean()), 0.0
     slope, intercept = np.polyfit(x, y, 1)

@@ -23,6 +23,7 @@ slower under the cost model than the better of them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
@@ -80,10 +81,12 @@ def even_state_bytes(model: ModelConfig, precision: str, even: EvenUnits) -> int
     return state_bytes_per_parameter(precision) * even.parameters(model)
 
 
+@functools.lru_cache(maxsize=4096)
 def mixed_unit_comm(model: ModelConfig, comm: CommModel, world_size: int,
                     even: EvenUnits) -> UnitComm:
     """The collectives' seconds when the units in `even` are even and the rest uneven.
-    All-even and all-uneven give exactly UnitComm.build's numbers."""
+    All-even and all-uneven give exactly UnitComm.build's numbers. Kept by its immutable
+    arguments (bounded): a search asks for the same even sets for every candidate."""
     if world_size <= 1 or even.is_all(model.num_layers):
         return UnitComm.build(model, comm, world_size, uneven=False)
     skewed = UnitComm.build(model, comm, world_size, uneven=True)
