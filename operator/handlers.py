@@ -91,9 +91,12 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
-    """After kopf stopped the handlers (SIGTERM): hand the Lease over at once."""
+    """After kopf stopped the handlers (SIGTERM): hand the Lease over at once, then end the
+    probes' heartbeat (kopf waits up to 5 s for any task left on its loop before exiting)."""
     if (elector := getattr(memo, "elector", None)) is not None:
         await asyncio.to_thread(elector.release)
+        if elector.tick is not None:
+            elector.tick.cancel()
 
 
 def _wake(namespace: str | None, name: str | None) -> None:

@@ -11,7 +11,8 @@ the trainer for the operator's pods.
   job advances `steps_per_tick` steps a tick; rank 0's `/metrics` (the page the operator
   scrapes, on 127.0.0.1) serves step, loss and samples/s; at the last step every rank
   succeeds, once the operator has scraped that step (a real trainer does not wait: here it
-  keeps the tests' verdicts off the scrape interval). `fail_at`: {(job, attempt): (rank,
+  keeps the tests' verdicts off the scrape interval); `hold_at` stops a job at a step until
+  the test lets it go on. `fail_at`: {(job, attempt): (rank,
   step)} fails that rank there (exit code 1), so the operator restarts the gang; the next
   attempt resumes from the last multiple of `checkpoint_steps`;
 * `netprobe_gbps`: a network probe's pods succeed at once, rank 0 with a two-rank fit of
@@ -81,6 +82,10 @@ class TrainingSim:
     hold_profilers_until_read: bool = False
     # Jobs whose ranks run (hold their GPUs) but never step: another workload the test ends.
     idle_jobs: set[str] = field(default_factory=set)
+    # Jobs the test holds still: each steps up to its step here (0: where it is), then its
+    # ranks keep running without stepping until the test removes it, so a short job cannot
+    # finish before the operator has done what the test waits for, however slow the machine.
+    hold_at: dict[str, int] = field(default_factory=dict)
     netprobe_gbps: float | None = None
     scheduled_only: bool = False
     metrics_port: int = field(default_factory=free_port)
@@ -209,7 +214,10 @@ class TrainingSim:
                                        "checkpoint written")
                     await set_pod(self.api, ns, pod["metadata"]["name"], "Succeeded")
             return
-        run.step = min(total, run.step + self.steps_per_tick)
+        held = self.hold_at.get(name, total)
+        if run.step >= held:
+            return  # held there by the test
+        run.step = min(total, held, run.step + self.steps_per_tick)
         # what the sim really does (global batch x steps a tick / tick), not a GPU's speed
         run.samples_per_second = spec.global_batch_size * self.steps_per_tick / self.tick_seconds
         self._latest = key

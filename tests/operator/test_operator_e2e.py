@@ -162,7 +162,10 @@ async def test_infeasible_job_fails_with_the_planners_numbers(
 
 async def test_no_gpus_waits_with_a_clear_condition_then_times_out(
         emulator: ApiEmulator, start_operator) -> None:
-    start_operator(CEPHALO_DISCOVERY_TIMEOUT_SECONDS="5")
+    # Counted from the pass that writes the condition (reconcile._no_gpus), so the test sees
+    # it before the job fails however slow the operator's start (at least 2 s after it: the
+    # transition time is in whole seconds); the rest of the 5 s it had was only waiting.
+    start_operator(CEPHALO_DISCOVERY_TIMEOUT_SECONDS="3")
     await apply_job(emulator, job_body("nogpu", gpuPools=[{"product": "H100"}]))
     await wait_for("GpusAvailable=False", lambda: cond(emulator, "nogpu", "GpusAvailable"))
     c = cond(emulator, "nogpu", "GpusAvailable")

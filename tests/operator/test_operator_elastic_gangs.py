@@ -11,10 +11,15 @@ from __future__ import annotations
 import pytest
 from elastic_harness import (  # noqa: F401 (the sim fixture)
     ELASTIC,
+    HELD_AT,
     POOL,
+    SHORT_ELASTIC,
+    STEPS,
     Sim,
     elastic_job,
+    hold,
     hold_four_gpus,
+    release,
     running_on,
     running_with_progress,
     sim_fixture,
@@ -52,7 +57,8 @@ async def test_under_kueue_the_grown_gang_is_admitted_as_a_new_group(sim: Sim) -
     sim.sim.idle_jobs.add("b")
     await apply_job(sim.api, _queued(elastic_job("b", 10_000, maxGpus=4)))
     await running_on(sim.api, "b", 4)
-    await apply_job(sim.api, _queued(elastic_job("a", 400, elastic=ELASTIC)))
+    hold(sim, "a", HELD_AT)
+    await apply_job(sim.api, _queued(elastic_job("a", STEPS, elastic=SHORT_ELASTIC)))
     await running_with_progress(sim.api, "a")
     (first,) = _groups(sim, "a")
     await call(sim.api, "DELETE", JOBS.format(ns=NS) + "/b")  # b ends: its quota is free
@@ -62,6 +68,7 @@ async def test_under_kueue_the_grown_gang_is_admitted_as_a_new_group(sim: Sim) -
     assert (NS, grown) in kueue.admissions and (NS, first) in kueue.finished
     assert kueue.usage() == {POOL: 8}
     assert status["elastic"]["rescales"] == 1 and not status["elastic"].get("rollbacks")
+    release(sim, "a")
     status = await succeeded(sim.api, "a")
     assert world_sizes(sim.api, "a") == [4, 8]
     assert not status.get("restarts") and not status.get("preemptions")
@@ -74,7 +81,9 @@ async def test_a_grown_gang_kueue_does_not_admit_goes_back_to_the_gpus_it_had(
     await _both_nodes_ready(sim)
     await hold_four_gpus(sim)
     timeout = 2
-    await apply_job(sim.api, _queued(elastic_job("a", 600, elastic={
+    hold(sim, "a", HELD_AT)
+    # 300 steps: once released, it runs for seconds in which a retried offer would show.
+    await apply_job(sim.api, _queued(elastic_job("a", 300, elastic={
         **ELASTIC, "rescaleTimeoutSeconds": timeout})))
     await running_with_progress(sim.api, "a")
     await call(sim.api, "DELETE", JOBS.format(ns=NS) + "/b")  # 8 GPUs free on the nodes
@@ -95,6 +104,7 @@ async def test_a_grown_gang_kueue_does_not_admit_goes_back_to_the_gpus_it_had(
     assert reasons.count("Rescaled") == 1 and reasons.count("RescaleRolledBack") == 1, reasons
     # Rank groups admitted: the first 4, then the 4 it went back to (never the 8).
     assert len([w for w in kueue.admissions if "-profile-" not in w[1]]) == 2, kueue.admissions
+    release(sim, "a")
     status = await succeeded(sim.api, "a")
     assert world_sizes(sim.api, "a") == [4, 8, 4]
     assert status["elastic"]["rescales"] == 1  # the offer is not retried within the cooldown
@@ -107,7 +117,9 @@ async def test_under_volcano_the_grown_gang_has_a_pod_group_of_its_own(sim: Sim)
     await _both_nodes_ready(sim)
     await hold_four_gpus(sim)
     policy = {"schedulerName": "volcano", "queue": "research"}
-    await apply_job(sim.api, elastic_job("a", 400, elastic=ELASTIC, schedulingPolicy=policy))
+    hold(sim, "a", HELD_AT)
+    await apply_job(sim.api, elastic_job("a", STEPS, elastic=SHORT_ELASTIC,
+                                         schedulingPolicy=policy))
     await running_with_progress(sim.api, "a")
 
     def groups() -> list[dict]:
@@ -132,5 +144,6 @@ async def test_under_volcano_the_grown_gang_has_a_pod_group_of_its_own(sim: Sim)
     grown_at = next(i for i, c in enumerate(created) if c.name == grown["metadata"]["name"])
     # The PodGroup before its pods: all 8 of the grown gang are created after it.
     assert [c.resource for c in created[grown_at + 1:]] == ["pods"] * 8, created
+    release(sim, "a")
     status = await succeeded(sim.api, "a")
     assert status["elastic"]["rescales"] == 1 and world_sizes(sim.api, "a") == [4, 8]

@@ -5,12 +5,14 @@ kube-apiserver's side is tests/realk8s/test_operator_leader.py."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import kopf
 import pytest
 
 from cephalo.operator import leader as leader_module
@@ -144,5 +146,29 @@ def test_probes_say_alive_on_both_and_ready_on_the_leader_only() -> None:
         probes.loop_turned_at -= leader_module.LOOP_STALL_SECONDS + 1
         assert probes.answer("/healthz")[0] == 500
     finally:
+        probes.server.shutdown()
+        a.stopping.set()
+
+
+@pytest.mark.asyncio
+async def test_cleanup_hands_the_lease_over_and_ends_the_probes_heartbeat() -> None:
+    """At shutdown kopf waits up to 5 s for any task still on its loop before the process
+    exits: the probes' heartbeat (Probes.tick, a task that never ends by itself) made every
+    chart-started leader take 5 s to stop on SIGTERM (the chart RBAC test's operators were
+    SIGKILLed after 5 s). kopf's cleanup handler ends it once the lease is handed over."""
+    from cephalo.operator import handlers
+
+    store = LeaseStore()
+    a = _elector(store, "a")
+    assert a.acquire()
+    probes = Probes(a, 0)
+    a.tick = asyncio.get_running_loop().create_task(probes.tick())
+    try:
+        await handlers.cleanup(memo=kopf.Memo(elector=a))
+        assert store.holder() is None and not a.leading.is_set()
+        await asyncio.sleep(0)  # one turn of the loop: a cancelled task ends in it
+        assert a.tick.done(), "the probes' heartbeat still runs: kopf waits 5 s for it"
+    finally:
+        a.tick.cancel()
         probes.server.shutdown()
         a.stopping.set()
