@@ -1,6 +1,9 @@
 """Bad input to the real `cephalo` command, as a new user (or an attacker) would give it
 (issue 17): every case exits with code 2 and one stderr line, shows no traceback, starts no
-process and writes nothing — checked on the whole working folder, before and after."""
+process and writes nothing — checked on the whole working folder, before and after. Every
+case runs the command's main() in the test's process (a Python process started fails it);
+a case of each kind also runs as its own `cephalo` process (each process costs about a
+second of an interpreter's and the libraries' start-up: 53 of them were 47 s of the suite)."""
 
 from __future__ import annotations
 
@@ -411,21 +414,68 @@ def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
             for p in folder.rglob("*")}
 
 
-@pytest.mark.parametrize(("setup", "phrase"), CASES, ids=[c[0].__name__ for c in CASES])
-def test_bad_input_is_one_clean_line_and_writes_nothing(tmp_path: Path, setup: Setup,
-                                                        phrase: str) -> None:
-    args = setup(tmp_path)
-    before = _snapshot(tmp_path)
-    done = run_cephalo(tmp_path, *args, timeout=600)
-    lines = done.stderr.splitlines()
-    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
-    assert len(lines) == 1, done.stderr[-2000:]
-    assert "Traceback" not in done.stderr
+_POPEN = subprocess.Popen
+
+
+def _refuse_python_processes(args: object, *rest: object, **kwargs: object) -> object:
+    """subprocess.Popen that fails on a Python process (a rank, torchrun, a profiler pass):
+    library lookups (ctypes' `ldconfig -p` while finding NVML) may still run."""
+    first = args[0] if isinstance(args, (list, tuple)) else str(args).split()[0]
+    program = Path(str(first)).name
+    if program.startswith("python") or program in {"torchrun", "cephalo"}:
+        raise AssertionError(f"a rejected input started a process: {args}")
+    return _POPEN(args, *rest, **kwargs)  # type: ignore[call-overload]
+
+
+def _check(folder: Path, args: list[str], phrase: str, code: int | str | None, stdout: str,
+           stderr: str, before: dict[str, tuple[int, int]]) -> None:
+    lines = stderr.splitlines()
+    assert code == 2, (code, stderr[-2000:])
+    assert len(lines) == 1, stderr[-2000:]
+    assert "Traceback" not in stderr
     assert lines[0].startswith(f"cephalo {args[0]}: error: "), lines[0]
     assert phrase in lines[0], lines[0]
     assert len(lines[0]) < 1500
-    assert done.stdout == "" or "Profiling" not in done.stdout  # no process was started
-    assert _snapshot(tmp_path) == before, "a rejected input wrote files"
+    assert stdout == "" or "Profiling" not in stdout  # no process was started
+    assert _snapshot(folder) == before, "a rejected input wrote files"
+
+
+@pytest.mark.parametrize(("setup", "phrase"), CASES, ids=[c[0].__name__ for c in CASES])
+def test_bad_input_is_one_clean_line_and_writes_nothing(
+        tmp_path: Path, setup: Setup, phrase: str, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """The command's main() in this process (what `cephalo` runs, without an interpreter's
+    start-up per case: the real process is checked on a few cases below), where starting
+    a Python process (a rank, a profiler) fails the test."""
+    from cephalo.cli import main
+
+    args = setup(tmp_path)
+    before = _snapshot(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / ".cache"))
+    monkeypatch.setattr(subprocess, "Popen", _refuse_python_processes)
+    capfd.readouterr()
+    try:
+        code: int | str | None = main(args)
+    except SystemExit as exit_:  # argparse's usage errors
+        code = exit_.code
+    out, err = capfd.readouterr()
+    _check(tmp_path, args, phrase, code, out, err, before)
+
+
+# The real process, on a case of each kind: a job file, a plan file, a resumed run, export.
+THROUGH_A_PROCESS = {"alias_bomb", "not_utf8", "plan_deep_json", "resume_empty_run",
+                     "export_missing_checkpoint"}
+
+
+@pytest.mark.parametrize(("setup", "phrase"),
+                         [c for c in CASES if c[0].__name__ in THROUGH_A_PROCESS],
+                         ids=sorted(THROUGH_A_PROCESS, key=[c[0].__name__ for c in CASES].index))
+def test_bad_input_through_the_real_command(tmp_path: Path, setup: Setup, phrase: str) -> None:
+    args = setup(tmp_path)
+    before = _snapshot(tmp_path)
+    done = run_cephalo(tmp_path, *args, timeout=600)
+    _check(tmp_path, args, phrase, done.returncode, done.stdout, done.stderr, before)
 
 
 def test_an_internal_bug_keeps_its_traceback(tmp_path: Path) -> None:
