@@ -68,7 +68,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 EXCLUSIVE_MARK = "exclusive"
 # The files that hold exclusive tests (the scheduler, in xdist's controller, sees node ids
 # only, not markers): a marked test elsewhere is a usage error at collection.
-EXCLUSIVE_SCOPES = ("tests/trainer/test_shaped_plan.py", "tests/trainer/test_hybrid_shaped.py")
+# (tests/trainer/test_hybrid_shaped.py is not one: its link's collectives outlast its compute
+# five times over, so a loaded machine moves its ratio within the band; its docstring says why.)
+EXCLUSIVE_SCOPES = ("tests/trainer/test_shaped_plan.py",)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -33,7 +33,6 @@ BATCH = 32
 STEPS = 5  # the first 2 untimed: 3 timed steps per run
 
 
-@pytest.mark.exclusive  # its verdict is a timing on this machine's two cores
 @pytest.mark.slow  # a profile and one hybrid and one flat run on the slow link: about 40 s
 @pytest.mark.skipif(bench.unavailable() is not None, reason=str(bench.unavailable()))
 def test_hybrid_is_chosen_and_measured_faster_than_flat_on_a_slow_shaped_link(
