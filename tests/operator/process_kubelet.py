@@ -18,8 +18,7 @@ What it emulates, as tests/realk8s/kubelet.py does under a real API server:
   (env values naming it rewritten), read back at exit, the log's tail on a failure that
   wrote none (FallbackToLogsOnError);
 * emulated GPUs: CEPHALO_TIME_DILATION and one thread a rank (CEPHALO_NUM_THREADS), each
-  gang's progress file apart (metrics-<attempt>-<config hash>.jsonl); `rank_env` sets one
-  rank's own (a rank that slows down mid-run);
+  gang's progress file apart (metrics-<attempt>-<config hash>.jsonl);
 * deletion: a running pod being deleted gets SIGTERM (the trainer checkpoints at the next
   step boundary and exits 143), SIGKILL after its grace period; then it is reported Failed
   with its exit code and removed, as the real kubelet does. The emulator's own stand-in for
@@ -73,9 +72,6 @@ class ProcessKubelet:
     every_rank_metrics: bool = False
     served: dict[str, int] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)  # e.g. an emulated slow link
-    # Per rank (RANK), on top of extra_env: e.g. one rank that slows down mid-run
-    # (CEPHALO_TIME_DILATION with CEPHALO_TIME_DILATION_FROM_STEP).
-    rank_env: dict[int, dict[str, str]] = field(default_factory=dict)
     containers: dict[str, Container] = field(default_factory=dict)  # by pod uid
     exits: list[tuple[str, int]] = field(default_factory=list)  # (pod name, exit code)
     _ports: dict[tuple[str, str, str], int] = field(default_factory=dict)
@@ -187,7 +183,7 @@ class ProcessKubelet:
         progress = self.folder / "metrics" / labels[JOB] / f"metrics-{gang[1]}-{gang[2]}.jsonl"
         progress.parent.mkdir(parents=True, exist_ok=True)
         env["CEPHALO_METRICS_FILE"] = str(progress)
-        return {**env, **self.extra_env, **self.rank_env.get(rank, {})}
+        return {**env, **self.extra_env}
 
     async def _run(self, c: Container, pod: dict[str, Any]) -> None:
         (container,) = pod["spec"]["containers"]

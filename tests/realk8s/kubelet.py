@@ -347,6 +347,14 @@ class ProcessKubelet:
         """What the newest container of pod `name` has written (as the kubelet keeps it)."""
         return self.newest(namespace, name).text()
 
+    def exits(self, namespace: str, name: str) -> list[int | None]:
+        """The exit codes of every container this kubelet ran for pod `name`, oldest first
+        (None: still running). A rank pod keeps its name across gangs, so two entries mean
+        its process was replaced (a drain, a restart), one that it ran throughout."""
+        return [None if c.proc.returncode is None else exit_code(c.proc.returncode)
+                for c in list(self.containers.values())
+                if c.key == f"{namespace}/{name}" and c.proc is not None]
+
     def stop(self) -> None:
         """Kill every container and end the watch."""
         self._stop.set()

@@ -83,9 +83,12 @@ class Operator:
 
 
 def phases_until(cluster: Cluster, ns: str, name: str, since: str, until: set[str],
-            timeout_seconds: float) -> tuple[list[str], dict[str, Any]]:
+                 timeout_seconds: float, statuses: list[dict[str, Any]] | None = None
+                 ) -> tuple[list[str], dict[str, Any]]:
     """Every phase the job went through after resourceVersion `since`, from a watch (no
-    change is missed, however short), until one of `until`; and its status then."""
+    change is missed, however short), until one of `until`; and its status then.
+    `statuses`: when given, every status the watch showed is appended to it, oldest first
+    (for a verdict on what the job showed on its way, not only at the end)."""
     seen: list[str] = []
     deadline = time.monotonic() + timeout_seconds
     version = since
@@ -103,6 +106,8 @@ def phases_until(cluster: Cluster, ns: str, name: str, since: str, until: set[st
             if event["type"] not in ("ADDED", "MODIFIED") or obj["metadata"]["name"] != name:
                 continue
             status = obj.get("status") or {}
+            if statuses is not None:
+                statuses.append(status)
             if (phase := status.get("phase")) and (not seen or seen[-1] != phase):
                 seen.append(phase)
             if phase in until:

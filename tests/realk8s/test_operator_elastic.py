@@ -31,7 +31,6 @@ from cephalo.operator.render import PROFILE_KEY, profile_config_map_name
 from cephalo.planner.catalog import lookup_gpu
 
 from .cluster import NODES, Cluster
-from .kubelet import exit_code
 from .operator_run import JOBS, Operator, tiny_job
 from .rest import wait_until
 
@@ -79,13 +78,6 @@ def _delete(cluster: Cluster, ns: str, name: str) -> None:
     wait_until(f"{name} deleted", lambda: cluster.rest.get(
         f"{JOBS.format(ns=ns)}/{name}").status == 404, STEP_SECONDS)
     wait_until(f"{name}'s pods gone", lambda: not _ranks(cluster, ns, name), STEP_SECONDS)
-
-
-def _exits(cluster: Cluster, ns: str, pod: str) -> list[int | None]:
-    """The exit codes of every container the kubelet ran for `pod`, oldest first."""
-    return [None if c.proc.returncode is None else exit_code(c.proc.returncode)
-            for c in list(cluster.kubelet.containers.values())
-            if c.key == f"{ns}/{pod}" and c.proc is not None]
 
 
 def _share_profile(cluster: Cluster, ns: str, held: dict[str, Any]) -> None:
@@ -160,7 +152,7 @@ def _grow(cluster: Cluster, ns: str) -> None:
     assert grown["plan"]["pools"] == {n.product: 1 for n in NODES}, grown["plan"]
     # The drain: the one-rank gang's process took SIGTERM, checkpointed, and exited 143;
     # the new rank 0 resumed from that checkpoint past the step the drain began at.
-    exits = _exits(cluster, ns, "grow-rank-0")
+    exits = cluster.kubelet.exits(ns, "grow-rank-0")
     assert len(exits) == 2 and exits[0] == 143, exits
     wait_until("the rescale measured (a step past the drain)", lambda: (
         _status(cluster, ns, "grow").get("elastic") or {}).get("restartSeconds"),
