@@ -4,12 +4,16 @@ cephalo.trainer` processes (CPU, gloo) whose collectives cross an emulated 10 Mb
 (CEPHALO_LINK_BYTES_PER_SECOND: each collective done no earlier than its bytes take on one
 serial link of that speed, however fast loopback is).
 
-* A job told its network is 100 Gbit/s per GPU (and no latency) is planned on both GPUs;
-  its first timed steps show the collectives ~10^4 x slower than assumed, the operator
-  recalibrates, re-plans on one GPU (the calibrated plan: solved again from the figures it
-  recorded) through the rescale path, and the job finishes there.
-* A job on one GPU whose profile is far too fast runs below half its prediction; no plan on
-  one GPU fixes that, so it gets condition PredictionOff and a Warning Event."""
+A job told its network is 100 Gbit/s per GPU (and no latency) is planned on both GPUs; its
+first timed steps show the collectives ~10^4 x slower than assumed, the operator
+recalibrates, re-plans on one GPU (the calibrated plan: solved again from the figures it
+recorded) through the rescale path, and the job finishes there, its prediction now right
+(PredictionOff False). What this test has that tests/realk8s/test_operator_replan.py (the
+same scenario under the real control plane, and the PredictionOff and opted-out jobs)
+lacks: the profile is injected (a compute-bound one slower than this CPU), so the plan it
+re-planned to is predicted right and can be solved again here from the same inputs; the
+real control plane's job runs on profiles measured on this shared CPU, whose one-GPU
+prediction is as right as the machine was quiet."""
 
 from __future__ import annotations
 
@@ -52,10 +56,9 @@ SECONDS_PER_SAMPLE = {"block_forward_seconds": 2e-3, "block_backward_seconds": 4
                       "other_forward_seconds": 1e-3, "other_backward_seconds": 2e-3}
 
 
-def _job(name: str, max_gpus: int = 2, steps: int = 40, enabled: bool = True,
-         **planner: Any) -> dict[str, Any]:
-    return job_body(name, model=TINY, globalBatchSize=32, maxGpus=max_gpus,
-                    training={"steps": steps, "learningRate": 1e-3, "schedule": "constant",
+def _job(name: str, **planner: Any) -> dict[str, Any]:
+    return job_body(name, model=TINY, globalBatchSize=32, maxGpus=2,
+                    training={"steps": 40, "learningRate": 1e-3, "schedule": "constant",
                               "seed": 1},
                     data={"synthetic": {}},
                     # Profiled up to the global batch: no plan takes a microbatch beyond
@@ -63,17 +66,17 @@ def _job(name: str, max_gpus: int = 2, steps: int = 40, enabled: bool = True,
                     # this profile alone)
                     planner={"profileMicroBatchSizes": [1, 2, 4, 32], "chooseGpus": True,
                              "replan": {"afterSteps": 3, "restartCostSeconds": 0.0,
-                                        "enabled": enabled},
+                                        "enabled": True},
                              **planner},
                     checkpoint={"claimName": f"ckpt-{name}", "intervalSteps": 1000})
 
 
-def _profile(body: dict[str, Any], speed: float = 1.0) -> GpuProfile:
+def _profile(body: dict[str, Any]) -> GpuProfile:
     spec = parse_job(body).spec
     p = estimate_profile(lookup_gpu(POOL).name, spec.model.resolve(), spec.precision,
                          spec.planner.profile_micro_batch_sizes)
     return p.model_copy(update={"source": "measured", "points": [q.model_copy(update={
-        k: v * q.micro_batch_size / speed for k, v in SECONDS_PER_SAMPLE.items()})
+        k: v * q.micro_batch_size for k, v in SECONDS_PER_SAMPLE.items()})
         for q in p.points]})
 
 
@@ -83,7 +86,7 @@ async def cluster_fixture(emulator: ApiEmulator, tmp_path: Path
     await apply_nodes(emulator, [gpu_node("a10g-0", POOL, 2, 23028),
                                  gpu_node("cpu-0", None, 0)])
     Scheduler(emulator, run=False)
-    kubelet = ProcessKubelet(emulator, tmp_path / "kubelet", jobs={"r", "p", "o"},
+    kubelet = ProcessKubelet(emulator, tmp_path / "kubelet", jobs={"r"},
                              metrics_port=free_port(), extra_env={
                                  "CEPHALO_LINK_BYTES_PER_SECOND": str(LINK_BYTES_PER_SECOND)}
                              ).start()
@@ -153,44 +156,3 @@ async def test_a_too_optimistic_network_is_replanned_to_the_calibrated_plan(
     adopted = plan_of(api, "r")
     assert adopted is not None and adopted.world_size == calibrated.world_size == 1
     assert [r.batch_size for r in adopted.ranks] == [r.batch_size for r in calibrated.ranks]
-
-
-async def test_a_prediction_no_replan_can_fix_is_reported(
-        cluster: tuple[ApiEmulator, ProcessKubelet]) -> None:
-    api, _ = cluster
-    body = _job("p", max_gpus=1)  # one GPU: nothing to re-plan onto
-    await apply_job(api, body)
-    await _profiled(api, "p", _profile(body, speed=1e4))  # a profile 10^4 x too fast
-    off = await wait_for("condition PredictionOff", lambda: next(
-        (c for c in job_status(api, NS, "p").get("conditions") or []
-         if c["type"] == "PredictionOff" and c["status"] == "True"), None))
-    assert "no re-plan" in off["message"], off
-    # The Event is posted apart from the status write that set the condition: wait for it
-    # (a CI run at load 6 looked between the two and found none).
-    posted = await wait_for("the PredictionOff event", lambda: [
-        t for t, r, _ in events(api, "p") if r == "PredictionOff"] or None)
-    assert all(t == "Warning" for t in posted), posted
-    status = await _finished(api, "p")
-    assert status["phase"] == "Succeeded", status.get("message")
-    cal = status["replan"]["lastCalibration"]
-    assert cal["verdict"] == "Keep" and cal["currentGpus"] == cal["candidateGpus"] == 1, cal
-    assert cal["explained"] and cal["reasonCode"] == "GainBelowMinimum", cal
-    assert cal["computeScale"]["A10G"] > 10, cal  # the compute was what was off
-    assert not (status.get("elastic") or {}).get("rescales")
-
-
-async def test_a_job_that_opted_out_keeps_its_plan(
-        cluster: tuple[ApiEmulator, ProcessKubelet]) -> None:
-    api, _ = cluster
-    # Live rebalancing off too: each split it moves to restarts the timing sums (one
-    # split's figures), so a move late in this short run under load left fewer than the
-    # three timed steps this test shows the operator had (seen failing 2 runs in 3).
-    body = _job("o", steps=12, enabled=False, networkBandwidthGbps=100.0,
-                networkLatencyMicroseconds=0.0, rebalance={"enabled": False})
-    await apply_job(api, body)
-    await _profiled(api, "o", _profile(body))
-    status = await _finished(api, "o")
-    assert status["phase"] == "Succeeded", status.get("message")
-    assert status["plan"]["worldSize"] == 2 and not status.get("replan")
-    assert (status["progress"].get("timing") or {}).get("steps", 0) >= 3  # it had the figures
-    assert not any(r in ("Replanned", "PredictionOff") for _, r, _ in events(api, "o"))

@@ -2,12 +2,17 @@
 GPU runs its two real gloo ranks over an emulated 10 Mbit/s link (its own podTemplate sets
 CEPHALO_LINK_BYTES_PER_SECOND, the trainer's link emulation); after its first timed steps
 the operator (the chart's RBAC) recalibrates, re-plans on one GPU through the rescale path
-(counted as a rescale, Event `Replanned` with the reason), and the job finishes there."""
+(counted as a rescale, Event `Replanned` with the reason), keeps that plan at its next
+calibration, and the job finishes there. The same job with re-planning off keeps its
+two-GPU plan; a job on one GPU whose compute is far slower than its profile gets condition
+PredictionOff (no plan on one GPU fixes that)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
+
+from cephalo.api import Plan, parse_plan
 
 from .cluster import Cluster
 from .operator_run import (
@@ -28,35 +33,54 @@ def _events(cluster: Cluster, ns: str, name: str) -> list[dict[str, Any]]:
             if (e.get("involvedObject") or {}).get("name") == name]
 
 
-def test_a_too_optimistic_network_is_replanned_under_the_real_api_server(
-        cluster: Cluster, operator: Operator, job_namespace: str) -> None:
-    ns = job_namespace
-    log_from = operator.log_size()
-    body = tiny_job(
-        "slowlink", ns, training={"steps": 30, "learningRate": 1.0e-3, "schedule": "constant",
-                                  "seed": 1},
+def _slow_link_job(name: str, ns: str, steps: int, replan: bool) -> dict[str, Any]:
+    """A two-rank job told its network is 100 Gbit/s per GPU (no latency) whose ranks run
+    over the emulated 10 Mbit/s link; `replan`: whether it may be re-planned."""
+    return tiny_job(
+        name, ns, training={"steps": steps, "learningRate": 1.0e-3, "schedule": "constant",
+                            "seed": 1},
         planner={"profileMicroBatchSizes": [1, 2], "chooseGpus": True,
                  "networkBandwidthGbps": 100.0, "networkLatencyMicroseconds": 0.0,
-                 "replan": {"afterSteps": 3, "restartCostSeconds": 0.0},
+                 "replan": {"afterSteps": 3, "restartCostSeconds": 0.0, "enabled": replan},
                  # Rebalancing (on by default) would hold the calibration for its
-                 # interval's 11 timed steps; this test is about the network's re-plan.
+                 # interval's 11 timed steps; these tests are about the network's re-plan.
                  "rebalance": {"enabled": False}},
         podTemplate={"env": [{"name": "CEPHALO_LINK_BYTES_PER_SECOND",
                               "value": str(LINK_BYTES_PER_SECOND)}]},
         checkpoint={"claimName": "ckpt", "intervalSteps": 1000})
+
+
+def _adopted_plan(cluster: Cluster, ns: str, name: str) -> Plan:
+    """The plan the operator gave the job's ranks (its ConfigMap, as the ranks read it)."""
+    cm = cluster.rest.must("GET", f"/api/v1/namespaces/{ns}/configmaps/{name}-plan")
+    return parse_plan(json.loads(cm["data"]["plan.json"]))
+
+
+def test_a_too_optimistic_network_is_replanned_under_the_real_api_server(
+        cluster: Cluster, operator: Operator, job_namespace: str) -> None:
+    ns = job_namespace
+    log_from = operator.log_size()
+    body = _slow_link_job("slowlink", ns, steps=30, replan=True)
     created = cluster.rest.create(JOBS.format(ns=ns), body, fieldValidation="Strict")
     phases, status = phases_until(cluster, ns, "slowlink", created["metadata"]["resourceVersion"],
                                   {"Succeeded", "Failed"}, JOB_SECONDS)
     assert phases[-1] == "Succeeded", f"{phases}: {status.get('message')}"
     replan, elastic = status["replan"], status["elastic"]
     cal = replan["lastReplan"]
-    assert replan["replans"] == 1 and (cal["currentGpus"], cal["candidateGpus"]) == (2, 1), replan
+    assert replan["replans"] == 1 and cal["verdict"] == "Replan", replan
+    assert (cal["currentGpus"], cal["candidateGpus"]) == (2, 1), replan
+    # The new plan was calibrated in turn, once, and kept: no loop.
+    assert replan["lastCalibration"]["verdict"] == "Keep", replan
+    assert replan["lastCalibration"]["currentGpus"] == 1, replan
     assert elastic["rescales"] == 1 and not status.get("restarts"), status  # a rescale
     assert status["plan"]["worldSize"] == 1, status["plan"]
-    # The collectives it measured are the emulated link's, not the 100 Gbit/s it was told.
-    assert cal["networkBandwidthGbps"] < 1.0, cal
+    # The collectives it measured are the emulated link's (0.01 Gbit/s), not the 100 Gbit/s
+    # it was told.
+    assert 0.25 * 0.01 < cal["networkBandwidthGbps"] < 2 * 0.01, json.dumps(cal)
+    assert cal["measuredStepSeconds"] > 2 * cal["predictedStepSeconds"], cal
     reasons = {e["reason"]: e for e in _events(cluster, ns, "slowlink")}
-    assert "measured" in reasons["Replanned"]["message"], reasons["Replanned"]
+    replanned = reasons["Replanned"]["message"]
+    assert "measured" in replanned and "predicted" in replanned, replanned
     assert "forbidden" not in operator.log_text(log_from).lower(), operator.log()
     cluster.rest.request("DELETE", f"{JOBS.format(ns=ns)}/slowlink")
 
@@ -102,7 +126,27 @@ def test_a_prediction_no_replan_can_fix_is_reported_under_the_real_api_server(
     assert set(seeded) <= set(cached_profiles(cluster, ns))
     cal = status["replan"]["lastCalibration"]
     assert cal["verdict"] == "Keep" and cal["currentGpus"] == cal["candidateGpus"] == 1, cal
+    assert cal["explained"] and cal["reasonCode"] == "GainBelowMinimum", cal
+    (rank,) = _adopted_plan(cluster, ns, "slowgpu").ranks
+    assert cal["computeScale"][rank.gpu] > 10, cal  # the compute was what was off
     assert not (status.get("elastic") or {}).get("rescales"), status
     warned = [e for e in _events(cluster, ns, "slowgpu") if e["reason"] == "PredictionOff"]
     assert warned and all(e["type"] == "Warning" for e in warned), warned
     cluster.rest.request("DELETE", f"{JOBS.format(ns=ns)}/slowgpu")
+
+
+def test_a_job_that_opted_out_keeps_its_plan_under_the_real_api_server(
+        cluster: Cluster, operator: Operator, job_namespace: str) -> None:
+    """The too-optimistic network's job with re-planning off: it keeps its two GPUs, though
+    the operator had the timed steps that re-planned the other."""
+    ns = job_namespace
+    body = _slow_link_job("optout", ns, steps=12, replan=False)
+    created = cluster.rest.create(JOBS.format(ns=ns), body, fieldValidation="Strict")
+    phases, status = phases_until(cluster, ns, "optout", created["metadata"]["resourceVersion"],
+                                  {"Succeeded", "Failed"}, JOB_SECONDS)
+    assert phases[-1] == "Succeeded", f"{phases}: {status.get('message')}"
+    assert status["plan"]["worldSize"] == 2 and not status.get("replan"), status
+    assert (status["progress"].get("timing") or {}).get("steps", 0) >= 3, status["progress"]
+    reasons = [e["reason"] for e in _events(cluster, ns, "optout")]
+    assert not {"Replanned", "PredictionOff"} & set(reasons), reasons
+    cluster.rest.request("DELETE", f"{JOBS.format(ns=ns)}/optout")
