@@ -2,7 +2,7 @@
 link a pod of two ranks (the intra-node probe) measures that link's rate and stays short, the
 large size shrunk to the link; a malformed environment is refused before any rank starts.
 (The operator's end-to-end test runs the inter-node gang on loopback:
-tests/operator/test_operator_netprobe.py.)"""
+tests/realk8s/test_operator_netprobe.py.)"""
 
 from __future__ import annotations
 
