@@ -1,6 +1,5 @@
 """What a real Prometheus must answer for the chart's Grafana dashboard and alerting rules
 (issue 38), once it has scraped the operator and the ranks of a running two-GPU job; shared by
-tests/operator/test_operator_prometheus.py (the API emulator),
 tests/realk8s/test_operator_prometheus.py (the real control plane) and
 tests/local/test_run_prometheus.py (the ranks of a local `cephalo run`, no operator).
 

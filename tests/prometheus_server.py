@@ -1,6 +1,6 @@
 """A real Prometheus (Debian's `prometheus` package) for the tests, on loopback (used by
-tests/operator/test_operator_prometheus.py, tests/realk8s/test_operator_prometheus.py and,
-scraping a local `cephalo run`, tests/local/test_run_prometheus.py).
+tests/realk8s/test_operator_prometheus.py and, scraping a local `cephalo run`,
+tests/local/test_run_prometheus.py).
 
 It scrapes what the chart's monitors would have it scrape, the way the Prometheus Operator
 turns them into scrape configs: the operator's /metrics (the ServiceMonitor) and every trainer

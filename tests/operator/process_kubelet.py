@@ -12,8 +12,7 @@ What it emulates, as tests/realk8s/kubelet.py does under a real API server:
   values rewritten to them;
 * the network: every pod is 127.0.0.1; MASTER_ADDR (the rank-0 pod's DNS name) resolves
   there, MASTER_PORT is a free port per gang (job, attempt, plan), and rank 0 serves
-  /metrics on `metrics_port` (what the operator scrapes: CEPHALO_TRAINER_METRICS_PORT), rank
-  r on `metrics_port` + r with `every_rank_metrics` (`served` says where);
+  /metrics on `metrics_port` (what the operator scrapes: CEPHALO_TRAINER_METRICS_PORT);
 * the termination message: the container's terminationMessagePath is a file of its own
   (env values naming it rewritten), read back at exit, the log's tail on a failure that
   wrote none (FallbackToLogsOnError);
@@ -66,11 +65,6 @@ class ProcessKubelet:
     jobs: set[str]  # jobs whose rank pods run as real trainers
     metrics_port: int
     time_dilation: float = 1.0
-    # Every rank serves /metrics (rank r on metrics_port + r: give that many free ports), as
-    # each rank pod does on a cluster, for a Prometheus to scrape: `served` maps pod name to
-    # port. Otherwise rank 0 alone (on metrics_port), for the operator.
-    every_rank_metrics: bool = False
-    served: dict[str, int] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)  # e.g. an emulated slow link
     containers: dict[str, Container] = field(default_factory=dict)  # by pod uid
     exits: list[tuple[str, int]] = field(default_factory=list)  # (pod name, exit code)
@@ -173,11 +167,10 @@ class ProcessKubelet:
         gang = (labels[JOB], labels.get(ATTEMPT, "0"), pod["metadata"]["annotations"][HASH])
         env["MASTER_PORT"] = str(self._ports.setdefault(gang, free_port()))
         rank = int(env.get("RANK", "0"))
-        port = self.metrics_port + rank if rank == 0 or self.every_rank_metrics else 0
-        env["CEPHALO_METRICS_PORT"] = str(port)
+        # Rank 0 alone serves /metrics, for the operator (every rank pod does on a cluster:
+        # tests/realk8s/test_operator_prometheus.py scrapes them all).
+        env["CEPHALO_METRICS_PORT"] = str(self.metrics_port if rank == 0 else 0)
         env["CEPHALO_METRICS_ADDRESS"] = "127.0.0.1"
-        if port:
-            self.served[pod["metadata"]["name"]] = port
         env["CEPHALO_NUM_THREADS"] = "1"
         env["CEPHALO_TIME_DILATION"] = str(self.time_dilation)
         progress = self.folder / "metrics" / labels[JOB] / f"metrics-{gang[1]}-{gang[2]}.jsonl"

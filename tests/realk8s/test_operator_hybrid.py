@@ -1,11 +1,15 @@
 """Issue 44, "the operator end to end" under the real control plane: two nodes of two GPUs
-whose NICs the cluster labels slow (cephalo.dev/nic-gbps = 1), added for this test. A job on
-them (its own GPU pool, `ranksPerPod: 0`) is planned hybrid, a replica group per node; the
-real scheduler places its two rank pods, one per node; each pod's two real trainer processes
-(CPU, gloo) read the groups from the plan ConfigMap's plan.json and train to Succeeded. That
-they trained hybrid is read from what they wrote: the checkpoint's meta.json names the
-replica groups the engine ran; every rank writes its piece. Short: profiles seeded from the
-catalog (no profiler pod), six steps."""
+whose NICs the cluster labels slow (cephalo.dev/nic-gbps = 0.01), added for this test. A job
+on them (its own GPU pool, `ranksPerPod: 0`) is planned hybrid, a replica group per node
+(plan.json, status.plan, the Planned Event); the real scheduler places its two rank pods, one
+per node, each pointed at the plan ConfigMap's plan.json; each pod's two real trainer
+processes (CPU, gloo) read the groups from it and train to Succeeded (every step reported in
+status.progress, each container exiting 0). That they trained hybrid is read from what they
+wrote: the checkpoint's meta.json names the replica groups the engine ran; every rank writes
+its piece. Short: profiles seeded from the catalog (no profiler pod), six steps.
+
+This is the only end-to-end run of a hybrid job: the API emulator's copy of it
+(tests/operator/test_operator_hybrid_e2e.py) checked nothing this does not."""
 
 from __future__ import annotations
 
@@ -87,6 +91,7 @@ def test_a_job_behind_a_slow_link_trains_hybrid_under_the_real_api_server(
     cm = cluster.rest.must("GET", f"/api/v1/namespaces/{ns}/configmaps/{name}-plan")
     plan = parse_plan(json.loads(cm["data"]["plan.json"]))
     assert plan.replica_groups == [[0, 1], [2, 3]] and plan.pod_ranks == [2, 2], plan
+    assert plan.assumptions["sharding"] == "hybrid", plan.assumptions
     assert (status["plan"]["replicaGroups"], status["plan"]["replicaGroupSize"]) == (2, 2)
     events = [e for e in cluster.rest.must("GET", f"/api/v1/namespaces/{ns}/events")["items"]
               if (e.get("involvedObject") or {}).get("name") == name]
@@ -99,11 +104,20 @@ def test_a_job_behind_a_slow_link_trains_hybrid_under_the_real_api_server(
     assert sorted((p["metadata"]["name"], p["spec"]["nodeName"]) for p in pods) in (
         [(f"{name}-rank-0", "gpu-a10g-0"), (f"{name}-rank-2", "gpu-a10g-1")],
         [(f"{name}-rank-0", "gpu-a10g-1"), (f"{name}-rank-2", "gpu-a10g-0")]), pods
-    assert all(p["status"]["phase"] == "Succeeded" for p in pods)
+    # Each pod was pointed at that plan.json and ran its two ranks on it, both exiting 0.
+    for pod in pods:
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+        assert env["CEPHALO_PLAN"].endswith("plan.json"), env
+        assert env["CEPHALO_RANKS_PER_POD"] == "2", env
+        assert pod["status"]["phase"] == "Succeeded", pod["status"]
+        assert [c["state"]["terminated"]["exitCode"] for c in
+                pod["status"]["containerStatuses"]] == [0], pod["status"]
 
     # The ranks trained hybrid: meta.json names the groups; every rank wrote its piece of
     # the optimizer state (4 files, docs/hybrid-sharding.md).
     steps = body["spec"]["training"]["steps"]
+    progress = status.get("progress") or {}
+    assert (progress.get("step"), progress.get("totalSteps")) == (steps, steps), status
     final = cluster.kubelet.claim_folder(ns, "ckpt") / name / f"step-{steps:08d}"
     meta = json.loads((final / "meta.json").read_text())
     assert meta["replica_groups"] == [[0, 1], [2, 3]], meta

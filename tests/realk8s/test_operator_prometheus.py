@@ -10,12 +10,17 @@ scrapes the operator's /metrics as the chart's ServiceMonitor would and every po
 namespace as Kubernetes pod discovery lists it (read from the real API server: pod IP, the
 container port named `metrics`, labels) through the chart PodMonitor's relabelings; it loads
 the chart's rules file. Then every panel query and variable of the dashboard, and every
-rule, is checked as tests/dashboard_checks.py says (the same checks as
-tests/operator/test_operator_prometheus.py on the API emulator).
+rule, is checked as tests/dashboard_checks.py says.
+
+`CEPHALO_DASHBOARD_PICTURE=PATH` (and `CEPHALO_DASHBOARD_PICTURE_SECONDS`, more seconds of
+data first) also draws every panel from Prometheus's answers into PATH: docs/dashboard.png.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -26,8 +31,10 @@ import pytest
 import pytest_asyncio
 import urllib3
 
+from cephalo.planner.catalog import gpu_key
 from tests import dashboard_checks as checks
 from tests.chart.chart_helpers import one, render
+from tests.dashboard_picture import PanelData, draw
 from tests.ports import free_listen_ports
 from tests.prometheus_server import OPERATOR_JOB, PROMETHEUS, PrometheusServer, discovered_target
 
@@ -38,6 +45,7 @@ from .rest import Rest, wait_until
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow, pytest.mark.skipif(
     PROMETHEUS is None, reason="prometheus not on PATH (Debian: apt-get install prometheus)")]
 JOB = "watched"
+PROFILED = "cephalo_operator_profiling_duration_seconds_count"  # the operator's, per product
 
 
 class PodDiscovery:
@@ -94,6 +102,10 @@ async def test_every_dashboard_panel_has_data_and_every_rule_loads(
     ns = cluster.namespace("prom")
     make_claim(cluster, ns, "ckpt")
     await prometheus.wait_result(f'up{{job="{OPERATOR_JOB}"}} == 1')
+    # Profiled so far, per product (the session's operator may have profiled these products
+    # for an earlier test; a fresh one has no series yet).
+    before = {s["metric"]["product"]: float(s["value"][1])
+              for s in await prometheus.query(PROFILED)}
     # A product's profiling histogram starts at 0 when its profiler pod is created; held
     # here until Prometheus has scraped that 0, so rate() sees the observation that follows
     # (profiling takes minutes on a cluster; here a profiler might finish within a scrape).
@@ -114,8 +126,11 @@ async def test_every_dashboard_panel_has_data_and_every_rule_loads(
         cluster.rest.create(JOBS.format(ns=ns), body, fieldValidation="Strict")
         wait_until("both profiler pods held", lambda: len(cluster.kubelet.held()) == len(NODES),
                    JOB_SECONDS)
-        await prometheus.wait_result(
-            f"count(cephalo_operator_profiling_duration_seconds_count) >= {len(NODES)}")
+        # Each product's series is there, its profiler not counted yet (at 0 on a fresh
+        # operator), before its profiler finishes.
+        for product in sorted({gpu_key(node.product) for node in NODES}):
+            await prometheus.wait_result(
+                f'{PROFILED}{{product="{product}"}} == {before.get(product, 0.0):g}')
         cluster.kubelet.release()
         with PodDiscovery(cluster.plane.admin(), ns, prometheus):
             await _judge(cluster, ns, prometheus, started)
@@ -139,9 +154,31 @@ async def _judge(cluster: Cluster, ns: str, prometheus: PrometheusServer,
     kept = wait_until("a calibration that keeps the plan", lambda: (
         r if ((r := _status(cluster, ns).get("replan") or {}).get("lastCalibration")
               or {}).get("verdict") == "Keep" else None), JOB_SECONDS)
-    assert not kept.get("replans"), kept
+    # maxReplans bounds re-planning: with 0, the calibration keeps the plan for that reason.
+    assert not kept.get("replans") and kept["lastCalibration"]["reasonCode"] == "ReplanLimit", \
+        kept
     with_data, total = await checks.check_panels(prometheus, ns, JOB, started, time.time())
     print(f"real Prometheus under the real control plane: {with_data} of {total} panel "
           f"queries returned series; empty by design: {sorted(checks.EMPTY_HERE)}")
     await checks.check_variables(prometheus, ns, JOB)
+    if os.environ.get("CEPHALO_DASHBOARD_PICTURE"):  # docs: what a user sees (not a check)
+        await asyncio.sleep(float(os.environ.get("CEPHALO_DASHBOARD_PICTURE_SECONDS", "0")))
+        await _picture(prometheus, ns, started, Path(os.environ["CEPHALO_DASHBOARD_PICTURE"]))
     await checks.check_rules(prometheus)
+
+
+async def _picture(prometheus: PrometheusServer, ns: str, start: float, path: Path) -> None:
+    board = json.loads(checks.DASHBOARD.read_text())
+    end = time.time()
+    panels: PanelData = []
+    for panel in board["panels"]:
+        targets = []
+        for target in panel.get("targets", []):
+            series = await prometheus.query_range(checks.as_sent(target["expr"], ns, JOB),
+                                                  start, end)
+            targets.append((target.get("legendFormat", ""),
+                            [(s["metric"], s["values"]) for s in series]))
+        panels.append((panel, targets))
+    draw(panels, f"{board['title']}: CephaloJob {ns}/{JOB} (an RTX-A6000 and a P40 rank, run "
+         "on the CPU), from a real Prometheus under the real control plane "
+         "(tests/realk8s/test_operator_prometheus.py)", path)
