@@ -9,7 +9,9 @@ and addresses neither cost memory nor count as changes.
 A watch is not a complete record, so the view falls back to one LIST (shared by every pass
 waiting at that moment) when it has not been primed, when kopf re-lists (after a 410 Gone its
 re-list sends the current objects but no DELETED events for what went in the gap) and after
-`resync_seconds` without a LIST (a stalled watch must not leave a view stale forever). Events
+`resync_seconds` without a LIST (a stalled watch must not leave a view stale forever), and for
+a job's first pass (a node that joined just before the job may not have reached the watch:
+FRESH_SHARE_SECONDS). Events
 that arrive while that LIST is in flight are replayed on top of it when their
 resourceVersion is newer than the listed object's, so a LIST never rolls the view back.
 """
@@ -26,6 +28,12 @@ from cephalo.operator.kube import core_path
 
 # Initial-listing events (kopf's type None) further apart than this start a new listing.
 RELIST_GAP_SECONDS = 2.0
+# A job's first pass plans from a LIST (`nodes(fresh=True)`): a node that joined just before
+# the job was created may not have reached the watch yet (a real control plane under load:
+# a job submitted right after two nodes turned Ready was planned on one of them). First
+# passes within this many seconds of a LIST share it, so a burst of new jobs costs one LIST a
+# second, not one per job.
+FRESH_SHARE_SECONDS = 1.0
 
 
 class NodeLister(Protocol):
@@ -125,11 +133,18 @@ class NodeView:
         return (self._listed_at is None or self._stale
                 or self.clock() - self._listed_at > self.resync_seconds)
 
-    async def nodes(self, kube: NodeLister) -> list[dict[str, Any]]:
-        """Every known node (slim), after one LIST if the view cannot be trusted as it is."""
-        if self.needs_list():
+    async def nodes(self, kube: NodeLister, fresh: bool = False) -> list[dict[str, Any]]:
+        """Every known node (slim), after one LIST if the view cannot be trusted as it is, or
+        if `fresh` and no LIST started in the last FRESH_SHARE_SECONDS (a job's first plan)."""
+        asked = self.clock()
+
+        def must_list() -> bool:
+            return self.needs_list() or (fresh and (
+                self._listed_at is None or asked - self._listed_at > FRESH_SHARE_SECONDS))
+
+        if must_list():
             async with self._lock:  # passes waiting here share the LIST the first one makes
-                if self.needs_list():
+                if must_list():
                     await self._relist(kube)
         return list(self._nodes.values())
 

@@ -117,11 +117,12 @@ async def reconcile(kube: AsyncKube, config: OperatorConfig, namespace: str,
     # any pod; again on every pass, so a job admitted before the policy (or without the
     # admission policy) never runs.
     refused = refusal(job.spec, config.job_policy())
+    first_pass = ctx.status.get("startTime") is None  # _past_deadline writes it now
     try:
         if refused:
             await ctx.fail(POLICY_DENIED, refused)
         elif not await _past_deadline(ctx):
-            await _step(ctx)
+            await _step(ctx, first_pass)
     except ProfilingFailed as err:
         await ctx.fail("ProfilingFailed", str(err))
     except NotOwned as err:  # an older job's child holds a name: wait for it to go
@@ -184,8 +185,9 @@ async def _past_deadline(ctx: JobContext) -> bool:
     return True
 
 
-async def _step(ctx: JobContext) -> None:
-    nodes = await NODES.nodes(ctx.kube)  # the node watch's shared view, not a LIST a pass
+async def _step(ctx: JobContext, first_pass: bool = False) -> None:
+    # The node watch's shared view, not a LIST a pass; a LIST for the job's first plan.
+    nodes = await NODES.nodes(ctx.kube, fresh=first_pass)
     # Every allocatable GPU the job's pods may use: what the re-plan check (GPUs lost) reads;
     # planning itself reads only the free ones (gpu_usage.free_pools).
     discovery = discover_pools(nodes, tolerations=job_tolerations(ctx.job.spec))

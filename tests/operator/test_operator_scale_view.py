@@ -15,7 +15,7 @@ from kube_fixtures import cluster_a, gpu_node
 
 from cephalo.operator import handlers
 from cephalo.operator.discovery import discover_pools
-from cephalo.operator.nodes import RELIST_GAP_SECONDS, NodeView, slim
+from cephalo.operator.nodes import FRESH_SHARE_SECONDS, RELIST_GAP_SECONDS, NodeView, slim
 
 
 class Clock:
@@ -93,6 +93,26 @@ async def test_unprimed_view_lists_once_for_any_number_of_concurrent_readers() -
     assert view.pool_gpus() == {p.product: p.num_gpus for p in discover_pools(cluster_a()).pools}
     await view.nodes(lister)
     assert lister.calls == 1 and view.num_lists == 1, "primed: reads are free"
+
+
+@pytest.mark.asyncio
+async def test_a_jobs_first_plan_sees_a_node_the_watch_has_not_brought_yet() -> None:
+    """A realk8s CI run: a job created right after two nodes turned Ready was planned on one
+    of them (the operator's watch had not delivered the second). A fresh read LISTs, and a
+    burst of them within FRESH_SHARE_SECONDS shares one LIST."""
+    clock = Clock()
+    lister, view = Lister(cluster_a()), NodeView(clock=clock)
+    await view.nodes(lister)
+    joined = gpu_node("joined", "NVIDIA-A10G", 2)
+    lister.nodes["joined"] = joined  # on the API server; its watch event still on the way
+    clock.now += FRESH_SHARE_SECONDS + 1
+    assert "joined" not in names(await view.nodes(lister)), "a pass reads the view"
+    results = await asyncio.gather(*(view.nodes(lister, fresh=True) for _ in range(20)))
+    assert all("joined" in names(r) for r in results)
+    assert lister.calls == 2, "twenty first passes at once: one LIST"
+    clock.now += FRESH_SHARE_SECONDS / 2
+    await view.nodes(lister, fresh=True)
+    assert lister.calls == 2, "within FRESH_SHARE_SECONDS of a LIST: shared"
 
 
 @pytest.mark.asyncio
