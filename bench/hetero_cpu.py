@@ -278,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     devices = select_devices(None, args.mix, gpus=[])
     # Profiling every size costs seconds each: --quick profiles the powers of two only.
     sizes = [1, 2, 4, 8] if args.quick else [1, 2, 3, 4, 6, 8, 12, 16]
+    # No rank's microbatch exceeds the global batch: profiling larger sizes is wasted time.
+    sizes = [s for s in sizes if s <= args.batch] or [1]
     data = job_data(args.preset, args.batch, args.steps, sizes, not args.all_gpus)
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
