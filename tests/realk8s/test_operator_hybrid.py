@@ -44,6 +44,12 @@ HYBRID_NODES = [GpuNode(f"gpu-a10g-{i}", POOL, 2, 23028) for i in range(2)]
 SLOW_NIC_GBPS = "0.01"
 
 
+def _schedulable(node: dict) -> bool:
+    ready = any(c["type"] == "Ready" and c["status"] == "True"
+                for c in (node.get("status") or {}).get("conditions", []))
+    return ready and not (node.get("spec") or {}).get("taints")
+
+
 @pytest.fixture(name="two_nodes")
 def two_nodes_fixture(cluster: Cluster) -> Iterator[list[GpuNode]]:
     """The two nodes, Ready and run by the process kubelet; gone again afterwards, so the
@@ -54,13 +60,13 @@ def two_nodes_fixture(cluster: Cluster) -> Iterator[list[GpuNode]]:
         cluster.rest.request("PATCH", f"/api/v1/nodes/{node.name}",
                              {"metadata": {"labels": {NIC_GBPS_LABEL: SLOW_NIC_GBPS}}},
                              ctype="application/merge-patch+json")
-    # Both Ready before any job: a plan made while one was still joining saw two GPUs
-    # (a fresh-clone CI run planned world size 2, flat).
+    # Both Ready and untainted before any job: a new node carries the API server's
+    # node.kubernetes.io/not-ready:NoSchedule taint until the node lifecycle controller sees
+    # it Ready, and the operator (like the scheduler) plans only on nodes that tolerate
+    # nothing extra (two fresh-clone CI runs planned world size 2, flat, on the other node).
     for node in HYBRID_NODES:
-        wait_until(f"{node.name} Ready", lambda n=node: any(
-            c["type"] == "Ready" and c["status"] == "True" for c in (cluster.rest.must(
-                "GET", f"/api/v1/nodes/{n.name}").get("status") or {}).get("conditions", [])),
-            120.0, 0.2)
+        wait_until(f"{node.name} Ready and untainted", lambda n=node: _schedulable(
+            cluster.rest.must("GET", f"/api/v1/nodes/{n.name}")), 120.0, 0.2)
     try:
         yield HYBRID_NODES
     finally:
