@@ -67,6 +67,9 @@ def _job(name: str, **planner: Any) -> dict[str, Any]:
                     planner={"profileMicroBatchSizes": [1, 2, 4, 32], "chooseGpus": True,
                              "replan": {"afterSteps": 3, "restartCostSeconds": 0.0,
                                         "enabled": True},
+                             # Live rebalancing's interval would hold the calibration (a CI
+                             # run at load: the 40 steps ended first, no Replanned event).
+                             "rebalance": {"enabled": False},
                              **planner},
                     checkpoint={"claimName": f"ckpt-{name}", "intervalSteps": 1000})
 
