@@ -173,8 +173,8 @@ def predict(preset: str, setting: list[tuple[int, int]], profile: GpuProfile,
             with_problem: bool = False, mode: dict = RECOMPUTE_ALL):
     """The planner's score of this setting (step seconds and shard ratios) in `mode`."""
     from cephalo.local.runner import slowed
-    from cephalo.planner.evaluate import score
-    from cephalo.planner.problem import build_problem, without_recompute
+    from cephalo.planner.search.evaluate import score
+    from cephalo.planner.search.problem import build_problem, without_recompute
 
     spec = job_spec(preset, sum(m * n for m, n in setting))
     cluster, contention = local_cluster(profile, len(setting), profile.memory_capacity_bytes)
@@ -191,10 +191,11 @@ def plan_case(preset: str, ranks: int, batch: int, max_micro: int, device: torch
     """The planner's (m, ℓ) per rank, shard ratios and activation mode, from a first
     profile (as `cephalo run` plans), on ranks whose memory holds microbatches of at most
     `max_micro`."""
+    from cephalo.api.memory import STATE_BYTES_PER_PARAMETER
     from cephalo.local.runner import slowed
     from cephalo.planner import solve
-    from cephalo.planner.catalog import lookup_gpu
-    from cephalo.planner.costmodel import STATE_BYTES_PER_PARAMETER, GpuCostModel
+    from cephalo.planner.cost.catalog import lookup_gpu
+    from cephalo.planner.cost.costmodel import GpuCostModel
     from cephalo.trainer.profile import profile_job
 
     spec = job_spec(preset, batch)
@@ -269,8 +270,8 @@ def run_setting(preset: str, setting: list[tuple[int, int]], rounds: int, work: 
 def memory_check(preset: str, device: torch.device) -> tuple[int, int]:
     """(predicted, measured) compute bytes at microbatch 8, predicted by the linear model from
     a profile of sizes 1-4 (on CPU the measurement is the profiler's exact count)."""
-    from cephalo.planner.catalog import lookup_gpu
-    from cephalo.planner.costmodel import GpuCostModel
+    from cephalo.planner.cost.catalog import lookup_gpu
+    from cephalo.planner.cost.costmodel import GpuCostModel
     from cephalo.trainer.profile import profile_job
 
     spec = job_spec(preset, 8)

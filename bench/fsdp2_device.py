@@ -35,7 +35,7 @@ from torch import nn
 
 import cephalo.trainer.engine as engine_module
 from cephalo.api.models import ModelConfig
-from cephalo.planner.catalog import GPU_CATALOG
+from cephalo.planner.cost.catalog import GPU_CATALOG
 from cephalo.trainer.device_info import device_facts
 from cephalo.trainer.models import build_unit
 from cephalo.trainer.spawn import free_port

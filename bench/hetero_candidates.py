@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cephalo.api import Plan, RankPlan
-from cephalo.planner.evaluate import score
-from cephalo.planner.problem import Problem, subset_problem, without_recompute
-from cephalo.planner.unit_shards import EvenUnits, unit_shard_ratios
+from cephalo.planner.search.evaluate import score
+from cephalo.planner.search.problem import Problem, subset_problem, without_recompute
+from cephalo.planner.search.unit_shards import EvenUnits, unit_shard_ratios
 
 
 @dataclass

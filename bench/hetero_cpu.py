@@ -46,10 +46,10 @@ from cephalo.local.emulate import emulated_profile, plan_emulation
 from cephalo.local.ranks import RankEnv, launch
 from cephalo.local.runner import build_cluster, contention_factor, profile_devices
 from cephalo.planner import solve
-from cephalo.planner.baselines import even_assignment, proportional_assignment
-from cephalo.planner.problem import build_problem
-from cephalo.planner.solver import solve_fixed
-from cephalo.planner.unit_shards import EvenUnits
+from cephalo.planner.search.baselines import even_assignment, proportional_assignment
+from cephalo.planner.search.problem import build_problem
+from cephalo.planner.search.solver import solve_fixed
+from cephalo.planner.search.unit_shards import EvenUnits
 
 # The candidates live beside this file (run as a script or loaded from its path).
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -28,9 +28,9 @@ from cephalo.api import ClusterSpec, GpuGroup, GpuProfile, Plan, parse_job
 from cephalo.api.job import CephaloJobSpec
 from cephalo.api.models import PRESETS, ModelConfig, preset
 from cephalo.planner import solve
-from cephalo.planner.authors_profiles import AUTHORS_GPUS, AUTHORS_MODELS, authors_profile
-from cephalo.planner.evaluate import score
-from cephalo.planner.problem import InfeasibleError, build_problem
+from cephalo.planner.cost.authors_profiles import AUTHORS_GPUS, AUTHORS_MODELS, authors_profile
+from cephalo.planner.search.evaluate import score
+from cephalo.planner.search.problem import InfeasibleError, build_problem
 
 # The authors' data, vendored with its licence (bench/reference/authors_measured/README.md).
 REFERENCE = Path(__file__).resolve().parent / "reference" / "authors_measured"

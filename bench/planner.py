@@ -21,7 +21,7 @@ import time  # noqa: E402
 
 from cephalo.api import ClusterSpec, GpuGroup, parse_job  # noqa: E402
 from cephalo.planner import solve  # noqa: E402
-from cephalo.planner.problem import InfeasibleError  # noqa: E402
+from cephalo.planner.search.problem import InfeasibleError  # noqa: E402
 
 GBIT = 1e9 / 8
 CLUSTER_A = ClusterSpec(groups=[GpuGroup(product="L4", count=2),

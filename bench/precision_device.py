@@ -20,7 +20,7 @@ Per precision it prints the median seconds of the steps after `--warmup` (the fi
 compile kernels and fill caches), useful TFLOP/s (the model FLOPs of the global batch per
 step, `ModelConfig.training_flops_per_sample` as every bench counts them: recompute not
 counted, over the median step), MFU against the catalog's dense peak for that precision of
-the GPU resolved from its name (`cephalo.planner.catalog`; fp32 is the CUDA-core rate since
+the GPU resolved from its name (`cephalo.planner.cost.catalog`; fp32 is the CUDA-core rate since
 TF32 is off for matmuls and convolutions, `pin_fp32_math`, as in the trainer; n/a on a CPU
 or a GPU outside the catalog), and the loss agreement with the fp32 run: the largest and the
 mean relative per-step loss difference over all steps. For

@@ -5,7 +5,7 @@ precision.
 Cluster A (2 L4, 1 RTX A6000, 3 P40, 2 P100) at 50 Gbit/s and Cluster B (16 V100, 16 A10G,
 32 T4) at 100 Gbit/s are the networks `bench/paper_figures.py` reproduces the paper's
 figures at; the models are the authors' (ViT-e at 384 px). Times are the calibrated
-catalog's estimates (`cephalo.planner.catalog`: the authors measured fp32 everywhere but fp16
+catalog's estimates (`cephalo.planner.cost.catalog`: the authors measured fp32 everywhere but fp16
 only on some GPUs and models, so one source for all three columns). Under bf16 the GPUs
 without bf16 tensor cores (V100, T4, Pascal) compute at fp32 speed; under auto each GPU type
 computes in `fastest_precision`: bf16 on A10G, L4, A6000, fp16 on V100 and T4, fp32 on P40
@@ -25,9 +25,9 @@ from paper_figures import CLUSTER_A, CLUSTER_B, MODEL_NAMES, cluster_spec, job
 
 from cephalo.api import Plan
 from cephalo.planner import solve
-from cephalo.planner.authors_profiles import AUTHORS_MODELS
-from cephalo.planner.precision import precision_summary
-from cephalo.planner.problem import InfeasibleError
+from cephalo.planner.cost.authors_profiles import AUTHORS_MODELS
+from cephalo.planner.search.precision import precision_summary
+from cephalo.planner.search.problem import InfeasibleError
 
 PRECISIONS = ("fp32", "bf16", "auto")
 # (cluster, GPUs, Gbit/s, global batch): the paper's batch sizes on each cluster.

@@ -10,9 +10,9 @@ its own launch:
 - on:    rebalancing on (the default), the same job;
 - fresh: a fresh plan for the new speeds: the split that minimises the slowest rank's
          compute for the per-sample compute the last `off` launch measured while slowed
-         (`cephalo.planner.rebalance.best_split`, as a plan for those speeds would split the
-         batch with the microbatch sizes fixed), run with rank 1 slowed from its first step
-         and rebalancing off.
+         (`cephalo.planner.feedback.rebalance.best_split`, as a plan for those speeds would
+         split the batch with the microbatch sizes fixed), run with rank 1 slowed from its
+         first step and rebalancing off.
 
 Contenders alternate in rotated rounds (off on fresh, on fresh off, fresh off on: drift on a
 shared machine hits them alike); `fresh` uses the newest `off` figures, from this round or
@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from cephalo.api.job import CephaloJobSpec
-from cephalo.planner.rebalance import best_split, predicted_compute_seconds
+from cephalo.planner.feedback.rebalance import best_split, predicted_compute_seconds
 from cephalo.trainer.engine import Layout
 from cephalo.trainer.run import train
 from cephalo.trainer.spawn import spawn_ranks

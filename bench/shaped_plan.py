@@ -37,7 +37,7 @@ from cephalo.local.devices import select_devices
 from cephalo.local.ranks import RankEnv, rank_environment
 from cephalo.local.runner import build_cluster
 from cephalo.planner import evaluate, solve
-from cephalo.planner.recalibrate import Measured, recalibrate, scale_profile
+from cephalo.planner.feedback.recalibrate import Measured, recalibrate, scale_profile
 
 # The namespaces machinery lives beside this file (run as a script or loaded from its path).
 sys.path.insert(0, str(Path(__file__).resolve().parent))

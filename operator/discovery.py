@@ -24,7 +24,7 @@ from cephalo.api.job import CephaloJobSpec
 from cephalo.api.network import NIC_GBPS_LABEL
 from cephalo.operator.locality import DEFAULT_LOCALITY_LABELS, by_domain, shared_domain
 from cephalo.operator.podspec import pod_sizes
-from cephalo.planner.catalog import gpu_key, lookup_gpu, resolve_gpu, same_gpu
+from cephalo.planner.cost.catalog import gpu_key, lookup_gpu, resolve_gpu, same_gpu
 
 PRODUCT_LABEL = "nvidia.com/gpu.product"
 MEMORY_LABEL = "nvidia.com/gpu.memory"

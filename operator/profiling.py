@@ -39,7 +39,11 @@ from cephalo.operator.status import (
     pod_state,
     tail,
 )
-from cephalo.planner.measured_sizes import MAX_MEASURE_ROUNDS, describe_unmeasured, size_list
+from cephalo.planner.feedback.measured_sizes import (
+    MAX_MEASURE_ROUNDS,
+    describe_unmeasured,
+    size_list,
+)
 
 if TYPE_CHECKING:
     from cephalo.operator.context import JobContext

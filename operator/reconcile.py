@@ -75,9 +75,12 @@ from cephalo.operator.status import (
     parse_time,
 )
 from cephalo.operator.training import stop_unfinished, train
-from cephalo.planner.measured_sizes import unmeasured_micro_batch_sizes, with_unmeasured_note
-from cephalo.planner.report import ASSUMED_NETWORK_HINT, plural
-from cephalo.planner.topology import ASSUMED
+from cephalo.planner.cost.topology import ASSUMED
+from cephalo.planner.feedback.measured_sizes import (
+    unmeasured_micro_batch_sizes,
+    with_unmeasured_note,
+)
+from cephalo.planner.outputs.report import ASSUMED_NETWORK_HINT, plural
 
 log = logging.getLogger("cephalo.operator")
 

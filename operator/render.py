@@ -30,7 +30,7 @@ from cephalo.operator.podspec import (
     host_memory_bytes,
     pod_groups,
 )
-from cephalo.planner.catalog import resolve_gpu, resolve_precision
+from cephalo.planner.cost.catalog import resolve_gpu, resolve_precision
 
 LABEL_JOB = f"{API_GROUP}/job"
 LABEL_ROLE = f"{API_GROUP}/role"
@@ -103,7 +103,7 @@ def rank_pod_names(job: CephaloJob, plan: Plan) -> dict[int, str]:
 def profiler_pod_name(job: CephaloJob, product: str, attempt: int,
                       micro_batch_sizes: Sequence[int] | None = None) -> str:
     """`micro_batch_sizes`: a pass for sizes a plan assigns beyond the profiled ones
-    (cephalo.planner.measured_sizes), named apart from the product's first pass."""
+    (cephalo.planner.feedback.measured_sizes), named apart from the product's first pass."""
     sizes = "" if micro_batch_sizes is None else \
         "-mbs-" + "-".join(map(str, micro_batch_sizes))
     return f"{job_name(job)}-profile-{dns_safe(product, 30)}{sizes}-{attempt}"

@@ -1,5 +1,5 @@
 """Re-planning a running job from what it measured (spec.planner.replan; issue 35, item 3;
-docs/replanning.md), the I/O half: the pure halves are cephalo.planner.recalibrate (the
+docs/replanning.md), the I/O half: the pure halves are cephalo.planner.feedback.recalibrate (the
 model corrected by the measurement) and cephalo.operator.elastic.decide (whether the new
 plan pays for its restart).
 
@@ -46,7 +46,7 @@ from cephalo.operator.elastic import RescaleInputs, decide, restart_cost
 from cephalo.operator.planning import PlanningFailed, plan_for
 from cephalo.operator.render import checkpoint_target, config_hash
 from cephalo.operator.status import JobPhase, now_iso
-from cephalo.planner.recalibrate import Calibration, Measured, recalibrate
+from cephalo.planner.feedback.recalibrate import Calibration, Measured, recalibrate
 
 if TYPE_CHECKING:
     from cephalo.operator.context import JobContext

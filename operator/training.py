@@ -50,7 +50,7 @@ from cephalo.operator.status import (
     now_iso,
     pod_state,
 )
-from cephalo.planner.report import plural
+from cephalo.planner.outputs.report import plural
 from cephalo.rootcause import RankFailure, root_cause
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ class DeviceFacts:
 
 def catalog_name(device_name: str) -> str:
     # The catalog is plain data in the (torch-free) planner; importing it here adds no weight.
-    from cephalo.planner.catalog import lookup_gpu
+    from cephalo.planner.cost.catalog import lookup_gpu
 
     try:
         return lookup_gpu(device_name).name

@@ -496,7 +496,7 @@ class Engine:
 
     def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None:
         """Run the next steps under another split of the same global batch (live
-        rebalancing, cephalo.planner.rebalance): every rank calls it between the same two
+        rebalancing, cephalo.planner.feedback.rebalance): every rank calls it between the same two
         steps with the same split. Microbatch sizes, shards and the fused tail (chosen from
         the plan's split: every rank agrees on it, and its memory depends on the microbatch
         size only) stay; a rank whose batch is no multiple of its microbatch size runs a

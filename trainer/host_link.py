@@ -2,7 +2,7 @@
 
 The engine's activation store (`cephalo.trainer.unit_ops.ActivationStore`) copies between
 pinned host memory and the device with `non_blocking=True` on a side stream; this measures
-the same kind of copy, in both directions, so that the planner (`cephalo.planner.offload`)
+the same kind of copy, in both directions, so that the planner (`cephalo.planner.search.offload`)
 can tell whether a rank's transfers hide under its compute. The profiler records the result
 as `GpuProfile.host_link_bytes_per_second`.
 """

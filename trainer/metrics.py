@@ -221,7 +221,7 @@ class TrainerMetrics:
 
     def show_held(self, step: int | None, reason: str) -> None:
         """Rank 0: memory keeps the split short of the one wanted since decision `step`,
-        for `reason` (cephalo.planner.rebalance.Hold); None: it does not (no series)."""
+        for `reason` (cephalo.planner.feedback.rebalance.Hold); None: it does not (no series)."""
         if self.split_held is None:
             return
         self.split_held.clear()  # one series: the latest reason

@@ -85,7 +85,7 @@ def precision_notice(precision: str, device_type: str, capability: tuple[int, in
       names fp16, which runs on those GPUs' tensor cores.
     * fp32 from 8.0 on: Cephalo computes fp32 as IEEE fp32 on CUDA cores, TF32 off for
       matmuls and convolutions (`pin_fp32_math`), which is what the catalog's fp32 peak
-      (cephalo.planner.catalog, the CUDA-core rate) assumes; the note says so and that
+      (cephalo.planner.cost.catalog, the CUDA-core rate) assumes; the note says so and that
       bf16 runs on the tensor cores."""
     if device_type != "cuda" or capability is None:
         return None

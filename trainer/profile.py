@@ -228,9 +228,9 @@ def in_measured_precision(spec: CephaloJobSpec, product: str,
                           precision: str | None = None) -> CephaloJobSpec:
     """The job as the profiler measures it on a `product` GPU: in `precision` (--precision)
     when given, else in the job's, where "auto" is the precision the planner will assign
-    this GPU (cephalo.planner.catalog.resolve_precision: bf16 from 8.0, fp16 on 7.x, else
+    this GPU (cephalo.planner.cost.catalog.resolve_precision: bf16 from 8.0, fp16 on 7.x, else
     fp32), so the profile's model_key is the one the planner expects of it."""
-    from cephalo.planner.catalog import resolve_gpu, resolve_precision
+    from cephalo.planner.cost.catalog import resolve_gpu, resolve_precision
 
     wanted = precision or resolve_precision(spec.precision, resolve_gpu(product))
     return spec if wanted == spec.precision else spec.model_copy(update={"precision": wanted})
@@ -256,8 +256,9 @@ def profile_job(spec: CephaloJobSpec, *, device: torch.device | None = None,
     profile = profile_device(config, spec.precision, sizes, device, facts, repeats, warmup,
                              spec.training)
     if path is not None:
-        # Sizes beyond the cached ones (a plan's extra pass, cephalo.planner.measured_sizes)
-        # join the cached points rather than replace them: the next run needs both.
+        # Sizes beyond the cached ones (a plan's extra pass,
+        # cephalo.planner.feedback.measured_sizes) join the cached points rather than replace
+        # them: the next run needs both.
         before = _read_cached(path)
         try:
             kept = profile if before is None else merge_points(before, profile)

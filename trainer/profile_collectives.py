@@ -167,7 +167,7 @@ def _overlap_fraction(coll: UnevenCollectives, numel: int, device: torch.device,
 
 def _probe_fits(config: ModelConfig, device: torch.device, world_size: int) -> bool:
     """Whether an even shard of the training state is a small part of this device."""
-    from cephalo.planner.costmodel import STATE_BYTES_PER_PARAMETER
+    from cephalo.api.memory import STATE_BYTES_PER_PARAMETER
     from cephalo.trainer.device_info import device_facts
     from cephalo.trainer.profile import PROBE_MEMORY_FRACTION
 

@@ -1,5 +1,5 @@
 """Live rebalancing in the training loop (issue 45, item 1; docs/rebalancing.md): the thin
-shell around `cephalo.planner.rebalance`.
+shell around `cephalo.planner.feedback.rebalance`.
 
 Every figure a decision reads reaches every rank in the engine's end-of-step all-reduce, so
 every rank takes the same decision after the same step and no collective is added:
@@ -22,7 +22,7 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
-from cephalo.planner.rebalance import Decision, Rebalancer, micro_batch_counts
+from cephalo.planner.feedback.rebalance import Decision, Rebalancer, micro_batch_counts
 from cephalo.trainer.engine import Engine, StepResult
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from cephalo.api import trainer_env
 from cephalo.api.job import CephaloJobSpec
 from cephalo.api.plan import Plan
-from cephalo.planner.rebalance import Decision, Hold, Rebalancer, micro_batch_counts
+from cephalo.planner.feedback.rebalance import Decision, Hold, Rebalancer, micro_batch_counts
 from cephalo.trainer import checkpoint
 from cephalo.trainer.checkpoint_write import CheckpointWriter
 from cephalo.trainer.data import DataSource

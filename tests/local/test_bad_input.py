@@ -284,7 +284,7 @@ def profile_of_another_model(d: Path) -> list[str]:
     another model's (it planned with them without a word)."""
     from cephalo.api import preset
     from cephalo.planner import estimate_profile
-    from cephalo.planner.catalog import lookup_gpu
+    from cephalo.planner.cost.catalog import lookup_gpu
 
     (d / "profiles").mkdir()
     other = estimate_profile(lookup_gpu("L4"), preset("gpt-small"), "fp32", [1, 2])

@@ -16,9 +16,9 @@ import pytest
 
 from cephalo.api import parse_job
 from cephalo.api.cluster import ClusterSpec, GpuGroup
-from cephalo.planner.evaluate import score
-from cephalo.planner.problem import build_problem
-from cephalo.planner.unit_shards import EvenUnits
+from cephalo.planner.search.evaluate import score
+from cephalo.planner.search.problem import build_problem
+from cephalo.planner.search.unit_shards import EvenUnits
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "hetero_cpu.py"
 NAME_WIDTH, PLAN_WIDTH = 28, 34  # the table's first two columns (bench/hetero_cpu.py)

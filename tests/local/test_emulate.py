@@ -6,7 +6,7 @@ import pytest
 
 from cephalo.api.plan import Plan
 from cephalo.local.emulate import given_plan_emulation
-from cephalo.planner.catalog import lookup_gpu
+from cephalo.planner.cost.catalog import lookup_gpu
 
 
 def _plan(capacities: list[int | None]) -> Plan:

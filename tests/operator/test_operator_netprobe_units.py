@@ -25,8 +25,8 @@ from cephalo.operator.netprobe import Probe, probes_needed
 from cephalo.operator.netprobe_choice import Background, answer, background_probe, nic_identity
 from cephalo.operator.netprobe_render import render_netprobe
 from cephalo.planner import solve
-from cephalo.planner.comm_model import CommModel
-from cephalo.planner.topology import topology_network
+from cephalo.planner.cost.comm_model import CommModel
+from cephalo.planner.cost.topology import topology_network
 
 UID = "0a1b2c3d-0000-4000-8000-000000000001"
 

@@ -43,7 +43,7 @@ from process_kubelet import ProcessKubelet
 
 from cephalo.api import ClusterSpec, GpuGroup, GpuProfile, parse_job
 from cephalo.planner import estimate_profile, lookup_gpu, solve
-from cephalo.planner.recalibrate import scale_profile
+from cephalo.planner.feedback.recalibrate import scale_profile
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]  # real trainer processes
 POOL = "NVIDIA-A10G"

@@ -20,7 +20,7 @@ from cephalo.api.profile import (
     SingleRankStep,
 )
 from cephalo.planner import estimate_profile, solve
-from cephalo.planner.costmodel import step_overhead_seconds
+from cephalo.planner.cost.costmodel import step_overhead_seconds
 from cephalo.trainer import profile as profiler
 from cephalo.trainer.device_info import catalog_name, device_facts
 

@@ -132,7 +132,7 @@ def profiles_cached_for(cluster: Cluster, ns: str, body: dict[str, Any]) -> bool
     from cephalo.api import parse_job
     from cephalo.operator.config import OperatorConfig
     from cephalo.operator.render import profile_config_map_name
-    from cephalo.planner.catalog import lookup_gpu
+    from cephalo.planner.cost.catalog import lookup_gpu
 
     from .cluster import NODES
 
@@ -162,7 +162,7 @@ def seed_estimated_profiles(cluster: Cluster, ns: str, body: dict[str, Any],
         profile_config_map_name,
     )
     from cephalo.planner import estimate_profile
-    from cephalo.planner.catalog import lookup_gpu, resolve_precision
+    from cephalo.planner.cost.catalog import lookup_gpu, resolve_precision
 
     from .cluster import NODES
 

@@ -28,7 +28,7 @@ from cephalo.api import parse_job
 from cephalo.api.profile import GpuProfile
 from cephalo.operator.config import OperatorConfig
 from cephalo.operator.render import PROFILE_KEY, profile_config_map_name
-from cephalo.planner.catalog import lookup_gpu
+from cephalo.planner.cost.catalog import lookup_gpu
 
 from .cluster import NODES, Cluster
 from .operator_run import JOBS, Operator, tiny_job

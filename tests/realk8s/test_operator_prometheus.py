@@ -31,7 +31,7 @@ import pytest
 import pytest_asyncio
 import urllib3
 
-from cephalo.planner.catalog import gpu_key
+from cephalo.planner.cost.catalog import gpu_key
 from tests import dashboard_checks as checks
 from tests.chart.chart_helpers import one, render
 from tests.dashboard_picture import PanelData, draw

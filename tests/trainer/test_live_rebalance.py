@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from cephalo.api.job import CephaloJobSpec
-from cephalo.planner.rebalance import best_split, predicted_compute_seconds
+from cephalo.planner.feedback.rebalance import best_split, predicted_compute_seconds
 from cephalo.trainer import checkpoint
 from cephalo.trainer.engine import Layout
 from cephalo.trainer.run import train
@@ -191,7 +191,7 @@ def test_max_samples_is_the_largest_batch_within_the_memory_budget() -> None:
 def test_rank_zero_shows_a_hold_once_and_clears_it(capsys: pytest.CaptureFixture[str]) -> None:
     from types import SimpleNamespace
 
-    from cephalo.planner.rebalance import Hold
+    from cephalo.planner.feedback.rebalance import Hold
     from cephalo.trainer.metrics import TrainerMetrics
     from cephalo.trainer.run import _show_held
 

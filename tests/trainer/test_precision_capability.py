@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from cephalo.planner.catalog import GPU_CATALOG
+from cephalo.planner.cost.catalog import GPU_CATALOG
 from cephalo.trainer import precision, run
 from cephalo.trainer.precision import check_precision, pin_fp32_math, precision_notice
 

@@ -65,8 +65,9 @@ def test_cost_model_charges_the_collectives_the_engine_issues(recompute: bool) -
     # cost, one AllGather costs 1 s, one ReduceScatter 1000 s and one small all-reduce 1e6 s,
     # so the predicted step spells out how many of each the model charges.
     from cephalo.api.profile import GpuProfile, ProfilePoint
-    from cephalo.planner.catalog import lookup_gpu
-    from cephalo.planner.costmodel import CommModel, GpuCostModel, UnitComm
+    from cephalo.planner.cost.catalog import lookup_gpu
+    from cephalo.planner.cost.comm_model import CommModel, UnitComm
+    from cephalo.planner.cost.costmodel import GpuCostModel
 
     config = preset("llama-tiny")
     zero = ProfilePoint(micro_batch_size=1, block_forward_seconds=0.0,

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cephalo.planner.evaluate import score
-from cephalo.planner.problem import Problem
-from cephalo.planner.unit_shards import EvenUnits, even_state_bytes, mixed_unit_comm
+from cephalo.planner.search.evaluate import score
+from cephalo.planner.search.problem import Problem
+from cephalo.planner.search.unit_shards import EvenUnits, even_state_bytes, mixed_unit_comm
 
 # Looser than score's 1e-9: the vectorised test may only let more combinations through.
 _RELAXED_RTOL = 1e-6

@@ -6,8 +6,8 @@ import random
 
 from cephalo.api import ClusterSpec, GpuGroup, GpuProfile, ProfilePoint, parse_job
 from cephalo.api.job import CephaloJobSpec
+from cephalo.api.memory import STATE_BYTES_PER_PARAMETER
 from cephalo.api.profile import model_key
-from cephalo.planner.costmodel import STATE_BYTES_PER_PARAMETER
 
 PRODUCTS = ["L4", "T4", "P40", "A10G"]
 MIB = 1024**2

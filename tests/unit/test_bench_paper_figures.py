@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cephalo.planner.authors_profiles import AUTHORS_MODELS
+from cephalo.planner.cost.authors_profiles import AUTHORS_MODELS
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "paper_figures.py"
 

@@ -13,7 +13,7 @@ from cephalo.api.profile import GpuProfile, ProfilePoint, model_key
 from cephalo.cli import main
 from cephalo.operator.discovery import discover_pools, product_matches, select_cluster
 from cephalo.planner import estimate_profile, solve
-from cephalo.planner.catalog import (
+from cephalo.planner.cost.catalog import (
     UnknownGpuError,
     gpu_key,
     lookup_gpu,
@@ -153,7 +153,7 @@ def test_cli_plans_an_unknown_gpu_from_a_profile_file(tmp_path: Path,
 def test_authors_format_converts_to_a_profile() -> None:
     """The converter on a hand-made entry in each of the authors' two shapes (the real data
     is checked in test_catalog_calibration.py against the vendored bench/reference data)."""
-    from cephalo.planner.authors_profiles import (
+    from cephalo.planner.cost.authors_profiles import (
         MissingMeasurement,
         authors_profile,
         layer_times_ms,

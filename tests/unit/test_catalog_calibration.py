@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cephalo.planner.authors_profiles import (
+from cephalo.planner.cost.authors_profiles import (
     AUTHORS_GPUS,
     AUTHORS_MODELS,
     MissingMeasurement,
@@ -27,8 +27,8 @@ from cephalo.planner.authors_profiles import (
     measured_entry,
     memory_gib,
 )
-from cephalo.planner.catalog import lookup_gpu
-from cephalo.planner.costmodel import estimate_profile
+from cephalo.planner.cost.catalog import lookup_gpu
+from cephalo.planner.cost.estimate import estimate_profile
 
 # Vendored with its licence and provenance (bench/reference/authors_measured/README.md).
 REFERENCE = Path(__file__).resolve().parents[2] / "bench" / "reference" / "authors_measured"

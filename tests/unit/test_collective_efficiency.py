@@ -21,8 +21,8 @@ from cephalo.api.profile import CollectiveProfile, GpuProfile
 from cephalo.local.devices import LocalDevice
 from cephalo.local.runner import build_cluster
 from cephalo.planner import estimate_profile, solve
-from cephalo.planner.problem import network_of
-from cephalo.planner.report import format_plan
+from cephalo.planner.outputs.report import format_plan
+from cephalo.planner.search.problem import network_of
 
 GBIT = 1e9 / 8
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,15 +17,14 @@ from cephalo.api.profile import (
     SingleRankStep,
     model_key,
 )
-from cephalo.planner.catalog import lookup_gpu
-from cephalo.planner.costmodel import (
-    CommModel,
+from cephalo.planner.cost.catalog import lookup_gpu
+from cephalo.planner.cost.comm_model import CommModel, UnitComm
+from cephalo.planner.cost.costmodel import (
     GpuCostModel,
-    UnitComm,
     modelled_single_rank_step_seconds,
     step_overhead_seconds,
 )
-from cephalo.planner.problem import build_problem
+from cephalo.planner.search.problem import build_problem
 
 CONFIG = preset("gpt-tiny")
 

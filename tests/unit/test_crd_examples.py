@@ -15,7 +15,7 @@ import yaml
 
 from cephalo.api import JobFileError, load_job, parse_job
 from cephalo.api.job import TrainingSpec
-from cephalo.planner.catalog import lookup_gpu
+from cephalo.planner.cost.catalog import lookup_gpu
 
 from .crd_checks import apply_defaults, as_draft4, root_schema, schema_errors
 

@@ -20,10 +20,10 @@ from cephalo.api.crd import open_api_v3_schema
 from cephalo.api.job import CephaloJobSpec, JobFileError
 from cephalo.commands.plan import pools_as_cluster
 from cephalo.planner import InfeasibleError, solve
-from cephalo.planner.hybrid import Layout, hybrid_unit_comm, link_bytes_per_step
-from cephalo.planner.hybrid_search import HYBRID_MIN_GAIN, hybrid_must_beat
-from cephalo.planner.problem import Problem, build_problem, layout_problem
-from cephalo.planner.report import format_plan
+from cephalo.planner.outputs.report import format_plan
+from cephalo.planner.search.hybrid import Layout, hybrid_unit_comm, link_bytes_per_step
+from cephalo.planner.search.hybrid_search import HYBRID_MIN_GAIN, hybrid_must_beat
+from cephalo.planner.search.problem import Problem, build_problem, layout_problem
 
 from .planner_brute import brute_force_seconds
 from .planner_instances import random_instance, with_min_gain
@@ -151,7 +151,7 @@ def test_the_step_charges_the_cross_all_gather_to_the_forward_only() -> None:
     unit's X is exposed; the backward's gathers and the head's are unchanged."""
     import numpy as np
 
-    from cephalo.planner.comm_model import UnitComm
+    from cephalo.planner.cost.comm_model import UnitComm
     problem = _two_nodes_problem()
     cost = problem.rank_cost(0)
     plain = UnitComm(ag_block=0.001, rs_block=0.02, ag_first=0.03, ag_head=0.04,
@@ -172,7 +172,7 @@ def test_a_group_holds_the_slices_and_one_gth_of_the_optimizer_state() -> None:
     of slice weights and 16 / G of master, moments and piece gradient, plus the slice
     gradient of the largest unit while it is reduced across groups; G = 1 is flat's."""
     from cephalo.api.memory import hybrid_state_bytes, state_bytes
-    from cephalo.planner.hybrid import group_state_bytes
+    from cephalo.planner.search.hybrid import group_state_bytes
     assert hybrid_state_bytes(1000, 1, "bf16") == state_bytes(1000, "bf16") == 16_000
     assert hybrid_state_bytes(1000, 4, "auto") == 4_000 + 16_000 / 4
     problem = _two_nodes_problem()
@@ -233,7 +233,7 @@ def _every_layout(problem: Problem):
 
 
 def _modes(problem: Problem) -> list[Problem]:
-    from cephalo.planner.problem import fused_everything, without_recompute
+    from cephalo.planner.search.problem import fused_everything, without_recompute
     fused = fused_everything(problem)
     return [problem, *([] if fused is None else [fused]), without_recompute(problem)]
 
@@ -394,8 +394,8 @@ def test_llama_7b_fits_a_16_gb_node_a_group_from_three_groups_on() -> None:
     every node on its own (8 groups of 8, all 64 GPUs) within every GPU's memory."""
     import numpy as np
 
-    from cephalo.planner.hybrid import layouts
-    from cephalo.planner.hybrid_search import _holds_state
+    from cephalo.planner.search.hybrid import layouts
+    from cephalo.planner.search.hybrid_search import _holds_state
     spec = cluster_b("llama-7b", 1024, 10, "hybrid")
     problem = build_problem(spec, pools_as_cluster(spec))
     params = problem.model.total_parameters()
@@ -471,9 +471,9 @@ def test_targets_at_25_gbit_0_75x_and_at_10_gbit_48_gpus() -> None:
 # --- re-planning: a running hybrid plan is priced as hybrid -------------------------------
 
 def test_recalibration_prices_a_running_hybrid_plan_in_its_groups() -> None:
-    """Re-planning (planner/recalibrate.py) scores the running plan under the model: a
+    """Re-planning (planner/feedback/recalibrate.py) scores the running plan under the model: a
     hybrid plan's own prediction, not the flat sharding of the same split."""
-    from cephalo.planner.recalibrate import Measured, recalibrate
+    from cephalo.planner.feedback.recalibrate import Measured, recalibrate
     spec = cluster_b("gpt-2.7b", 512, 10)
     cluster = pools_as_cluster(spec)
     plan = solve(spec, cluster)
@@ -489,8 +489,13 @@ def test_recalibration_counts_each_ranks_optimizer_on_its_piece() -> None:
     """Every rank of a hybrid plan updates its piece, P / (k G) = P / world parameters:
     where each rank measures the model's own compute (its step with collectives free, less
     that update), the compute correction is none (it once took P / k off instead)."""
-    from cephalo.planner.evaluate import evaluate
-    from cephalo.planner.recalibrate import Measured, _assignment, complete_profiles, recalibrate
+    from cephalo.planner.feedback.recalibrate import (
+        Measured,
+        _assignment,
+        complete_profiles,
+        recalibrate,
+    )
+    from cephalo.planner.search.evaluate import evaluate
     spec = cluster_b("gpt-2.7b", 512, 10)
     cluster = pools_as_cluster(spec)
     plan = solve(spec, cluster)

@@ -74,8 +74,8 @@ def test_a_kubernetes_import_deep_in_the_trainer_breaks_the_contract(tree: Path,
 def test_a_torch_import_in_a_planner_function_breaks_the_contract(tmp_path: Path,
                                                                   tree: Path) -> None:
     broken = _installed_layout(tmp_path / "broken")
-    solver = broken / "cephalo" / "planner" / "solver.py"
+    solver = broken / "cephalo" / "planner" / "search" / "solver.py"
     solver.write_text(solver.read_text() + "\n\ndef _injected() -> None:\n    import torch\n")
     result = _lint(broken)
     assert result.returncode != 0
-    assert "cephalo.planner.solver -> torch" in result.stdout
+    assert "cephalo.planner.search.solver -> torch" in result.stdout

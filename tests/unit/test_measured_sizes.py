@@ -12,13 +12,13 @@ from cephalo.api.job import CephaloJobSpec
 from cephalo.api.plan import RankPlan
 from cephalo.api.profile import GpuProfile, ProfileMergeError, merge_points, profiled_sizes
 from cephalo.planner import estimate_profile, lookup_gpu, solve
-from cephalo.planner.measured_sizes import (
+from cephalo.planner.feedback.measured_sizes import (
     MAX_MEASURE_ROUNDS,
     describe_unmeasured,
     plan_on_measured_sizes,
     unmeasured_micro_batch_sizes,
 )
-from cephalo.planner.report import EXTRAPOLATED_LEGEND, format_plan
+from cephalo.planner.outputs.report import EXTRAPOLATED_LEGEND, format_plan
 
 A10G = lookup_gpu("A10G")
 

@@ -14,9 +14,9 @@ from cephalo.api.cluster import ClusterNode
 from cephalo.commands.plan import pools_as_cluster
 from cephalo.errors import CephaloError
 from cephalo.planner import solve
-from cephalo.planner.comm_model import CommModel
-from cephalo.planner.report import format_plan
-from cephalo.planner.topology import NodeLinks, Topology
+from cephalo.planner.cost.comm_model import CommModel
+from cephalo.planner.cost.topology import NodeLinks, Topology
+from cephalo.planner.outputs.report import format_plan
 
 GBIT = 1e9 / 8
 ROOT = Path(__file__).resolve().parents[2]

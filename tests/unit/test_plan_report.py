@@ -7,7 +7,7 @@ import pytest
 
 from cephalo.api.job import ModelSpec
 from cephalo.api.plan import Plan
-from cephalo.planner.report import format_plan, model_title
+from cephalo.planner.outputs.report import format_plan, model_title
 
 
 def _plan(world: int = 2, used_bytes: int = 40 * 2**20, cap_bytes: int = 3 * 2**30,

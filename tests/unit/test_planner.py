@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from cephalo.api import ClusterSpec, GpuGroup, Plan
 from cephalo.planner import InfeasibleError, estimate_profile, evaluate, lookup_gpu, solve
-from cephalo.planner.catalog import GPU_CATALOG
-from cephalo.planner.costmodel import CommModel
-from cephalo.planner.evaluate import water_fill
+from cephalo.planner.cost.catalog import GPU_CATALOG
+from cephalo.planner.cost.comm_model import CommModel
+from cephalo.planner.search.evaluate import water_fill
 
 from .planner_instances import job_spec, random_instance
 

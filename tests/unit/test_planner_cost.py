@@ -12,7 +12,7 @@ import pytest
 
 from cephalo.api import ClusterSpec, GpuGroup
 from cephalo.planner import InfeasibleError, solve
-from cephalo.planner.report import format_plan, plural
+from cephalo.planner.outputs.report import format_plan, plural
 
 from .planner_instances import job_spec, random_instance
 from .test_planner_oracle import brute_force, sub_clusters

@@ -14,8 +14,8 @@ import pytest
 
 from cephalo.api import ClusterSpec, GpuGroup, memory
 from cephalo.planner import solve
-from cephalo.planner.problem import build_problem, fused_everything, without_recompute
-from cephalo.planner.report import format_plan
+from cephalo.planner.outputs.report import format_plan
+from cephalo.planner.search.problem import build_problem, fused_everything, without_recompute
 
 from .planner_instances import MIB, job_spec
 from .test_recompute_plan import _l4_profile

@@ -14,13 +14,13 @@ import pytest
 from cephalo.api import ClusterSpec, GpuGroup, GpuProfile, ProfilePoint, memory, parse_job
 from cephalo.api.profile import model_key
 from cephalo.planner import InfeasibleError, solve
-from cephalo.planner import kept_blocks as kept_module
-from cephalo.planner.costmodel import UnitComm
-from cephalo.planner.evaluate import evaluate, score
-from cephalo.planner.offload import plan_fused_tail_blocks as fused_tail_blocks
-from cephalo.planner.problem import build_problem, without_recompute
-from cephalo.planner.report import format_plan
-from cephalo.planner.solver import solve_fixed
+from cephalo.planner.search import kept_blocks as kept_module
+from cephalo.planner.cost.comm_model import UnitComm
+from cephalo.planner.outputs.report import format_plan
+from cephalo.planner.search.evaluate import evaluate, score
+from cephalo.planner.search.offload import plan_fused_tail_blocks as fused_tail_blocks
+from cephalo.planner.search.problem import build_problem, without_recompute
+from cephalo.planner.search.solver import solve_fixed
 
 from .planner_brute import Optimum, brute_force_optimum, brute_force_seconds
 from .planner_instances import MIB, with_min_gain
@@ -279,7 +279,7 @@ def test_partial_subset_search_bounds_plans_that_keep_blocks(
     """The bound over every GPU subset (subset.py) prices kept blocks too: with memory so
     tight that keeping everything does not fit and kept counts vary, the optimum over every
     subset (all tried) lies within the gap the partial search states."""
-    from cephalo.planner import subset
+    from cephalo.planner.search import subset
 
     rng = random.Random(seed)
     # The exact search's own optimum (no margin for keeping every GPU): the bound's subject.
@@ -311,7 +311,7 @@ def test_the_report_says_which_kept_blocks_run_per_microbatch() -> None:
     """`cephalo plan` names the fused tail the engine will run (memory.fused_tail_blocks on
     the plan's own fields): the blocks both ranks keep, with several microbatches; all of
     them in the fused-everything mode."""
-    from cephalo.planner.report import kept_blocks_phrase
+    from cephalo.planner.outputs.report import kept_blocks_phrase
 
     spec, cluster, profiles = _two_gpus(24, batch=32)
     plan = solve(spec, cluster, profiles, choose_gpus=False)

@@ -1,4 +1,4 @@
-"""Activation offload as a per-rank plan decision (cephalo.planner.offload): kept on the
+"""Activation offload as a per-rank plan decision (cephalo.planner.search.offload): kept on the
 device where the boundaries fit, offloaded where they do not, never on a CPU, and the
 transfers the compute does not hide priced into the rank's step."""
 
@@ -13,8 +13,8 @@ from cephalo.api.job import DataSpec, SyntheticData, TrainingSpec
 from cephalo.api.models import preset
 from cephalo.api.plan import Plan, RankPlan
 from cephalo.planner import estimate_profile, lookup_gpu, solve
-from cephalo.planner.catalog import GPU_CATALOG, resolve_gpu
-from cephalo.planner.offload import (
+from cephalo.planner.cost.catalog import GPU_CATALOG, resolve_gpu
+from cephalo.planner.search.offload import (
     DEFAULT_HOST_LINK_BYTES_PER_SECOND,
     OffloadDecision,
     apply_offload,
@@ -25,7 +25,7 @@ from cephalo.planner.offload import (
     transfer_extra_seconds,
     transfers_per_microbatch,
 )
-from cephalo.planner.problem import build_problem
+from cephalo.planner.search.problem import build_problem
 
 from .planner_instances import job_spec
 

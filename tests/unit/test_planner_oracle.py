@@ -13,9 +13,14 @@ import pytest
 
 from cephalo.api import ClusterSpec
 from cephalo.planner import InfeasibleError, solve
-from cephalo.planner.evaluate import score
-from cephalo.planner.problem import Problem, build_problem, fused_everything, without_recompute
-from cephalo.planner.solver import solve_fixed
+from cephalo.planner.search.evaluate import score
+from cephalo.planner.search.problem import (
+    Problem,
+    build_problem,
+    fused_everything,
+    without_recompute,
+)
+from cephalo.planner.search.solver import solve_fixed
 
 from .planner_brute import brute_force_seconds
 from .planner_instances import random_instance, with_min_gain

@@ -11,10 +11,10 @@ from cephalo.api import ClusterSpec, GpuGroup, parse_job
 from cephalo.local.checks import plan_rank_devices
 from cephalo.operator.render import render
 from cephalo.planner import InfeasibleError, solve
-from cephalo.planner.evaluate import score
-from cephalo.planner.problem import build_problem, without_recompute
-from cephalo.planner.report import format_plan
-from cephalo.planner.solver import solve_fixed
+from cephalo.planner.outputs.report import format_plan
+from cephalo.planner.search.evaluate import score
+from cephalo.planner.search.problem import build_problem, without_recompute
+from cephalo.planner.search.solver import solve_fixed
 
 from .planner_instances import job_spec, random_instance, with_min_gain
 
@@ -179,7 +179,7 @@ def test_partial_subset_search_states_a_proven_bound(monkeypatch: pytest.MonkeyP
                                                      preset: str, batch: int) -> None:
     """With too many choices to try them all, the plan states a gap: the optimum over every
     subset (found here by trying them all) lies within it."""
-    from cephalo.planner import subset
+    from cephalo.planner.search import subset
 
     spec = job_spec(batch, preset)
     cluster = ClusterSpec(groups=[GpuGroup(product=p, count=5) for p in ("L4", "T4", "A10G")],

@@ -21,20 +21,20 @@ from cephalo.api.plan import parse_plan
 from cephalo.cli import main
 from cephalo.operator.render import profile_config_map_name
 from cephalo.planner import estimate_profile, solve
-from cephalo.planner.authors_profiles import (
+from cephalo.planner.cost.authors_profiles import (
     AUTHORS_GPUS,
     AUTHORS_MODELS,
     MissingMeasurement,
     layer_times_ms,
     measured_entry,
 )
-from cephalo.planner.catalog import (
+from cephalo.planner.cost.catalog import (
     GPU_CATALOG,
     fastest_precision,
     lookup_gpu,
     rank_compute_precision,
 )
-from cephalo.planner.problem import ProfileMismatchError
+from cephalo.planner.search.problem import ProfileMismatchError
 
 REPO = Path(__file__).resolve().parents[2]
 # Every GPU given is used (the planner would leave most idle for so small a model).

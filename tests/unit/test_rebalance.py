@@ -1,5 +1,5 @@
-"""Live rebalancing's pure core (cephalo.planner.rebalance): the exact split against a brute
-force, the damping (interval, minimum gain, smoothing) and the bounds it keeps."""
+"""Live rebalancing's pure core (cephalo.planner.feedback.rebalance): the exact split against a
+brute force, the damping (interval, minimum gain, smoothing) and the bounds it keeps."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from cephalo.planner.rebalance import (
+from cephalo.planner.feedback.rebalance import (
     Rebalancer,
     best_split,
     micro_batch_counts,

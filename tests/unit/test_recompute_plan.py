@@ -16,11 +16,11 @@ from cephalo.api.plan import Plan
 from cephalo.api.profile import model_key
 from cephalo.commands.plan import parse_gpus
 from cephalo.planner import InfeasibleError, solve
-from cephalo.planner.evaluate import evaluate, score
-from cephalo.planner.offload import plan_fused_tail_blocks as fused_tail_blocks
-from cephalo.planner.problem import build_problem, fused_everything, without_recompute
-from cephalo.planner.report import format_plan
-from cephalo.planner.solver import solve_fixed
+from cephalo.planner.outputs.report import format_plan
+from cephalo.planner.search.evaluate import evaluate, score
+from cephalo.planner.search.offload import plan_fused_tail_blocks as fused_tail_blocks
+from cephalo.planner.search.problem import build_problem, fused_everything, without_recompute
+from cephalo.planner.search.solver import solve_fixed
 
 from .planner_instances import MIB, job_spec, random_instance
 

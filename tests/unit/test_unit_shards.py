@@ -16,14 +16,14 @@ import pytest
 from cephalo.api.plan import parse_plan
 from cephalo.api.sharding import shard_bounds
 from cephalo.planner import InfeasibleError, solve
-from cephalo.planner.costmodel import CommModel, UnitComm
-from cephalo.planner.evaluate import score, score_best
-from cephalo.planner.offload import plan_fused_tail_blocks as fused_tail_blocks
-from cephalo.planner.problem import build_problem
-from cephalo.planner.report import format_plan
-from cephalo.planner.solver import solve_fixed
-from cephalo.planner.unit_search import search_even_sets
-from cephalo.planner.unit_shards import (
+from cephalo.planner.cost.comm_model import CommModel, UnitComm
+from cephalo.planner.outputs.report import format_plan
+from cephalo.planner.search.evaluate import score, score_best
+from cephalo.planner.search.offload import plan_fused_tail_blocks as fused_tail_blocks
+from cephalo.planner.search.problem import build_problem
+from cephalo.planner.search.solver import solve_fixed
+from cephalo.planner.search.unit_search import search_even_sets
+from cephalo.planner.search.unit_shards import (
     EvenUnits,
     even_unit_options,
     fits,
@@ -141,8 +141,8 @@ def test_branch_and_bound_matches_every_even_set(seed: int) -> None:
 
 def solve_fixed_with(problem, even: EvenUnits) -> float:
     """The least step time with exactly `even`'s units sharded evenly."""
-    from cephalo.planner.search import min_bottleneck
-    from cephalo.planner.unit_search import even_set_tables
+    from cephalo.planner.search.bottleneck import min_bottleneck
+    from cephalo.planner.search.unit_search import even_set_tables
 
     tables, room = even_set_tables(problem, even)
     found = min_bottleneck(tables, problem.global_batch_size, room)

@@ -8,7 +8,7 @@ import pytest
 
 from cephalo.api import ClusterSpec, GpuGroup, parse_job
 from cephalo.planner import solve
-from cephalo.planner.problem import build_problem
+from cephalo.planner.search.problem import build_problem
 
 CLUSTER = ClusterSpec(groups=[GpuGroup(product="A10G", count=4)])
 

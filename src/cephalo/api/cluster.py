@@ -1,6 +1,6 @@
 """ClusterSpec: the GPUs a plan may use, grouped into pools of one product each, and
 optionally the nodes they sit on with each node's links (the planner's topology,
-`cephalo.planner.topology`)."""
+`cephalo.planner.cost.topology`)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ class ClusterSpec(BaseModel):
     # Who described the nodes' links (the plan's assumptions name it), e.g. the operator's
     # node labels.
     network_source: str | None = None
-    # A running job's recalibration (cephalo.planner.recalibrate): every collective of the
+    # A running job's recalibration (cephalo.planner.feedback.recalibrate): every collective of the
     # declared network (flat or topology) takes this many times as long as described.
     collective_scale: float = Field(default=1.0, gt=0)
     # How much of a collective hides under compute issued while it is in flight, as the

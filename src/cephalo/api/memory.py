@@ -2,7 +2,7 @@
 
 The engine's own accounting (`cephalo.trainer.engine.Engine.memory_estimate_bytes`), the
 profiler (`cephalo.trainer.profile_units`, whose compute memory includes the unit buffers)
-and the planner (`cephalo.planner.costmodel`, `problem`, `solver`) all read these figures;
+and the planner (`cephalo.planner.cost.costmodel`, `problem`, `solver`) all read these figures;
 torch-free so the operator side can. tests/unit/test_memory_model.py holds the engine's
 measured peak against them.
 

@@ -4,7 +4,7 @@ The planner's collectives are rings over the ranks in rank order, and rank order
 ranks by node. A ring crosses each node's NIC once in and once out (when it spans more than
 one node) and the intra-node link (NVLink or PCIe) between consecutive ranks of a node, so
 its per-rank bandwidth is the slowest link it crosses: min(intra-node link, NIC) across
-nodes, the intra-node link alone on one node (`cephalo.planner.topology`, docs/network.md).
+nodes, the intra-node link alone on one node (`cephalo.planner.cost.topology`, docs/network.md).
 
 On a cluster the operator knows the nodes (GPU discovery) and reads each node's NIC speed
 from its label `cephalo.dev/nic-gbps` (`ClusterSpec.nodes`); the fields here win over what

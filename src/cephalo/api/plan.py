@@ -70,7 +70,7 @@ class RankPlan(BaseModel):
     estimated: bool | None = None
     # True: micro_batch_size lies above every size this GPU's profile measured, so the
     # rank's predicted time and memory are linear extrapolations (the cost model's, beyond
-    # the profiled range; cephalo.planner.measured_sizes). None (omitted): within it.
+    # the profiled range; cephalo.planner.feedback.measured_sizes). None (omitted): within it.
     extrapolated: bool | None = None
     # Recompute mode only (the plan's `recompute` not false): this rank keeps the autograd
     # graphs of its last `kept_blocks` blocks (units L-k+1..L) from forward to backward and
@@ -199,7 +199,7 @@ class Plan(BaseModel):
     memory_fraction: float | None = None
     state_bytes: int | None = None  # training state of the whole model
     estimated_gpus: list[str] = Field(default_factory=list)  # timed from the catalog
-    # What the plan took as given (cephalo.planner.report prints it): the ring's priced
+    # What the plan took as given (cephalo.planner.outputs.report prints it): the ring's priced
     # network_bandwidth_bytes_per_second and network_latency_seconds, network_source, the
     # topology's figures; collective_backend ('nccl' or 'gloo') and, where the ring crosses a
     # described bandwidth, collective_efficiency (the share of the described rate it was

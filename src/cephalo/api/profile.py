@@ -118,7 +118,7 @@ class GpuProfile(BaseModel):
         default=None, gt=0, description=(
             "pinned host<->device copy bandwidth, the slower direction, measured "
             "(cephalo.trainer.host_link); what offloading boundary activations costs "
-            "(cephalo.planner.offload); absent: the catalog's figure for the board"))
+            "(cephalo.planner.search.offload); absent: the catalog's figure for the board"))
 
     @model_validator(mode="before")
     @classmethod

@@ -3,7 +3,7 @@ global batch over the same ranks (issue 45, item 1; docs/rebalancing.md).
 
 On by default. Every `intervalSteps` steps the ranks take their measured compute seconds per
 sample (smoothed) and re-solve the split with microbatch sizes and shards fixed
-(cephalo.planner.rebalance); the new split takes effect at the next step boundary on every
+(cephalo.planner.feedback.rebalance); the new split takes effect at the next step boundary on every
 rank, without a restart, when it is predicted to cut the slowest rank's compute by at least
 `minGain`. What needs other GPUs, shards or microbatch sizes stays with re-planning
 (spec.planner.replan), which restarts the gang.

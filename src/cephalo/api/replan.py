@@ -3,7 +3,7 @@ what it measured (issue 35, item 3; docs/replanning.md).
 
 On by default. Once a plan's gang has logged `afterSteps` timed steps, the operator
 recalibrates the cost model from the measured step time and every rank's compute / waiting
-split (cephalo.planner.recalibrate), solves again on the GPUs the job holds, and re-plans
+split (cephalo.planner.feedback.recalibrate), solves again on the GPUs the job holds, and re-plans
 through the rescale path when the new plan is predicted at least `minGain` faster and the
 seconds it saves over the remaining steps exceed the restart cost. One calibration per plan;
 a re-plan whose measured gain falls short of `minGain` stops re-planning for the job, and

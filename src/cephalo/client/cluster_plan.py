@@ -67,7 +67,7 @@ from cephalo.operator.render import (
     checkpoint_target,
     profile_config_map_name,
 )
-from cephalo.planner.measured_sizes import (
+from cephalo.planner.feedback.measured_sizes import (
     describe_unmeasured,
     plan_on_measured_sizes,
     size_list,

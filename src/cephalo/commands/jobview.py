@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from cephalo.api import Plan
-from cephalo.planner.report import format_plan
+from cephalo.planner.outputs.report import format_plan
 
 if TYPE_CHECKING:  # cephalo.client imports the kubernetes client: only a command that connects
     from cephalo.client import Job

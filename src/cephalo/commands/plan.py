@@ -16,7 +16,7 @@ from cephalo.api.job import CephaloJobSpec, format_validation_error
 from cephalo.api.safeyaml import YamlError, read_text_file
 from cephalo.cli import UserError
 from cephalo.commands.plan_cluster import add_cluster_plan_arguments
-from cephalo.planner.report import format_plan, model_title
+from cephalo.planner.outputs.report import format_plan, model_title
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,7 +62,7 @@ def parse_gpus(text: str) -> ClusterSpec:
 
 
 def load_profiles(folder: str) -> dict[str, GpuProfile]:
-    from cephalo.planner.catalog import gpu_key
+    from cephalo.planner.cost.catalog import gpu_key
 
     path = Path(folder)
     if not path.is_dir():
@@ -104,7 +104,7 @@ def match_profiles(cluster: ClusterSpec, profiles: dict[str, GpuProfile]) -> Clu
     catalog is usable from its measured profile (named as NVML or GFD spell it, or by a
     shorter suffix of that: RTX-4090 for NVIDIA-GeForce-RTX-4090); without one, a clear
     error saying to profile it (a typo of a catalog name gets the same list)."""
-    from cephalo.planner.catalog import gpu_key, known_names, resolve_gpu
+    from cephalo.planner.cost.catalog import gpu_key, known_names, resolve_gpu
 
     groups = []
     for group in cluster.groups:

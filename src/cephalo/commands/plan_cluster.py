@@ -39,7 +39,7 @@ def _elastic(client: Any, job: Any) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from cephalo.client import validate_job
-    from cephalo.planner.report import format_plan
+    from cephalo.planner.outputs.report import format_plan
 
     if not args.job:
         raise UserError("--cluster needs --job JOB.yaml (the job to plan)")

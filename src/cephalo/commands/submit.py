@@ -9,7 +9,7 @@ import sys
 
 from cephalo.commands.cluster_args import add_cluster_arguments, client_from
 from cephalo.commands.watch import follow
-from cephalo.planner.report import format_plan
+from cephalo.planner.outputs.report import format_plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

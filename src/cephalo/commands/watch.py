@@ -46,7 +46,7 @@ def follow(client: CephaloClient, name: str, namespace: str | None = None,
         if job.status.plan and job.status.plan.world_size and not plan_shown:
             plan = client.plan(job)
             if plan is not None:
-                from cephalo.planner.report import format_plan
+                from cephalo.planner.outputs.report import format_plan
                 model = job.spec.model.preset or job.spec.model.family if job.spec else None
                 _say(out, format_plan(plan, model or "model"), live, bool(shown))
                 shown = ""

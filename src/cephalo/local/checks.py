@@ -23,7 +23,7 @@ from cephalo.api.plan import Plan, PlanError, check_replica_groups
 from cephalo.corpus import check_remote_file, check_text
 from cephalo.errors import CephaloError
 from cephalo.local.devices import LocalDevice
-from cephalo.planner.report import plural
+from cephalo.planner.outputs.report import plural
 from cephalo.tokenfile import sidecar_mismatch
 
 

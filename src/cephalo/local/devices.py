@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 
 from cephalo.errors import CephaloError
-from cephalo.planner.catalog import lookup_gpu
+from cephalo.planner.cost.catalog import lookup_gpu
 
 
 class DeviceError(CephaloError, ValueError):

@@ -20,8 +20,8 @@ from cephalo.api.memory import state_bytes
 from cephalo.api.models import ModelConfig
 from cephalo.api.plan import Plan
 from cephalo.api.profile import GpuProfile, ProfilePoint, SingleRankStep
-from cephalo.planner.catalog import lookup_gpu
-from cephalo.planner.costmodel import modelled_single_rank_step_seconds, step_overhead_seconds
+from cephalo.planner.cost.catalog import lookup_gpu
+from cephalo.planner.cost.costmodel import modelled_single_rank_step_seconds, step_overhead_seconds
 
 HEADROOM = 1.5
 

@@ -70,7 +70,7 @@ class Summary:
     final_batch_sizes: list[int] | None = None
     # After a change: the median samples/s over the steps of the split in force at the end
     # (the step a change lands on left out) and their span; its prediction, which only the
-    # runner can price (cephalo.planner.recalibrate.split_step_seconds).
+    # runner can price (cephalo.planner.feedback.recalibrate.split_step_seconds).
     final_split_samples_per_second: float | None = None
     final_split_steps: tuple[int, int] | None = None
     final_split_predicted_samples_per_second: float | None = None

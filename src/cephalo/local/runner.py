@@ -55,10 +55,10 @@ from cephalo.local.report import (
     write_plots,
 )
 from cephalo.planner import solve
-from cephalo.planner.catalog import lookup_gpu, resolve_precision
-from cephalo.planner.measured_sizes import describe_unmeasured, plan_on_measured_sizes
-from cephalo.planner.recalibrate import split_step_seconds
-from cephalo.planner.report import format_plan, model_title
+from cephalo.planner.cost.catalog import lookup_gpu, resolve_precision
+from cephalo.planner.feedback.measured_sizes import describe_unmeasured, plan_on_measured_sizes
+from cephalo.planner.feedback.recalibrate import split_step_seconds
+from cephalo.planner.outputs.report import format_plan, model_title
 
 # Collectives between local processes: gloo over loopback, or NCCL over PCIe.
 LOOPBACK_BANDWIDTH_BYTES_PER_SECOND = 2e9
@@ -239,10 +239,10 @@ def measure_micro_batch_sizes(wanted: Mapping[str, list[int]],
                               as_planned: Callable[[str, GpuProfile], GpuProfile],
                               out=print) -> dict[str, GpuProfile]:
     """Measure the micro-batch sizes a plan assigns beyond its profiles ({product: sizes},
-    cephalo.planner.measured_sizes): one profiler pass (--micro-batch-sizes) per device that
-    measures them, cached by the profiler with the other sizes. An emulated GPU's sizes are
-    measured on the CPU in the precision it computes in (one pass for every emulated GPU of
-    that precision). Returns {product: profile with just those points}, as planned."""
+    cephalo.planner.feedback.measured_sizes): one profiler pass (--micro-batch-sizes) per
+    device that measures them, cached by the profiler with the other sizes. An emulated GPU's
+    sizes are measured on the CPU in the precision it computes in (one pass for every emulated
+    GPU of that precision). Returns {product: profile with just those points}, as planned."""
     out(f"Measuring {describe_unmeasured(wanted, profiles)} …")
     passes: dict[tuple[str, str | None], tuple[LocalDevice, set[int], list[str]]] = {}
     for product, sizes in wanted.items():

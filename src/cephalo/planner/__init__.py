@@ -1,7 +1,9 @@
 """The planner: per-GPU batch, microbatching and uneven training-state shards (torch-free).
 
-`solve(spec, cluster, profiles) -> Plan` is exact for the cost model in `costmodel`;
-`evaluate(...)` scores any given assignment under the same model."""
+`solve(spec, cluster, profiles) -> Plan` is exact for the cost model in `cost.costmodel`;
+`evaluate(...)` scores any given assignment under the same model. Four layers, each importing
+only those before it (docs/architecture.md, "The planner's layout"): `cost` <- `search` <-
+`outputs`, `feedback`. Above them: this public API and `worker`, `solve` in a child process."""
 
 from __future__ import annotations
 
@@ -9,11 +11,11 @@ from collections.abc import Iterable
 
 from cephalo.api.models import ModelConfig
 from cephalo.api.profile import GpuProfile
-from cephalo.planner.catalog import GPU_CATALOG, GpuType, lookup_gpu
-from cephalo.planner.costmodel import estimate_profile as _estimate
-from cephalo.planner.evaluate import Evaluation, evaluate, water_fill
-from cephalo.planner.problem import InfeasibleError
-from cephalo.planner.solver import solve
+from cephalo.planner.cost.catalog import GPU_CATALOG, GpuType, lookup_gpu
+from cephalo.planner.cost.estimate import estimate_profile as _estimate
+from cephalo.planner.search.evaluate import Evaluation, evaluate, water_fill
+from cephalo.planner.search.problem import InfeasibleError
+from cephalo.planner.search.solver import solve
 
 
 def estimate_profile(gpu: str | GpuType, model: ModelConfig, precision: str = "fp32",

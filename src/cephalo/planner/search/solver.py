@@ -14,20 +14,22 @@ from cephalo.api.job import CephaloJobSpec
 from cephalo.api.memory import hybrid_state_bytes, state_bytes_per_parameter
 from cephalo.api.plan import IdleGpus, Plan, RankPlan
 from cephalo.api.profile import GpuProfile
-from cephalo.planner.baselines import compute_baselines
-from cephalo.planner.costmodel import UNEVEN_COLLECTIVE_OVERHEAD
-from cephalo.planner.evaluate import Evaluation, score
-from cephalo.planner.hybrid_search import (
+from cephalo.planner.cost.comm_model import UNEVEN_COLLECTIVE_OVERHEAD
+from cephalo.planner.cost.topology import network_assumptions
+from cephalo.planner.search.baselines import compute_baselines
+from cephalo.planner.search.bottleneck import ClassTable, SearchResult, min_bottleneck
+from cephalo.planner.search.evaluate import Evaluation, score
+from cephalo.planner.search.hybrid_search import (
     HybridInfeasibleError,
     hybrid_must_beat,
     no_layout_message,
     record_sharding,
     search_layouts,
 )
-from cephalo.planner.margins import cost_idle_reason, every_gpu, faster_miss, note_min_gain
-from cephalo.planner.offload import offload_plan, plan_fused_tail_blocks
-from cephalo.planner.precision import precision_notes, rank_precisions
-from cephalo.planner.pricing import (
+from cephalo.planner.search.margins import cost_idle_reason, every_gpu, faster_miss, note_min_gain
+from cephalo.planner.search.offload import offload_plan, plan_fused_tail_blocks
+from cephalo.planner.search.precision import precision_notes, rank_precisions
+from cephalo.planner.search.pricing import (
     THROUGHPUT,
     FloorNotMetError,
     Objective,
@@ -35,7 +37,7 @@ from cephalo.planner.pricing import (
     objective_for,
     plan_cost,
 )
-from cephalo.planner.problem import (
+from cephalo.planner.search.problem import (
     InfeasibleError,
     Problem,
     build_problem,
@@ -44,11 +46,9 @@ from cephalo.planner.problem import (
     gib,
     without_recompute,
 )
-from cephalo.planner.search import ClassTable, SearchResult, min_bottleneck
-from cephalo.planner.subset import Choice, idle_counts, search_subsets
-from cephalo.planner.topology import network_assumptions
-from cephalo.planner.unit_search import search_even_sets
-from cephalo.planner.unit_shards import EvenUnits, unit_shard_ratios
+from cephalo.planner.search.subset import Choice, idle_counts, search_subsets
+from cephalo.planner.search.unit_search import search_even_sets
+from cephalo.planner.search.unit_shards import EvenUnits, unit_shard_ratios
 
 
 def solve(spec: CephaloJobSpec, cluster: ClusterSpec,

@@ -52,7 +52,7 @@ class GpuType:
     bf16_efficiency: float = 0.45
     in_catalog: bool = True  # False: known only by its label; speed must come from a profile
     # Usable host<->device copy bandwidth (GB/s) of the board's PCIe link, for activation
-    # offload (planner/offload.py); None: unknown (the planner assumes PCIe 3.0 x16).
+    # offload (planner/search/offload.py); None: unknown (the planner assumes PCIe 3.0 x16).
     host_link_gbps: float | None = None
     # CUDA compute capability (major, minor); None: not a CUDA GPU or unknown. bf16 tensor
     # cores from 8.0 (Ampere) on, fp16 tensor cores from 7.0 (Volta) on.

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from cephalo.api.job import CephaloJobSpec
 from cephalo.api.models import TEXT_FAMILIES
 from cephalo.api.plan import PlanCost
-from cephalo.planner.catalog import gpu_key
-from cephalo.planner.problem import InfeasibleError, Problem
+from cephalo.planner.cost.catalog import gpu_key
+from cephalo.planner.search.problem import InfeasibleError, Problem
 
 SECONDS_PER_HOUR = 3600.0
 

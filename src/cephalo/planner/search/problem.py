@@ -17,18 +17,14 @@ from cephalo.api.models import ModelConfig
 from cephalo.api.network import COLLECTIVE_EFFICIENCY
 from cephalo.api.profile import CollectiveProfile, GpuProfile, model_key
 from cephalo.errors import CephaloError
-from cephalo.planner.catalog import ComputePrecision, GpuType, resolve_gpu, resolve_precision
-from cephalo.planner.costmodel import (
-    UNEVEN_COLLECTIVE_OVERHEAD,
-    CommModel,
-    GpuCostModel,
-    UnitComm,
-    estimate_profile,
-)
-from cephalo.planner.hybrid import Layout, group_state_bytes, hybrid_unit_comm
-from cephalo.planner.kept_blocks import kept_candidates
-from cephalo.planner.search import ClassTable
-from cephalo.planner.topology import JOB, MEASURED, Network, Topology, topology_network
+from cephalo.planner.cost.catalog import ComputePrecision, GpuType, resolve_gpu, resolve_precision
+from cephalo.planner.cost.comm_model import UNEVEN_COLLECTIVE_OVERHEAD, CommModel, UnitComm
+from cephalo.planner.cost.costmodel import GpuCostModel
+from cephalo.planner.cost.estimate import estimate_profile
+from cephalo.planner.cost.topology import JOB, MEASURED, Network, Topology, topology_network
+from cephalo.planner.search.bottleneck import ClassTable
+from cephalo.planner.search.hybrid import Layout, group_state_bytes, hybrid_unit_comm
+from cephalo.planner.search.kept_blocks import kept_candidates
 
 GIB = 1024**3
 # planner.networkBandwidthGbps / networkLatencyMicroseconds when only one of them is given:

@@ -14,9 +14,9 @@ import numpy as np
 
 from cephalo.api.memory import COMM_BYTES_PER_PARAMETER
 from cephalo.api.plan import Plan
-from cephalo.planner.hybrid import layouts, link_bytes_per_step
-from cephalo.planner.problem import WIRE_BYTES, InfeasibleError, Problem, gib, layout_problem
-from cephalo.planner.subset import Choice, cannot_beat
+from cephalo.planner.search.hybrid import layouts, link_bytes_per_step
+from cephalo.planner.search.problem import WIRE_BYTES, InfeasibleError, Problem, gib, layout_problem
+from cephalo.planner.search.subset import Choice, cannot_beat
 
 _TIE_RTOL = 1e-12
 # `sharding: auto` takes hybrid over flat only where it is predicted at least this much more

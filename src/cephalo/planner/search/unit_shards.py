@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from cephalo.api.memory import state_bytes_per_parameter
 from cephalo.api.models import ModelConfig
-from cephalo.planner.costmodel import CommModel, UnitComm
+from cephalo.planner.cost.comm_model import CommModel, UnitComm
 
 
 @dataclass(frozen=True, order=True)

@@ -15,7 +15,7 @@ from cephalo.api import memory
 from cephalo.api.cluster import ClusterSpec
 from cephalo.api.job import CephaloJobSpec
 from cephalo.api.profile import GpuProfile
-from cephalo.planner.problem import (
+from cephalo.planner.search.problem import (
     Problem,
     build_problem,
     fused_everything,
@@ -23,7 +23,7 @@ from cephalo.planner.problem import (
     subset_problem,
     without_recompute,
 )
-from cephalo.planner.unit_shards import EvenUnits, even_state_bytes, fits, mixed_unit_comm
+from cephalo.planner.search.unit_shards import EvenUnits, even_state_bytes, fits, mixed_unit_comm
 
 # Floating-point slack when comparing memory to a budget (bytes are ~1e10; this is 1 B/GiB).
 _MEMORY_RTOL = 1e-9

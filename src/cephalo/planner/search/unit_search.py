@@ -21,9 +21,9 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from cephalo.planner.problem import Problem, class_tables
-from cephalo.planner.search import ClassTable, SearchResult, min_bottleneck
-from cephalo.planner.unit_shards import EvenUnits, even_state_bytes, mixed_unit_comm
+from cephalo.planner.search.bottleneck import ClassTable, SearchResult, min_bottleneck
+from cephalo.planner.search.problem import Problem, class_tables
+from cephalo.planner.search.unit_shards import EvenUnits, even_state_bytes, mixed_unit_comm
 
 # Step times this close are a tie (the same sum added in another order differs in the last
 # bits): the tie goes to more even units.

@@ -29,9 +29,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from cephalo.planner.costmodel import UnitComm
-from cephalo.planner.pricing import THROUGHPUT, FloorNotMetError, Objective
-from cephalo.planner.problem import (
+from cephalo.planner.cost.comm_model import UnitComm
+from cephalo.planner.search.pricing import THROUGHPUT, FloorNotMetError, Objective
+from cephalo.planner.search.problem import (
     InfeasibleError,
     Problem,
     class_tables,

@@ -17,8 +17,8 @@ capability in the catalog (the CPU, products known only from a profile) get none
 
 from __future__ import annotations
 
-from cephalo.planner.catalog import ComputePrecision, GpuType, fastest_precision
-from cephalo.planner.problem import Problem
+from cephalo.planner.cost.catalog import ComputePrecision, GpuType, fastest_precision
+from cephalo.planner.search.problem import Problem
 
 
 def rank_precisions(problem: Problem) -> list[ComputePrecision | None]:

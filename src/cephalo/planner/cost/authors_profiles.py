@@ -29,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
+from cephalo.api.memory import STATE_BYTES_PER_PARAMETER
 from cephalo.api.models import ModelConfig, preset
 from cephalo.api.profile import GpuProfile, ProfilePoint, model_key
-from cephalo.planner.catalog import GpuType, lookup_gpu
-from cephalo.planner.costmodel import STATE_BYTES_PER_PARAMETER
+from cephalo.planner.cost.catalog import GpuType, lookup_gpu
 
 GIB = 1024**3
 COMMUNICATION_BUFFER_BYTES = 2 * GIB  # what the authors add to their profiled memory

@@ -1,4 +1,4 @@
-"""The collectives' side of the cost model (`cephalo.planner.costmodel`): ring collectives
+"""The collectives' side of the cost model (`cephalo.planner.cost.costmodel`): ring collectives
 over the cluster's network (`CommModel`) and the seconds of each collective one step issues
 for a model, world size and sharding (`UnitComm`)."""
 
@@ -7,18 +7,23 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from cephalo.api.memory import COMM_BYTES_PER_PARAMETER
 from cephalo.api.models import ModelConfig
 
-if TYPE_CHECKING:
-    from cephalo.planner.costmodel import GpuCostModel
-
 # The paper measured uneven collectives at most 15% slower than even ones.
 UNEVEN_COLLECTIVE_OVERHEAD = 0.15
+
+
+class StepPricer(Protocol):
+    """What `CommModel.calibrated` needs of a GPU's cost model (`costmodel.GpuCostModel` is
+    one): its step seconds for candidate (ℓ, m) pairs under given collectives. A protocol,
+    so that this module stays below the cost model and never imports it."""
+
+    def step_seconds(self, ell: np.ndarray, m: np.ndarray, comm: UnitComm) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,7 @@ class CommModel:
         seconds = (n - 1) / n * num_bytes / bandwidth + (n - 1) * latency
         return seconds * (1.0 + self.uneven_overhead if uneven else 1.0)
 
-    def calibrated(self, model: ModelConfig, costs: Iterable[GpuCostModel],
+    def calibrated(self, model: ModelConfig, costs: Iterable[StepPricer],
                    probe_step_seconds: float, world_size: int) -> CommModel:
         """This model plus the per-step overhead that makes its prediction of a measured
         probe step (one sample per rank, even shards, on `world_size` ranks of the fastest
@@ -104,12 +109,12 @@ class UnitComm:
     all_reduce_seconds: float = 0.0  # the step's fixed small all-reduces
     state_share_parameters: float = 0.0  # P / N: the optimizer's work per GPU
     step_overhead_seconds: float = 0.0  # measured, beyond the model (CommModel.calibrated)
-    # Per-unit sharding (planner/unit_shards.py): `even_blocks` of the blocks are sharded
+    # Per-unit sharding (planner/search/unit_shards.py): `even_blocks` of the blocks are sharded
     # evenly and pay these even collectives; ag_block / rs_block price the other, skewed ones.
     even_blocks: int = 0
     ag_block_even: float = 0.0
     rs_block_even: float = 0.0
-    # Hybrid sharding (planner/hybrid.py): the cross-group all-gather of a block's and of
+    # Hybrid sharding (planner/search/hybrid.py): the cross-group all-gather of a block's and of
     # the embedding's updated piece, which a unit's forward waits before its own gather
     # (the backward's gathers read the slice already there). The head's is in ag_head.
     cross_ag_block: float = 0.0

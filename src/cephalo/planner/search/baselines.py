@@ -16,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 
 from cephalo.api.plan import BaselineResult
-from cephalo.planner.evaluate import Evaluation, score
-from cephalo.planner.problem import Problem, class_tables
-from cephalo.planner.search import min_bottleneck
+from cephalo.planner.search.bottleneck import min_bottleneck
+from cephalo.planner.search.evaluate import Evaluation, score
+from cephalo.planner.search.problem import Problem, class_tables
 
 
 def _even_batches(problem: Problem) -> list[int]:

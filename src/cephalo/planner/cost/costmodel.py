@@ -23,7 +23,7 @@ updates this GPU's state share (taken as the even share P/N, so that the time do
 depend on the partition chosen after it) and the step ends with two small all-reduces
 (gradient norm + loss, and the per-rank timings the trainer logs).
 A GPU with ℓ = 0 (state only) still takes part in every collective. Under hybrid sharding
-(planner/hybrid.py) a unit's forward gather waits its cross-group all-gather too: each
+(planner/search/hybrid.py) a unit's forward gather waits its cross-group all-gather too: each
 block's forward collective is AG_block + X_block (`UnitComm.cross_ag_block`) and the first
 unit's X (`cross_ag_first`) is exposed next to AG_emb; the backward's are unchanged.
 The step time of the job is the maximum over GPUs (collectives synchronise them).
@@ -58,19 +58,13 @@ import math
 import numpy as np
 
 from cephalo.api import memory
-
-# The memory model is cephalo.api.memory's; its constants stay importable from here.
-from cephalo.api.memory import STATE_BYTES_PER_PARAMETER as STATE_BYTES_PER_PARAMETER
 from cephalo.api.models import ModelConfig
 from cephalo.api.profile import GpuProfile, SingleRankStep
-from cephalo.planner.catalog import GpuType
+from cephalo.planner.cost.catalog import GpuType
 
-# The collectives' model and the catalog estimate have their own modules; importable from
-# here as before.
-from cephalo.planner.comm_model import UNEVEN_COLLECTIVE_OVERHEAD as UNEVEN_COLLECTIVE_OVERHEAD
-from cephalo.planner.comm_model import CommModel as CommModel
-from cephalo.planner.comm_model import UnitComm as UnitComm
-from cephalo.planner.estimate import estimate_profile as estimate_profile
+# The collectives' model (comm_model) sits below this one: it prices a step through the
+# `StepPricer` protocol it declares, so it never imports this module back.
+from cephalo.planner.cost.comm_model import UnitComm
 
 # How many distinct size arrays one cost model remembers compute_seconds for, and the
 # largest it remembers (a search asks for a few dozen small ones again and again; the

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from cephalo.api import memory
 from cephalo.api.models import ModelConfig
 from cephalo.api.profile import GpuProfile, ProfilePoint, model_key
-from cephalo.planner.catalog import GpuType, UnknownGpuError, resolve_precision
+from cephalo.planner.cost.catalog import GpuType, UnknownGpuError, resolve_precision
 
 # ---- analytic estimate when no profile was measured ------------------------------------
 

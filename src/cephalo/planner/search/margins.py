@@ -1,14 +1,14 @@
 """What the solver decides between its candidates beyond the objective's order, and what
 the plan then says about it: every GPU kept when fewer gain less than the margin
 (`planner.minGainToIdleGpus`), the closer of two modes that miss a throughput floor, and
-the idle GPUs' reason under the cost objective. Split from `cephalo.planner.solver`."""
+the idle GPUs' reason under the cost objective. Split from `cephalo.planner.search.solver`."""
 
 from __future__ import annotations
 
 from cephalo.api.plan import Plan
-from cephalo.planner.pricing import FloorNotMetError, Objective
-from cephalo.planner.problem import Problem
-from cephalo.planner.subset import Choice
+from cephalo.planner.search.pricing import FloorNotMetError, Objective
+from cephalo.planner.search.problem import Problem
+from cephalo.planner.search.subset import Choice
 
 
 def every_gpu(modes: list[tuple[Choice, int, bool]]) -> tuple[Choice, int, bool] | None:

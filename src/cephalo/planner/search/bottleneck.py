@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cephalo.planner import lagrange
+from cephalo.planner.search import lagrange
 
 INF = float("inf")
 

@@ -8,9 +8,9 @@ import re
 from cephalo.api import Plan
 from cephalo.api.job import ModelSpec
 from cephalo.api.plan import SHARD_RATIO_TOLERANCE, RankPlan
-from cephalo.planner.offload import boundary_activations_line, plan_fused_tail_blocks
-from cephalo.planner.precision import precision_summary
-from cephalo.planner.topology import ASSUMED
+from cephalo.planner.cost.topology import ASSUMED
+from cephalo.planner.search.offload import boundary_activations_line, plan_fused_tail_blocks
+from cephalo.planner.search.precision import precision_summary
 
 GIB = 1024**3
 

@@ -35,8 +35,8 @@ from cephalo.api import memory
 from cephalo.api.models import ModelConfig
 from cephalo.api.plan import Plan, RankPlan
 from cephalo.api.profile import GpuProfile
-from cephalo.planner.catalog import GpuType, gpu_key
-from cephalo.planner.problem import Problem, gib
+from cephalo.planner.cost.catalog import GpuType, gpu_key
+from cephalo.planner.search.problem import Problem, gib
 
 # PCIe 3.0 x16's usable rate: the slowest link a catalog GPU has, assumed where neither a
 # profile nor the catalog says.

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cephalo.planner.costmodel import GpuCostModel, UnitComm
+from cephalo.planner.cost.comm_model import UnitComm
+from cephalo.planner.cost.costmodel import GpuCostModel
 
 # Kept candidates per class beyond which only {ceil(kmax / 2), kmax} are offered: keeps the
 # search's per-threshold work (O(candidates)) within the large cases' targets.

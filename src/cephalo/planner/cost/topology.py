@@ -34,8 +34,8 @@ from cephalo.api.network import (
     DEFAULT_INTRA_NODE_LATENCY_MICROSECONDS,
 )
 from cephalo.errors import CephaloError
-from cephalo.planner.catalog import same_gpu
-from cephalo.planner.comm_model import CommModel
+from cephalo.planner.cost.catalog import same_gpu
+from cephalo.planner.cost.comm_model import CommModel
 
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
 MEASURED, JOB, ASSUMED = "measured", "job spec", "assumed"

@@ -49,15 +49,28 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from cephalo.api.memory import COMM_BYTES_PER_PARAMETER, hybrid_state_bytes
 from cephalo.api.models import ModelConfig
-from cephalo.planner.comm_model import CommModel, UnitComm
-from cephalo.planner.topology import ASSUMED, Topology
+from cephalo.planner.cost.comm_model import CommModel, UnitComm
+from cephalo.planner.cost.topology import ASSUMED, Topology
 
-if TYPE_CHECKING:
-    from cephalo.planner.problem import Problem
+
+class Placement(Protocol):
+    """What `layouts` reads of a planning problem (`problem.Problem` is one): where each rank
+    sits and which GPU class it is. A protocol, so that this module, which `problem` imports,
+    never imports `problem` back."""
+
+    @property
+    def topology(self) -> Topology | None: ...
+
+    @property
+    def rank_node(self) -> Sequence[int]: ...
+
+    @property
+    def rank_class(self) -> Sequence[int]: ...
+
 
 # Node selections tried in full up to this many (Π over kinds of (nodes + 1)); beyond, each
 # kind's nodes all or none (the plan's search info says the layouts were a family).
@@ -152,7 +165,7 @@ def node_share(rank_node: Sequence[int], groups: Sequence[Sequence[int]]) -> flo
     return most / len(groups[0])
 
 
-def layouts(problem: Problem) -> tuple[list[Layout], bool]:
+def layouts(problem: Placement) -> tuple[list[Layout], bool]:
     """The hybrid layouts of `problem`'s GPUs (module docstring), most GPUs first, and
     whether they are every layout of that space; none without a topology or where which
     GPUs share a node is only assumed (each on its own: groups would be guesses)."""

@@ -39,10 +39,10 @@ from cephalo.api.cluster import ClusterSpec
 from cephalo.api.job import CephaloJobSpec
 from cephalo.api.plan import Plan, RankPlan
 from cephalo.api.profile import GpuProfile
-from cephalo.planner.catalog import resolve_gpu, resolve_precision
-from cephalo.planner.costmodel import estimate_profile
-from cephalo.planner.evaluate import evaluate
-from cephalo.planner.problem import calibrated_network as planner_network
+from cephalo.planner.cost.catalog import resolve_gpu, resolve_precision
+from cephalo.planner.cost.estimate import estimate_profile
+from cephalo.planner.search.evaluate import evaluate
+from cephalo.planner.search.problem import calibrated_network as planner_network
 
 # The range searched for the collective factor c, and how close the calibrated prediction
 # of the current plan must come to the measured step to count as explained.
@@ -251,7 +251,7 @@ def _compute_scale(spec: CephaloJobSpec, cluster: ClusterSpec,
     measured_sum: dict[str, float] = {}
     modelled_sum: dict[str, float] = {}
     # Every rank updates its 1/world of the optimizer's state, flat or hybrid (a rank of a
-    # hybrid plan its piece: 1/G of its slice, planner/hybrid.py).
+    # hybrid plan its piece: 1/G of its slice, planner/search/hybrid.py).
     world = len(plan_ranks)
     params = spec.model.resolve().total_parameters()
     # plan_ranks[k] runs on the k-th GPU used (ev.rank_seconds[k]): assignment[gpus[k]].
