@@ -14,9 +14,9 @@ import pytest
 from cephalo.api import ClusterSpec, GpuGroup, GpuProfile, ProfilePoint, memory, parse_job
 from cephalo.api.profile import model_key
 from cephalo.planner import InfeasibleError, solve
-from cephalo.planner.search import kept_blocks as kept_module
 from cephalo.planner.cost.comm_model import UnitComm
 from cephalo.planner.outputs.report import format_plan
+from cephalo.planner.search import kept_blocks as kept_module
 from cephalo.planner.search.evaluate import evaluate, score
 from cephalo.planner.search.offload import plan_fused_tail_blocks as fused_tail_blocks
 from cephalo.planner.search.problem import build_problem, without_recompute
