@@ -154,13 +154,6 @@ def seed_estimated_profiles(cluster: Cluster, ns: str, body: dict[str, Any],
     GPU's estimate is orders of magnitude faster than any CPU rank, on any machine.
     `products`: these GPU products (a test's own nodes) instead of the session's nodes'."""
     from cephalo.api import parse_job
-    from cephalo.operator.config import OperatorConfig
-    from cephalo.operator.render import (
-        LABEL_PROFILE,
-        LABEL_ROLE,
-        PROFILE_KEY,
-        profile_config_map_name,
-    )
     from cephalo.planner import estimate_profile
     from cephalo.planner.cost.catalog import lookup_gpu, resolve_precision
 
@@ -174,13 +167,72 @@ def seed_estimated_profiles(cluster: Cluster, ns: str, body: dict[str, Any],
         profile = estimate_profile(gpu.name, spec.model.resolve(),
                                    resolve_precision(spec.precision, gpu),
                                    spec.planner.profile_micro_batch_sizes)
-        name = profile_config_map_name(gpu.name, job, OperatorConfig())
-        cluster.rest.create(f"/api/v1/namespaces/{ns}/configmaps", {
-            "metadata": {"name": name, "labels": {LABEL_PROFILE: "true",
-                                                  LABEL_ROLE: "profile-cache"}},
-            "data": {PROFILE_KEY: profile.to_compact_json(), "product": gpu.name}})
-        names.append(name)
+        names.append(_cache_profile(cluster, ns, job, gpu.name, profile.to_compact_json()))
     return names
+
+
+def _cache_profile(cluster: Cluster, ns: str, job: Any, product: str, profile_json: str) -> str:
+    """Write `profile_json` where the operator caches `product`'s profile of `job`'s model
+    (its own ConfigMap name, labels and key), replacing an entry already there; its name."""
+    from cephalo.operator.config import OperatorConfig
+    from cephalo.operator.render import (
+        LABEL_PROFILE,
+        LABEL_ROLE,
+        PROFILE_KEY,
+        profile_config_map_name,
+    )
+
+    name = profile_config_map_name(product, job, OperatorConfig())
+    cluster.rest.request("DELETE", f"/api/v1/namespaces/{ns}/configmaps/{name}")
+    cluster.rest.create(f"/api/v1/namespaces/{ns}/configmaps", {
+        "metadata": {"name": name, "labels": {LABEL_PROFILE: "true",
+                                              LABEL_ROLE: "profile-cache"}},
+        "data": {PROFILE_KEY: profile_json, "product": product}})
+    return name
+
+
+# One CPU profile per (model, precision, sizes) for the session: measured once, by the
+# profiler the operator's profiler pods run (`python -m cephalo.trainer.profile`).
+_CPU_PROFILES: dict[str, str] = {}
+
+
+def seed_one_cpu_profile(cluster: Cluster, ns: str, body: dict[str, Any],
+                         micro_batch_sizes: Sequence[int], tmp_dir: Path) -> list[str]:
+    """Cache ONE profile of this CPU, measured at `micro_batch_sizes` by the real profiler,
+    as every session node's GPU's profile of `body`'s model: the job plans its two GPUs as
+    the equals they are (both are this CPU) and starts no profiler pod. Returns the names
+    written.
+
+    For tests whose verdict needs the plan a symmetric cluster gets (an even split, both GPUs
+    used). Two profiler pods measuring the same CPU at once on a loaded machine measure it
+    differently (a fresh-clone CI run at load 7 planned [0, 16] for two such GPUs: one
+    rank idle, nothing to rebalance from, and two re-plan tests on one GPU from the start),
+    and a plan extrapolates microbatch sizes beyond those measured from two noisy points;
+    `micro_batch_sizes` should cover every size the job's plan may take."""
+    import json
+
+    import yaml
+
+    from cephalo.api import parse_job
+    from cephalo.planner.cost.catalog import lookup_gpu
+
+    from .cluster import NODES
+
+    job = parse_job(body)
+    key = json.dumps([body["spec"]["model"], job.spec.precision, sorted(micro_batch_sizes)],
+                     sort_keys=True)
+    if key not in _CPU_PROFILES:
+        job_file, out = tmp_dir / "profiled-job.yaml", tmp_dir / "cpu-profile.json"
+        job_file.write_text(yaml.safe_dump(body))
+        run = subprocess.run(
+            [sys.executable, "-m", "cephalo.trainer.profile", "--job", str(job_file),
+             "--device", "cpu", "--cache-dir", "none", "--output", str(out),
+             "--micro-batch-sizes", ",".join(map(str, sorted(micro_batch_sizes)))],
+            capture_output=True, text=True, timeout=JOB_SECONDS)
+        assert run.returncode == 0, run.stderr
+        _CPU_PROFILES[key] = out.read_text()
+    return [_cache_profile(cluster, ns, job, lookup_gpu(product).name, _CPU_PROFILES[key])
+            for product in sorted({n.product for n in NODES})]
 
 
 def make_claim(cluster: Cluster, ns: str, name: str) -> None:

@@ -10,18 +10,26 @@ preempts: re-planning stays on, with its defaults, and keeps the plan."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from cephalo.api import parse_plan
 
 from .cluster import Cluster
-from .operator_run import JOB_SECONDS, JOBS, Operator, phases_until, tiny_job
+from .operator_run import (
+    JOB_SECONDS,
+    JOBS,
+    Operator,
+    phases_until,
+    seed_one_cpu_profile,
+    tiny_job,
+)
 
 INTERVAL_STEPS = 2  # spec.planner.rebalance.intervalSteps: a look every two steps
 
 
 def test_a_rank_slowed_mid_run_is_rebalanced_without_a_restart_under_the_real_api_server(
-        cluster: Cluster, operator: Operator, job_namespace: str) -> None:
+        cluster: Cluster, operator: Operator, job_namespace: str, tmp_path: Path) -> None:
     ns = job_namespace
     log_from = operator.log_size()
     cluster.kubelet.pod_env[(ns, "slowrank-rank-1")] = {
@@ -36,6 +44,9 @@ def test_a_rank_slowed_mid_run_is_rebalanced_without_a_restart_under_the_real_ap
             planner={"profileMicroBatchSizes": [1, 2], "chooseGpus": False,
                      "rebalance": {"intervalSteps": INTERVAL_STEPS}},
             checkpoint={"claimName": "ckpt", "intervalSteps": 1000})
+        # Both GPUs planned from one profile of this CPU at every size the plan may take:
+        # the even split [8, 8] whatever the machine's load (see seed_one_cpu_profile).
+        seed_one_cpu_profile(cluster, ns, body, [1, 2, 4, 8, 16], tmp_path)
         created = cluster.rest.create(JOBS.format(ns=ns), body, fieldValidation="Strict")
         shown: list[dict[str, Any]] = []
         phases, status = phases_until(cluster, ns, "slowrank",
