@@ -37,11 +37,13 @@ def run_cephalo(cwd: Path, *args: str, timeout: float = 240) -> subprocess.Compl
 
 
 def run_without_module(cwd: Path, module: str, job: Path) -> subprocess.CompletedProcess:
-    """`cephalo run job` with `module` hidden from that one process (importlib finds no
-    spec for it), as on a machine without the package."""
+    """`cephalo run job --devices cpu:2` with `module` hidden from that one process
+    (importlib finds no spec for it), as on a machine without the package. CPU devices named:
+    finding the default ones would import torch (~2 s of CPU) to look for a GPU first."""
     code = ("import sys, importlib.util as u; real = u.find_spec; u.find_spec = lambda n, *a: "
             f"None if n == {module!r} else real(n, *a); from cephalo.cli import main; "
-            f"sys.argv = ['cephalo', 'run', {str(job)!r}]; sys.exit(main())")
+            f"sys.argv = ['cephalo', 'run', {str(job)!r}, '--devices', 'cpu:2']; "
+            "sys.exit(main())")
     return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True,
                           text=True, timeout=120)
 

@@ -1,5 +1,7 @@
 """`cephalo run` measures the micro-batch sizes its plan assigns beyond the profiled ones
-before it uses the plan (issue 46 item 3): one extra profiler pass, cached with the rest."""
+before it uses the plan (issue 46 item 3): one extra profiler pass, cached with the rest.
+The job is ephemeral (`checkpoint.ephemeral: true`): its runs also show that such a job
+writes no checkpoints (asserted here rather than in a launch of its own)."""
 
 from __future__ import annotations
 
@@ -72,6 +74,10 @@ def test_a_plan_beyond_the_profiled_sizes_is_measured_once_then_runs(tmp_path: P
     assert "extrapolated" not in json.dumps(plan)
     assert "~ = micro-batch size above the profiled ones" not in out
     assert (run_dir / "profiles" / "measured-cpu-mbs-6.json").is_file()
+    # An ephemeral job: no checkpoint anywhere, and the summary says so.
+    assert "checkpoints none (spec.checkpoint.ephemeral: true)" in out, out
+    assert not (run_dir / "checkpoints").exists() or not any(
+        (run_dir / "checkpoints").iterdir())
     # The next run finds every size it plans with in the cache: no extra pass.
     again = run_cephalo(tmp_path, "run", str(job), "--devices", "cpu:1")
     assert again.returncode == 0, again.stdout + again.stderr

@@ -99,8 +99,12 @@ def test_a_tracking_server_that_is_down_costs_one_warning_line(tmp_path: Path,
     assert mlflow_log.CLOSE_TIMEOUT_SECONDS <= 30
     closed = free_listen_ports(1)  # nothing listens there
     job = _job(tiny_job, f"{{trackingUri: 'http://127.0.0.1:{closed}', experiment: e}}")
-    (tmp_path / "plan.json").write_text(json.dumps(PLAN))
-    done = run_cephalo(tmp_path, "run", str(job), "--devices", "cpu:2", "--plan", "plan.json")
+    # One rank: only rank 0 talks to MLflow (the test above shows rank 1 never does), and
+    # each rank more is a process that imports torch (~3 s of CPU).
+    (tmp_path / "plan.json").write_text(json.dumps({**PLAN, "world_size": 1, "ranks": [
+        {"rank": 0, "batch_size": 6, "micro_batch_size": 6, "num_micro_batches": 1,
+         "shard_ratio": 1.0}]}))
+    done = run_cephalo(tmp_path, "run", str(job), "--devices", "cpu:1", "--plan", "plan.json")
     assert done.returncode == 0, done.stdout + done.stderr
     (run_dir,) = (tmp_path / "runs" / "tiny").iterdir()
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 4
@@ -120,7 +124,8 @@ def test_a_tracking_server_that_is_down_costs_one_warning_line(tmp_path: Path,
 def test_mlflow_without_a_tracking_server_is_refused_before_anything_starts(
         tmp_path: Path, tiny_job, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    done = run_cephalo(tmp_path, "run", str(_job(tiny_job, "{experiment: e}")))
+    done = run_cephalo(tmp_path, "run", str(_job(tiny_job, "{experiment: e}")), "--devices",
+                       "cpu:2")  # named: finding the default devices imports torch (~2 s)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "spec.tracking.mlflow: no tracking server: set tracking.mlflow.trackingUri" \
         in done.stderr

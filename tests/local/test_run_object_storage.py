@@ -1,6 +1,7 @@
 """`cephalo run` with `checkpoint.uri`: the ranks checkpoint to `<uri>/<job>/<run timestamp>`
 on a real S3-compatible server (moto in server mode, over HTTP) and `--resume` finds them
-there; `checkpoint.ephemeral` runs without checkpoints."""
+there. (`checkpoint.ephemeral`, no checkpoints at all: test_run_extra_sizes.py, whose job
+is ephemeral.)"""
 
 from __future__ import annotations
 
@@ -74,16 +75,3 @@ def test_run_checkpoints_to_the_uri_and_resumes_from_it(tmp_path, s3_env) -> Non
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"resumed from {uri}" in (run_dir / "logs" / "rank-0.log").read_text()
     assert "over steps 3-4 (resumed after step 2)" in done.stdout
-
-
-def test_ephemeral_run_writes_no_checkpoints(tmp_path) -> None:
-    job = tmp_path / "tiny.yaml"
-    job.write_text(TINY_JOB.format(name="tiny", batch=6, steps=2).replace(
-        "checkpoint: {intervalSteps: 2}", "checkpoint: {ephemeral: true}"))
-    done = _run(tmp_path, {}, "run", str(job), "--plan", str(_plan(tmp_path)),
-                "--devices", "cpu:2")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "checkpoints none (spec.checkpoint.ephemeral: true)" in done.stdout
-    (run_dir,) = (tmp_path / "runs" / "tiny").iterdir()
-    assert not (run_dir / "checkpoints").exists() or not any(
-        (run_dir / "checkpoints").iterdir())

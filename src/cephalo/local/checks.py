@@ -270,12 +270,16 @@ def check_device_precisions(spec: CephaloJobSpec, devices: list[LocalDevice],
                             plan: Plan | None = None) -> None:
     """Every device can run the precision its rank will compute in (the plan's, else the
     job's; `auto` is the planner's to resolve, and each rank checks again on start)."""
+    wanted = [r.precision or spec.precision for r in plan.ranks] if plan is not None \
+        else [spec.precision] * len(devices)
+    # fp32 runs on every device (trainer.precision.precision_problem): nothing to probe, and
+    # importing torch just to learn that costs this command ~2 s of CPU.
+    if all(p in ("fp32", "auto") for p in wanted[:len(devices)]):
+        return
     import torch
 
     from cephalo.trainer.precision import PrecisionError, check_precision
 
-    wanted = [r.precision or spec.precision for r in plan.ranks] if plan is not None \
-        else [spec.precision] * len(devices)
     for device, precision in zip(devices, wanted, strict=False):
         if precision == "auto":
             continue
