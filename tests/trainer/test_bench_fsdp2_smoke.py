@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -69,17 +70,29 @@ def test_quick_bench_runs_every_contender_to_equal_losses() -> None:
         assert all(v >= state_mib for v in regime["peak_allocated_mib"].values()), state_mib
 
 
+def _main_json(bench: ModuleType, argv: list[str],
+               capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    """The bench's `main` run in this process, its JSON from stdout. Its ranks fork from
+    this process's fork server (started once per test process, shared with every spawning
+    test) instead of a new interpreter and its own fork server each importing torch (about
+    5 of the 9 CPU seconds such a run took as a command). The command itself, exit code
+    and JSON on stdout, is test_quick_bench_runs_every_contender_to_equal_losses's."""
+    capsys.readouterr()
+    code = bench.main([*argv, "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-3000:]
+    return dict(json.loads(out.out))
+
+
 @pytest.mark.slow
-def test_bf16_autocast_and_a_chosen_subset_on_cpu() -> None:
+def test_bf16_autocast_and_a_chosen_subset_on_cpu(bench: ModuleType,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """--precision bf16: both engines under the same autocast reach the same losses (within
     the bf16 tolerance); --contenders runs only the named ones, and only their ratios."""
     names = ["cephalo recompute", "cephalo keep", "fsdp2 no-sync"]
-    done = subprocess.run([sys.executable, "-I", str(BENCH), "--quick", "--regime", "compute",
-                           "--precision", "bf16", "--no-memory", "--rounds", "1", "--json",
-                           "--contenders", ",".join(names)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    regime = json.loads(done.stdout)["compute"]
+    regime = _main_json(bench, ["--quick", "--regime", "compute", "--precision", "bf16",
+                                "--no-memory", "--rounds", "1",
+                                "--contenders", ",".join(names)], capsys)["compute"]
     assert regime["precision"] == "bf16" and regime["losses_equal"]
     assert list(regime["step_seconds_median"]) == names
     assert set(regime["ratios"]) == {"cephalo recompute / fsdp2 no-sync",
@@ -88,17 +101,14 @@ def test_bf16_autocast_and_a_chosen_subset_on_cpu() -> None:
 
 
 @pytest.mark.slow
-def test_bf16_gathers_in_both_engines_reach_the_same_losses() -> None:
+def test_bf16_gathers_in_both_engines_reach_the_same_losses(
+        bench: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
     """--gather bf16: Cephalo's bf16 all-gathers and FSDP2's MixedPrecisionPolicy (param
     bf16, reduce fp32) train to the same losses within the bf16 tolerance."""
     names = ["cephalo recompute", "fsdp2 per-microbatch"]
-    done = subprocess.run([sys.executable, "-I", str(BENCH), "--quick", "--regime",
-                           "communication", "--precision", "bf16", "--gather", "bf16",
-                           "--no-memory", "--rounds", "1", "--json",
-                           "--contenders", ",".join(names)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    regime = json.loads(done.stdout)["communication"]
+    regime = _main_json(bench, ["--quick", "--regime", "communication", "--precision", "bf16",
+                                "--gather", "bf16", "--no-memory", "--rounds", "1",
+                                "--contenders", ",".join(names)], capsys)["communication"]
     assert regime["gather"] == "bf16" and regime["losses_equal"]
     assert list(regime["ratios"]) == ["cephalo recompute / fsdp2 per-microbatch"]
 
@@ -116,12 +126,10 @@ def test_device_cuda_without_a_gpu_is_a_one_line_error() -> None:
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fsdp2_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses resolve their annotations there
-    spec.loader.exec_module(module)
-    return module
+    # Imported by its own name from its folder, as its modules import each other: the ranks
+    # `main` spawns from this process unpickle its worker function by that name.
+    sys.path.insert(0, str(BENCH.parent))
+    return importlib.import_module(BENCH.stem)
 
 
 @pytest.mark.parametrize("argv, message", [

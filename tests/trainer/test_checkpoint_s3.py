@@ -28,9 +28,11 @@ from cephalo.cli import main as cli_main  # noqa: E402
 from cephalo.trainer import checkpoint  # noqa: E402
 from cephalo.trainer.engine import Layout  # noqa: E402
 from cephalo.trainer.models import build_model  # noqa: E402
-from cephalo.trainer.run import train  # noqa: E402
 from cephalo.trainer.spawn import free_port, spawn_ranks  # noqa: E402
 from cephalo.trainer.storage import Store  # noqa: E402
+
+# Ranks import their function's module: this one imports no boto3 (rank_workers.py).
+from tests.rank_workers import train_on_object_storage as _worker  # noqa: E402
 
 BUCKET = "checkpoints"
 STEPS = 4
@@ -70,31 +72,6 @@ def s3_env(s3: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> dict[str, str
     return s3
 
 
-def _worker(rank: int, world_size: int, env: dict[str, str], layout: Layout, url: str,
-            stop_after_step: int | None, die_in_save: int | None = None) -> dict:
-    # Ranks fork from a server started before the test set its environment: pass it on.
-    os.environ.update(env)
-    if die_in_save is not None and rank == world_size - 1:
-        calls = [0]
-        real_save = torch.save
-
-        def save_then_die(obj: object, f: object, *args: object, **kwargs: object) -> None:
-            calls[0] += 1
-            if calls[0] == die_in_save:  # half a shard has gone out, then the rank dies
-                f.write(b"\0" * 4096)  # type: ignore[attr-defined]
-                os._exit(9)
-            real_save(obj, f, *args, **kwargs)  # type: ignore[arg-type]
-
-        torch.save = save_then_die  # type: ignore[assignment]
-    try:
-        outcome = train(CephaloJobSpec.model_validate(JOB), layout, url,
-                        stop_after_step=stop_after_step, verbose=False)
-    except Exception as err:
-        return {"error": str(err)}
-    return {"first": outcome.first_step, "last": outcome.last_step, "losses": outcome.losses,
-            "checkpoints": outcome.checkpoints}
-
-
 def _complete_steps(url: str) -> list[int]:
     store = Store(url)
     return [int(n.split("-")[1]) for n in store.folders("step-")
@@ -105,16 +82,16 @@ def _complete_steps(url: str) -> list[int]:
 def test_save_on_two_ranks_resume_on_three_prunes_and_exports(s3_env: dict[str, str],
                                                               tmp_path: Path) -> None:
     url = f"s3://{BUCKET}/resume/team-a/job"
-    first = spawn_ranks(_worker, 2, s3_env, TWO, url, 2)
+    first = spawn_ranks(_worker, 2, s3_env, JOB, TWO, url, 2)
     assert first[0]["last"] == 2 and first[0]["checkpoints"] == [f"{url}/step-00000001",
                                                                  f"{url}/step-00000002"]
     assert _complete_steps(url) == [1, 2]
-    resumed = spawn_ranks(_worker, 3, s3_env, THREE, url, None)
+    resumed = spawn_ranks(_worker, 3, s3_env, JOB, THREE, url, None)
     assert [r["first"] for r in resumed] == [2, 2, 2] and resumed[0]["last"] == STEPS
     assert _complete_steps(url) == [3, 4]  # keep: 2, older ones pruned from the bucket
     assert not [n for n in Store(url).folders("") if n.startswith(".cephalo-probe")]
 
-    reference = spawn_ranks(_worker, 2, s3_env, TWO, str(tmp_path / "reference"), None)
+    reference = spawn_ranks(_worker, 2, s3_env, JOB, TWO, str(tmp_path / "reference"), None)
     assert resumed[0]["losses"] == pytest.approx(reference[0]["losses"][2:], rel=1e-5)
     info = checkpoint.find_latest(url)
     assert info is not None and info.step == STEPS and info.meta["world_size"] == 3
@@ -134,21 +111,21 @@ def test_rank_killed_mid_upload_leaves_a_torn_checkpoint_that_is_skipped(
         s3_env: dict[str, str]) -> None:
     url = f"s3://{BUCKET}/killed/team-a/job"
     with pytest.raises(RuntimeError):  # rank 1 dies in its third checkpoint write
-        spawn_ranks(_worker, 2, s3_env, TWO, url, None, 3)
+        spawn_ranks(_worker, 2, s3_env, JOB, TWO, url, None, 3)
     store = Store(url)
     assert _complete_steps(url) == [1, 2]
     assert store.folders("step-") == ["step-00000001", "step-00000002", "step-00000003"]
     assert "rank-00001.pt" not in store.sizes("step-00000003")  # never became visible
     assert checkpoint.find_latest(url).step == 2  # type: ignore[union-attr]
 
-    resumed = spawn_ranks(_worker, 2, s3_env, TWO, url, None)
+    resumed = spawn_ranks(_worker, 2, s3_env, JOB, TWO, url, None)
     assert resumed[0]["first"] == 2 and resumed[0]["last"] == STEPS
     assert _complete_steps(url) == [3, 4]
     # A checkpoint whose marker exists but whose shard was altered is skipped on resume,
     # found by the rank that reads that shard.
     store.write_bytes("step-00000004/rank-00000.pt",
                       b"\0" * store.sizes("step-00000004")["rank-00000.pt"])
-    again = spawn_ranks(_worker, 2, s3_env, TWO, url, None)
+    again = spawn_ranks(_worker, 2, s3_env, JOB, TWO, url, None)
     assert again[0]["first"] == 3
 
 
@@ -157,14 +134,14 @@ def test_bad_credentials_and_missing_bucket_are_one_clear_line_on_every_rank(
         s3_env: dict[str, str]) -> None:
     wrong = {**s3_env, "AWS_SECRET_ACCESS_KEY": "not-the-secret"}
     url = f"s3://{BUCKET}/denied/job"
-    results = spawn_ranks(_worker, 2, wrong, TWO, url, None)
+    results = spawn_ranks(_worker, 2, wrong, JOB, TWO, url, None)
     for result in results:
         message = result["error"]
         assert "\n" not in message
         assert f"rank 0 cannot write to {url}/.cephalo-probe-" in message
         assert "rank 1 cannot write" in message
         assert "check the storage credentials" in message
-    results = spawn_ranks(_worker, 2, s3_env, TWO, "s3://no-such-bucket/job", None)
+    results = spawn_ranks(_worker, 2, s3_env, JOB, TWO, "s3://no-such-bucket/job", None)
     for result in results:
         assert "bucket does not exist" in result["error"]
         assert "check that the bucket" in result["error"]

@@ -25,6 +25,7 @@ from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Layout
 from cephalo.trainer.models import build_model
 from cephalo.trainer.spawn import spawn_ranks
+from tests.rank_workers import train_job  # imports no transformers: ranks import it
 
 pytestmark = pytest.mark.slow
 UNEVEN = Layout([5, 2, 1], [1, 2, 1], [0.5, 0.3, 0.2])
@@ -36,15 +37,6 @@ def _job(pretrained: str, steps: int) -> CephaloJobSpec:
         "model": {"pretrained": pretrained, "sequenceLength": SEQ}, "globalBatchSize": BATCH,
         "training": {"steps": steps, "learningRate": 1e-3, "warmupSteps": 0},
         "checkpoint": {"intervalSteps": 2}})
-
-
-def _train(rank: int, world_size: int, pretrained: str, steps: int, ckpt: str,
-           layout: Layout, stop_after: int | None) -> dict:
-    from cephalo.trainer.run import train
-
-    outcome = train(_job(pretrained, steps), layout, ckpt, stop_after_step=stop_after,
-                    verbose=False)
-    return {"first": outcome.first_step, "losses": outcome.losses}
 
 
 def _write_tokenizer(folder: Path) -> None:
@@ -80,13 +72,13 @@ def test_llama_round_trip_on_three_uneven_ranks(tmp_path: Path) -> None:
     source, ckpt = tmp_path / "hf-in", tmp_path / "ckpt"
     reference = save_random(llama_config(), source, shard_size="20KB")  # sharded input
     _write_tokenizer(source)
-    first = spawn_ranks(_train, 3, str(source), 3, str(ckpt), UNEVEN, 2)  # stops at step 2
+    first = spawn_ranks(train_job, 3, _job(str(source), 3), str(ckpt), UNEVEN, 2)  # to step 2
     # step 1's loss is the pretrained model's loss on step 1's batch (not ln(96) = 4.56)
     expected = _first_batch_loss(reference, _job(str(source), 3))
     assert abs(first[0]["losses"][0] - expected) <= 1e-5 * expected
     # the resume takes precedence over the pretrained weights: step 3 starts from step 2's
     # checkpoint, whose loss on step 3's batch differs from the pretrained model's
-    resumed = spawn_ranks(_train, 3, str(source), 3, str(ckpt), UNEVEN, None)
+    resumed = spawn_ranks(train_job, 3, _job(str(source), 3), str(ckpt), UNEVEN)
     assert resumed[0]["first"] == 2
     assert abs(resumed[0]["losses"][0] - _first_batch_loss(reference, _job(str(source), 3),
                                                            step=2)) > 1e-3
@@ -109,8 +101,8 @@ def test_llama_round_trip_on_three_uneven_ranks(tmp_path: Path) -> None:
 def test_gpt2_round_trip_and_unexportable_family(tmp_path: Path, capsys) -> None:
     source, ckpt = tmp_path / "hf-in", tmp_path / "ckpt"
     reference = save_random(gpt2_config(), source)
-    results = spawn_ranks(_train, 1, str(source), 2, str(ckpt), Layout([BATCH], [4], [1.0]),
-                        None)
+    results = spawn_ranks(train_job, 1, _job(str(source), 2), str(ckpt),
+                          Layout([BATCH], [4], [1.0]))
     expected = _first_batch_loss(reference, _job(str(source), 2))
     assert abs(results[0]["losses"][0] - expected) <= 1e-5 * expected
     exported = _export_and_compare(ckpt, tmp_path / "hf-out")
@@ -128,21 +120,15 @@ def test_gpt2_round_trip_and_unexportable_family(tmp_path: Path, capsys) -> None
         to_hf_config(preset("vit-tiny"))
 
 
-def _scratch(rank: int, world_size: int, ckpt: str) -> None:
-    from cephalo.trainer.run import train
-
-    job = CephaloJobSpec.model_validate({
-        "model": {"preset": "gpt-tiny"}, "globalBatchSize": 2, "training": {"steps": 1}})
-    train(job, Layout([2], [2], [1.0]), ckpt, verbose=False)
-
-
 def test_a_model_trained_from_scratch_takes_its_special_ids_from_the_exported_tokenizer(
         tmp_path: Path) -> None:
     """No pretrained config names bos/eos/pad: the tokenizer exported with the model does
     (`--tokenizer`), so `generate` stops at its eos. Tokens the tokenizer lacks stay null (a
     tokenizer with ids outside the model's vocabulary is refused: test_export_trust.py)."""
     ckpt, tok = tmp_path / "ckpt", tmp_path / "tok"
-    spawn_ranks(_scratch, 1, str(ckpt))
+    job = CephaloJobSpec.model_validate({
+        "model": {"preset": "gpt-tiny"}, "globalBatchSize": 2, "training": {"steps": 1}})
+    spawn_ranks(train_job, 1, job, str(ckpt), Layout([2], [2], [1.0]))
     tok.mkdir()
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "[UNK]": 3} | {f"w{i}": 4 + i for i in range(252)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
