@@ -4,7 +4,7 @@ process (cluster_sim.TrainingSim plays the kubelet and the trainer).
 `submit --watch` (piped and on a pseudo-terminal) and the first bad-input case run as the
 installed `cephalo` console script in a subprocess, the way a user runs them: the console
 script, the exit status and a terminal are what those check. The other commands run
-`cephalo.cli.main` in this process (`cephalo_in_process`: the same parser, handlers and
+`cephalo.cli.main` in this process (cli_in_process.py: the same parser, handlers and
 one-line errors, ~1 CPU-second less each than a fresh interpreter importing the
 kubernetes client). Both, and the client's own calls, run in a worker thread (the emulator
 serves from this test's event loop).
@@ -13,8 +13,6 @@ serves from this test's event loop).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import io
 import json
 import os
 import pty
@@ -27,6 +25,7 @@ import kmock
 import pytest
 import pytest_asyncio
 import yaml
+from cli_in_process import cephalo_in_process
 from cluster_sim import TrainingSim, operator_env
 from conftest import write_kubeconfig
 from kube_emulator import ApiEmulator
@@ -41,7 +40,6 @@ from operator_harness import (  # noqa: F401 (fixtures)
     wait_phase,
 )
 
-from cephalo.cli import main as cli_main
 from cephalo.client import CephaloClient, WaitTimeout
 
 pytestmark = pytest.mark.asyncio
@@ -96,31 +94,6 @@ async def cephalo(kubeconfig: Path | None, *args: str, tty: bool = False,
     finally:
         os.close(master)
     return int(proc.returncode or 0), out.decode(), err.decode()
-
-
-async def cephalo_in_process(kubeconfig: Path | None, *args: str,
-                             env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    """`cephalo.cli.main(args)` in a worker thread with `env` (and KUBECONFIG) set in this
-    process while it runs: (exit code, stdout, stderr), as `cephalo` returns them. An
-    exception main() lets through (a traceback a user would see) fails the test; argparse's
-    SystemExit is its exit code."""
-    environ = {**(env or {})}
-    if kubeconfig is not None:
-        environ["KUBECONFIG"] = str(kubeconfig)
-    out, err = io.StringIO(), io.StringIO()
-
-    def run() -> int:
-        try:
-            return cli_main(list(args))
-        except SystemExit as exc:
-            return int(exc.code or 0) if not isinstance(exc.code, str) else 2
-
-    with pytest.MonkeyPatch.context() as patch:
-        for key, value in environ.items():
-            patch.setenv(key, value)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            rc = await asyncio.to_thread(run)
-    return rc, out.getvalue(), err.getvalue()
 
 
 @pytest_asyncio.fixture()
