@@ -1,9 +1,13 @@
 """`cephalo.client` and the cluster commands against the API emulator and the real operator
 process (cluster_sim.TrainingSim plays the kubelet and the trainer).
 
-The commands run as the installed `cephalo` console script in a subprocess (piped, or on a
-pseudo-terminal), the way a user runs them; the client's own calls run in a worker thread
-(the emulator serves from this test's event loop).
+`submit --watch` (piped and on a pseudo-terminal) and the first bad-input case run as the
+installed `cephalo` console script in a subprocess, the way a user runs them: the console
+script, the exit status and a terminal are what those check. The other commands run
+`cephalo.cli.main` in this process (cli_in_process.py: the same parser, handlers and
+one-line errors, ~1 CPU-second less each than a fresh interpreter importing the
+kubernetes client). Both, and the client's own calls, run in a worker thread (the emulator
+serves from this test's event loop).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import kmock
 import pytest
 import pytest_asyncio
 import yaml
+from cli_in_process import cephalo_in_process
 from cluster_sim import TrainingSim, operator_env
 from conftest import write_kubeconfig
 from kube_emulator import ApiEmulator
@@ -129,12 +134,12 @@ async def test_submit_watch_to_succeeded_piped_and_on_a_terminal(
     assert rc == 0, out + err
     assert "\r\x1b[2K" in out and "█" * 24 + "]  step 20/20 (100%)" in out, out
     assert "Succeeded: 1 rank completed" in out.splitlines()[-1]  # was "all 1 ranks"
-    rc, out, _ = await cephalo(emulator.kubeconfig, "status")
+    rc, out, _ = await cephalo_in_process(emulator.kubeconfig, "status")
     table = out.splitlines()
     assert rc == 0 and table[0].split()[:3] == ["NAME", "PHASE", "GPUS"], out
     assert any(r.split()[:4] == ["tiny", "Succeeded", "1xNVIDIA-L4", "20/20"] for r in table)
     # One job in full: its phase, the plan per rank and the conditions.
-    rc, out, _ = await cephalo(emulator.kubeconfig, "status", "tiny")
+    rc, out, _ = await cephalo_in_process(emulator.kubeconfig, "status", "tiny")
     lines = out.splitlines()
     assert rc == 0 and lines[1].startswith("Phase:       Succeeded"), out
     assert [row.split()[:2] for row in lines if row.split()[1:2] == ["L4"]] == [["0", "L4"]], out
@@ -161,17 +166,17 @@ async def test_logs_follow_rank_into_the_next_attempt_and_a_failed_job_exits_1(
     assert rank1[crash + 2].startswith("[rank 1] rank 1: attempt 1 started")
     assert rank1[-1] == "[rank 1] training done; final checkpoint written"
     assert (await asyncio.to_thread(client.get, "gr")).status.restarts == 1
-    rc, out, _ = await cephalo(emulator.kubeconfig, "logs", "gr", "--rank", "1")
+    rc, out, _ = await cephalo_in_process(emulator.kubeconfig, "logs", "gr", "--rank", "1")
     assert rc == 0 and out.splitlines()[-1] == "[rank 1] training done; final checkpoint written"
     # A job that fails: `cephalo watch` exits 1 with the blamed rank and its reason.
     cluster.fail_at[("doomed", 0)] = (0, 4)
     await asyncio.to_thread(client.submit, str(job_file(tmp_path, "doomed", **{
         **spec, "backoffLimit": 0})))
-    rc, out, err = await cephalo(emulator.kubeconfig, "watch", "doomed")
+    rc, out, err = await cephalo_in_process(emulator.kubeconfig, "watch", "doomed")
     assert one_line_error(rc, err, code=1).startswith(
         "Failed: BackoffLimitExceeded: rank 0 (pool NVIDIA-L4, pod doomed-rank-0) failed with "
         "exit code 1"), err
-    rc, out, _ = await cephalo(emulator.kubeconfig, "status", "doomed")
+    rc, out, _ = await cephalo_in_process(emulator.kubeconfig, "status", "doomed")
     assert rc == 1 and "Blamed rank: rank 0 (pool NVIDIA-L4" in out and "Recent events:" in out
 
 
@@ -209,7 +214,8 @@ async def test_plan_on_cluster_equals_the_operators_plan(
         {"key": "team", "value": "ml", "effect": "NoSchedule"}]}})
     holder = job_file(tmp_path, "holder", training={"steps": 10**6},
                       gpuPools=[{"product": "RTX-A6000"}])
-    rc, out, err = await cephalo(emulator.kubeconfig, "submit", str(holder))  # until planned
+    # `submit` without --watch or --detach returns once planned
+    rc, out, err = await cephalo_in_process(emulator.kubeconfig, "submit", str(holder))
     assert rc == 0 and "\n   0  RTX-A6000 " in out, out + err
     assert out.splitlines()[-1] == ("follow it: cephalo watch holder -n default; logs: cephalo "
                                     "logs holder -n default -f"), out
@@ -217,13 +223,13 @@ async def test_plan_on_cluster_equals_the_operators_plan(
     target = job_file(tmp_path, "target", gpuPools=None, checkpoint={"claimName": "ckpt"},
                       planner={"chooseGpus": False, "profileMicroBatchSizes": [1, 2, 4, 8]},
                       globalBatchSize=64)
-    rc, out, err = await cephalo(emulator.kubeconfig, "submit", str(target), "--detach")
+    rc, out, err = await cephalo_in_process(emulator.kubeconfig, "submit", str(target), "--detach")
     assert rc == 0, err
     await wait_for("target planned", lambda: cond(emulator, "target", "Planned").get(
         "status") == "True", timeout=120)
     chosen = plan_of(emulator, "target")
-    rc, out, err = await cephalo(emulator.kubeconfig, "plan", "--cluster", "--job", str(target),
-                                 "--json")
+    rc, out, err = await cephalo_in_process(emulator.kubeconfig, "plan", "--cluster", "--job",
+                                            str(target), "--json")
     assert rc == 0, err
     assert json.loads(out) == json.loads(chosen.to_json())
     assert {r.pool for r in chosen.ranks} == {"NVIDIA-L4", "Tesla-P40"}  # what was free
@@ -251,37 +257,37 @@ async def test_bad_input_and_bad_clusters_are_one_line_each(
         "KUBECONFIG (or --kubeconfig) at your cluster's kubeconfig")
     garbage = tmp_path / "garbage"
     garbage.write_text("clusters: [\n")
-    rc, _, err = await cephalo(garbage, "status", env=home)
+    rc, _, err = await cephalo_in_process(garbage, "status", env=home)
     assert one_line_error(rc, err).startswith(f"cephalo status: error: kubeconfig {garbage} is "
                                               "not a kubeconfig: "), err
     dead = write_kubeconfig(tmp_path / "dead", f"http://127.0.0.1:{free_port()}")
-    rc, _, err = await cephalo(dead, "status", env=home)
+    rc, _, err = await cephalo_in_process(dead, "status", env=home)
     assert "cannot reach the Kubernetes API server (context 'emulator', server http://127.0.0.1:" \
         in one_line_error(rc, err) and "connection refused" in err, err
     async with ApiEmulator() as bare, kmock.Server(bare) as server:
         no_crd = write_kubeconfig(tmp_path / "bare", str(server.url).rstrip("/"))
-        rc, _, err = await cephalo(no_crd, "submit", ok, env=home)
+        rc, _, err = await cephalo_in_process(no_crd, "submit", ok, env=home)
     assert one_line_error(rc, err).endswith(
         "has no CephaloJob resource (cephalojobs.cephalo.dev): install the chart: helm install "
         "cephalo charts/cephalo-operator -n cephalo-system --create-namespace"), err
     emulator.forbidden.add(("create", "cephalojobs"))
-    rc, _, err = await cephalo(emulator.kubeconfig, "submit", ok, env=home)
+    rc, _, err = await cephalo_in_process(emulator.kubeconfig, "submit", ok, env=home)
     assert one_line_error(rc, err).startswith(
         "cephalo submit: error: RBAC forbids create on cephalojobs.cephalo.dev in namespace "
         "default (context 'emulator', server http"), err
     emulator.forbidden.clear()
-    rc, _, err = await cephalo(emulator.kubeconfig, "status", "nope", env=home)
+    rc, _, err = await cephalo_in_process(emulator.kubeconfig, "status", "nope", env=home)
     assert one_line_error(rc, err).startswith(
         "cephalo status: error: no CephaloJob 'nope' in namespace default"), err
     await apply_job(emulator, job_body("elsewhere", namespace="team-a"))
-    rc, _, err = await cephalo(emulator.kubeconfig, "logs", "elsewhere", env=home)
+    rc, _, err = await cephalo_in_process(emulator.kubeconfig, "logs", "elsewhere", env=home)
     assert one_line_error(rc, err) == (
         "cephalo logs: error: no CephaloJob 'elsewhere' in namespace default; there is one in "
         "namespace team-a: add --namespace team-a")
     bad = tmp_path / "bad.yaml"
     bad.write_text(Path(ok).read_text().replace("globalBatchSize: 16", "globalBatchSize: 0"))
     posts = len([c for c in emulator.calls if c.verb == "create"])
-    rc, _, err = await cephalo(emulator.kubeconfig, "submit", str(bad), env=home)
+    rc, _, err = await cephalo_in_process(emulator.kubeconfig, "submit", str(bad), env=home)
     assert one_line_error(rc, err) == (
         f"cephalo submit: error: {bad}: spec.globalBatchSize: Input should be greater than or "
         "equal to 1")
@@ -320,11 +326,11 @@ async def test_watch_survives_dropped_streams_and_410_then_suspend_resume_delete
     with pytest.raises(WaitTimeout, match=r"CephaloJob 'slow' is still Pending after 0\.5 s"):
         await asyncio.to_thread(client.wait, "slow", timeout_seconds=0.5)
     for command, suspended in (("suspend", True), ("resume", False)):
-        rc, out, err = await cephalo(emulator.kubeconfig, command, "w")
+        rc, out, err = await cephalo_in_process(emulator.kubeconfig, command, "w")
         assert rc == 0 and out.startswith(f"cephalojob default/w {command.rstrip('e')}ed"), err
         job = await asyncio.to_thread(client.get, "w")
         assert job.spec is not None and job.spec.suspend is suspended
-    rc, out, err = await cephalo(emulator.kubeconfig, "delete", "w")
+    rc, out, err = await cephalo_in_process(emulator.kubeconfig, "delete", "w")
     assert rc == 0 and out == "cephalojob default/w deleted\n", err
-    rc, _, err = await cephalo(emulator.kubeconfig, "delete", "w")
+    rc, _, err = await cephalo_in_process(emulator.kubeconfig, "delete", "w")
     assert one_line_error(rc, err).startswith("cephalo delete: error: no CephaloJob 'w'")

@@ -7,8 +7,6 @@ spec.elastic never rescales. (test_operator_elastic_e2e.py runs real trainer pro
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +14,7 @@ import kmock
 import pytest
 import yaml
 from aiohttp import ClientSession
+from cli_in_process import cephalo_in_process
 from elastic_harness import (  # noqa: F401 (the sim fixture)
     ELASTIC,
     HELD_AT,
@@ -79,15 +78,12 @@ async def test_an_elastic_job_grows_when_another_job_lets_its_gpus_go(sim: Sim,
     assert 'cephalo_operator_rescales_total{cephalo_job="a",cephalo_namespace="default"} 1.0' \
         in text
     # The client explains it: `cephalo status a` and `cephalo plan --cluster --job`.
-    env = {**os.environ, "KUBECONFIG": str(sim.api.kubeconfig)}
+    # (in process: test_client_cli runs the console script itself)
     job_file = tmp_path / "a.yaml"
     job_file.write_text(yaml.safe_dump(elastic_job("a", STEPS, elastic=SHORT_ELASTIC)))
     for args in (["status", "a"], ["plan", "--cluster", "--job", str(job_file)]):
-        proc = await asyncio.create_subprocess_exec(
-            str(Path(sys.executable).parent / "cephalo"), *args, env=env,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        out, err = await asyncio.wait_for(proc.communicate(), WAIT_SECONDS)
-        text = out.decode() + err.decode()
+        _, out, err = await cephalo_in_process(sim.api.kubeconfig, *args)
+        text = out + err
         print(text)  # the README's example
         assert "Elastic:" in text and "1 rescale(s)" in text, text
         assert "rescaled; could use NVIDIA-A10G x8: 4 -> 8 GPUs: predicted" in text, text
