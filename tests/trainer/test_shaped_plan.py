@@ -43,6 +43,7 @@ BATCH = 128
 STEPS = 5  # the first 2 left out (shaped.WARMUP_STEPS): 3 timed steps per run
 
 
+@pytest.mark.exclusive  # its verdict is a timing on this machine's two cores
 @pytest.mark.slow  # a profile, 3 link measurements and 4 short runs: about 90 s
 @pytest.mark.skipif(shaped.unavailable() is not None, reason=str(shaped.unavailable()))
 def test_chosen_plan_predicts_its_step_and_moves_as_the_shaped_link_slows(
