@@ -59,12 +59,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 # Tests marked `exclusive` run while no other test of the session runs: their verdict is a
-# timing on this machine's cores (a plan's predicted step against the measured one on a
-# shaped link), which the other xdist worker's load moved outside its band (CI: 0.72 at 300
-# Mbit/s with the other worker busy; 1.00 alone). A turnstile of two flock(2) files shared by
-# the workers: every test holds `run` shared; an exclusive one takes `gate` (so no new test
-# starts) and then `run` exclusively (so it waits for the running ones to end). The
-# scheduler hands the exclusive files out last, where the other worker has the least left.
+# timing on this machine's cores (a plan's predicted step against the measured one on a shaped
+# link), which the other xdist worker's load moved outside its band (CI: 0.72 at 300 Mbit/s
+# with the other worker busy; 1.00 alone; and, with the compute its run measured in the
+# verdict, the probe's reading of the 50 Mbit/s link 0.73 of the rate, 0.81 alone). A
+# turnstile of two flock(2) files shared by the workers: every test holds `run` shared; an
+# exclusive one takes `gate` (so no new test starts) and then `run` exclusively (so it waits
+# for the running ones to end). The scheduler hands the exclusive files out last, where the
+# other worker has the least left.
 EXCLUSIVE_MARK = "exclusive"
 # The files that hold exclusive tests (the scheduler, in xdist's controller, sees node ids
 # only, not markers): a marked test elsewhere is a usage error at collection.
