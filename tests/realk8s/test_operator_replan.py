@@ -56,6 +56,19 @@ def _slow_link_job(name: str, ns: str, steps: int, replan: bool) -> dict[str, An
         checkpoint={"claimName": "ckpt", "intervalSteps": 1000})
 
 
+def _run_slow_link_job(cluster: Cluster, ns: str, name: str, steps: int, replan: bool,
+                       tmp_path: Path) -> dict[str, Any]:
+    """`_slow_link_job` run to its end, its GPUs planned from one profile of this CPU
+    (SEEDED_SIZES): its final status, after checking it Succeeded."""
+    body = _slow_link_job(name, ns, steps=steps, replan=replan)
+    seed_one_cpu_profile(cluster, ns, body, SEEDED_SIZES, tmp_path)
+    created = cluster.rest.create(JOBS.format(ns=ns), body, fieldValidation="Strict")
+    phases, status = phases_until(cluster, ns, name, created["metadata"]["resourceVersion"],
+                                  {"Succeeded", "Failed"}, JOB_SECONDS)
+    assert phases[-1] == "Succeeded", f"{phases}: {status.get('message')}"
+    return status
+
+
 def _adopted_plan(cluster: Cluster, ns: str, name: str) -> Plan:
     """The plan the operator gave the job's ranks (its ConfigMap, as the ranks read it)."""
     cm = cluster.rest.must("GET", f"/api/v1/namespaces/{ns}/configmaps/{name}-plan")
@@ -66,12 +79,7 @@ def test_a_too_optimistic_network_is_replanned_under_the_real_api_server(
         cluster: Cluster, operator: Operator, job_namespace: str, tmp_path: Path) -> None:
     ns = job_namespace
     log_from = operator.log_size()
-    body = _slow_link_job("slowlink", ns, steps=30, replan=True)
-    seed_one_cpu_profile(cluster, ns, body, SEEDED_SIZES, tmp_path)
-    created = cluster.rest.create(JOBS.format(ns=ns), body, fieldValidation="Strict")
-    phases, status = phases_until(cluster, ns, "slowlink", created["metadata"]["resourceVersion"],
-                                  {"Succeeded", "Failed"}, JOB_SECONDS)
-    assert phases[-1] == "Succeeded", f"{phases}: {status.get('message')}"
+    status = _run_slow_link_job(cluster, ns, "slowlink", 30, True, tmp_path)
     replan, elastic = status["replan"], status["elastic"]
     cal = replan["lastReplan"]
     assert replan["replans"] == 1 and cal["verdict"] == "Replan", replan
@@ -147,12 +155,7 @@ def test_a_job_that_opted_out_keeps_its_plan_under_the_real_api_server(
     """The too-optimistic network's job with re-planning off: it keeps its two GPUs, though
     the operator had the timed steps that re-planned the other."""
     ns = job_namespace
-    body = _slow_link_job("optout", ns, steps=12, replan=False)
-    seed_one_cpu_profile(cluster, ns, body, SEEDED_SIZES, tmp_path)
-    created = cluster.rest.create(JOBS.format(ns=ns), body, fieldValidation="Strict")
-    phases, status = phases_until(cluster, ns, "optout", created["metadata"]["resourceVersion"],
-                                  {"Succeeded", "Failed"}, JOB_SECONDS)
-    assert phases[-1] == "Succeeded", f"{phases}: {status.get('message')}"
+    status = _run_slow_link_job(cluster, ns, "optout", 12, False, tmp_path)
     assert status["plan"]["worldSize"] == 2 and not status.get("replan"), status
     assert (status["progress"].get("timing") or {}).get("steps", 0) >= 3, status["progress"]
     reasons = [e["reason"] for e in _events(cluster, ns, "optout")]
