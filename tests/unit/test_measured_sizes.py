@@ -67,6 +67,19 @@ def test_sizes_within_the_profile_are_neither_marked_nor_measured_again() -> Non
     assert EXTRAPOLATED_LEGEND not in format_plan(plan, "gpt-small")
 
 
+def test_a_size_between_two_measured_sizes_is_interpolated_not_measured() -> None:
+    """Regression (a fresh-clone CI run): after size 6 was measured beyond the profiled
+    1-2, the plan took 3 (that machine's measured 6 made two microbatches cheaper); 3 lies
+    between measured points, where the cost model interpolates, so nothing is measured
+    again and nothing is marked extrapolated."""
+    spec = _spec(batch=6)
+    profiles = {A10G.name: _measured(spec, [1, 2, 6])}
+    plan = Plan(global_batch_size=6, world_size=1,
+                ranks=[_rank(A10G.name, 3, batch=6).model_copy(
+                    update={"num_micro_batches": 2})])
+    assert unmeasured_micro_batch_sizes(plan, profiles) == {}
+
+
 def _rank(gpu: str, micro: int, batch: int | None = None) -> RankPlan:
     batch = micro if batch is None else batch
     return RankPlan(rank=0, gpu=gpu, batch_size=batch, micro_batch_size=micro,
