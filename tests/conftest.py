@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -83,13 +84,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                     "to EXCLUSIVE_SCOPES in tests/conftest.py")
 
 
+LOCK_DIR = pytest.StashKey[Path]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """xdist's controller: one folder for the turnstile's files, handed to every worker and
+    removed when the session ends (pytest_unconfigure)."""
+    stash = node.config.stash
+    if LOCK_DIR not in stash:
+        stash[LOCK_DIR] = Path(tempfile.mkdtemp(prefix="cephalo-pytest-"))
+    node.workerinput["cephalo_lock_dir"] = str(stash[LOCK_DIR])
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if LOCK_DIR in config.stash:
+        shutil.rmtree(config.stash[LOCK_DIR], ignore_errors=True)
+
+
 def _lock_dir(config: pytest.Config) -> Path | None:
     workerinput = getattr(config, "workerinput", None)
     if workerinput is None:  # not under xdist: nothing runs beside this test
         return None
-    path = Path(tempfile.gettempdir()) / f"cephalo-pytest-{workerinput['testrunuid']}"
-    path.mkdir(exist_ok=True)
-    return path
+    return Path(workerinput["cephalo_lock_dir"])
 
 
 @pytest.hookimpl(hookwrapper=True)

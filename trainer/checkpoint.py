@@ -220,7 +220,9 @@ def files_needed(meta: dict[str, Any], ranges: list[tuple[int, int]], file_index
 
 class ShardReader:
     """Reads global element ranges of a unit from a checkpoint's shard files (lazily, each
-    file memory-mapped once from local storage or a verified local copy)."""
+    file memory-mapped once from local storage or a verified local copy). Files of an object
+    store are downloaded into `cache_dir`, or into a temporary folder of its own that
+    close() (or leaving a `with` block) deletes; local files are read where they are."""
 
     def __init__(self, info: CheckpointInfo, local_files: dict[int, Path] | None = None,
                  cache_dir: Path | None = None) -> None:
@@ -237,8 +239,18 @@ class ShardReader:
             shutil.rmtree(self._own_cache_dir, ignore_errors=True)
             self._own_cache_dir = None
 
+    def __enter__(self) -> ShardReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _file(self, rank: int) -> dict[str, Any]:
         if rank not in self._files:
+            if rank not in self._local and self.info.store.is_local:
+                # Read in place: no copy, no temporary folder, no hashing of the file.
+                self._local[rank] = Path(self.info.store.path(
+                    self.info.rel(rank_file_name(rank))))
             if rank not in self._local:
                 if self._cache_dir is None:
                     self._cache_dir = Path(tempfile.mkdtemp(prefix="cephalo-read-"))

@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parents[2]
 CONFTEST = """\
 import sys
 sys.path.append({repo!r})
-from tests.conftest import (pytest_collection_modifyitems, pytest_runtest_protocol,
+from tests.conftest import (pytest_collection_modifyitems, pytest_configure_node,
+                            pytest_runtest_protocol, pytest_unconfigure,
                             pytest_xdist_make_scheduler)
 """
 INI = """\
@@ -52,8 +53,9 @@ def _suite(root: Path, exclusive_file: str) -> None:
 
 
 def _pytest(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, INTERVALS=str(root / "intervals"))
+    env = dict(os.environ, INTERVALS=str(root / "intervals"), TMPDIR=str(root / "tmp"))
     (root / "intervals").mkdir(exist_ok=True)
+    (root / "tmp").mkdir(exist_ok=True)
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            *args], cwd=root, env=env, capture_output=True, text=True,
                           timeout=300)
@@ -69,6 +71,9 @@ def test_no_test_runs_beside_an_exclusive_one(tmp_path: Path) -> None:
     start, end = intervals.pop("alone0")
     beside = [name for name, (s, e) in intervals.items() if s < end and e > start]
     assert beside == [], (beside, start, end, intervals)
+    # The turnstile's folder went with the session (pytest's own basetemp stays, as always).
+    assert [p.name for p in (tmp_path / "tmp").iterdir()
+            if p.name.startswith("cephalo-")] == []
 
 
 def test_an_exclusive_test_outside_the_listed_files_is_a_usage_error(tmp_path: Path) -> None:
