@@ -101,7 +101,7 @@ async def consider(ctx: JobContext, nodes: list[dict[str, Any]],
         return None
     try:  # pure numpy, bounded by one plan's size; off the event loop all the same
         cal = await asyncio.to_thread(recalibrate, spec, held.cluster, held.profiles, plan,
-                                      measured)
+                                      measured, known_compute_scale(state))
     except ValueError as err:
         _finish(ctx, state, plan, measured, entry, "Keep", "CalibrationFailed",
                 f"the measurement could not be used: {err}")
@@ -198,6 +198,14 @@ def only_split_differs(plan: Plan, candidate: Plan) -> bool:
     return candidate.world_size == plan.world_size and layout(candidate) == layout(plan)
 
 
+def known_compute_scale(state: dict[str, Any]) -> dict[str, float]:
+    """What this job's last calibration found per GPU type (status.replan.lastCalibration.
+    computeScale: itself carried forward, so every type the job ever measured), for the
+    types the next plan does not compute on."""
+    found = (state.get("lastCalibration") or {}).get("computeScale") or {}
+    return {str(gpu): float(s) for gpu, s in found.items() if isinstance(s, int | float)}
+
+
 def delivered_gain(state: dict[str, Any], measured_step_seconds: float) -> float | None:
     """What the last re-plan delivered, when this is the first calibration since it (the
     last one re-planned): throughput now over throughput before, minus 1. Steps carry the
@@ -269,5 +277,5 @@ def _finish(ctx: JobContext, state: dict[str, Any], plan: Plan, measured: Measur
     ctx.condition(PREDICTION_OFF, *off)
 
 
-__all__ = ["PREDICTION_OFF", "consider", "delivered_gain", "only_split_differs", "replan_stop",
-           "split_in_force"]
+__all__ = ["PREDICTION_OFF", "consider", "delivered_gain", "known_compute_scale",
+           "only_split_differs", "replan_stop", "split_in_force"]

@@ -185,3 +185,14 @@ def test_a_gang_with_no_split_to_move_calibrates_after_its_steps_alone() -> None
         plan.global_batch_size // plan.ranks[0].micro_batch_size})], "world_size": 1})
     assert _timed_steps_needed(spec, one) == 3
     assert _timed_steps_needed(spec, plan) == 11
+
+
+def test_the_next_calibration_knows_what_the_last_one_measured_per_gpu_type() -> None:
+    from cephalo.operator.replan import known_compute_scale
+
+    state = {"lastCalibration": {**REPLANNED["lastCalibration"],
+                                 "computeScale": {"NVIDIA-A10G": 2.5, "NVIDIA-L4": 1}}}
+    assert known_compute_scale(state) == {"NVIDIA-A10G": 2.5, "NVIDIA-L4": 1.0}
+    assert known_compute_scale({}) == {}  # the job's first calibration
+    assert known_compute_scale({"lastCalibration": {"verdict": "Keep"}}) == {}
+    assert known_compute_scale({"lastCalibration": {"computeScale": {"T4": "x"}}}) == {}

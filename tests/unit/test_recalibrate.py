@@ -231,3 +231,46 @@ def test_bad_measurements_are_refused() -> None:
         recalibrate(spec, CLUSTER, None, planned, Measured(0.0))
     with pytest.raises(ValueError, match="split has 1 ranks"):
         recalibrate(spec, CLUSTER, None, planned, Measured(1.0, [1.0], [0.0]))
+
+
+def test_a_gpu_type_measured_earlier_keeps_its_correction_when_the_plan_leaves_it() -> None:
+    """Regression (CPU ranks under load): after a re-plan onto one of two GPUs, the
+    calibration of that one-GPU plan measured only it; the other type, which the job's first
+    calibration had measured as slow, came back at its raw profile and looked faster, so the
+    job re-planned onto it. The correction found earlier stays with the type; the type
+    measured now takes the new figure."""
+    spec = _spec("gpt-small")
+    both = ClusterSpec(groups=[GpuGroup(product="A10G", count=1),
+                               GpuGroup(product="T4", count=1)])
+    planned = solve(spec, ClusterSpec(groups=[GpuGroup(product="A10G", count=1)]))
+    slow = Measured(planned.predicted_step_seconds * 3)  # the A10G runs 3x its profile
+    earlier = {"A10G": 9.0, "T4": 3.0, "L4": 2.0}  # L4: not in this cluster
+    cal = recalibrate(spec, both, None, planned, slow, known_compute_scale=earlier)
+    assert cal.compute_scale == pytest.approx({"A10G": 3.0, "T4": 3.0}, rel=1e-6)
+    given = complete_profiles(spec, both, None)
+    assert cal.profiles["T4"] == scale_profile(given["T4"], 3.0)
+    # Both types 3x slow: the re-solve is the plan of both profiles slowed 3x.
+    want = solve(spec, both, {gpu: scale_profile(p, 3.0) for gpu, p in given.items()})
+    got = solve(spec, cal.cluster, cal.profiles)
+    assert [(r.gpu, r.batch_size, r.micro_batch_size) for r in got.ranks] == \
+        [(r.gpu, r.batch_size, r.micro_batch_size) for r in want.ranks]
+    assert got.predicted_step_seconds == pytest.approx(want.predicted_step_seconds, rel=1e-6)
+    # Without what was known, the T4 looks 3x faster than the job measured it.
+    forgot = recalibrate(spec, both, None, planned, slow)
+    assert forgot.compute_scale == pytest.approx({"A10G": 3.0}, rel=1e-6)
+    assert forgot.profiles["T4"] == given["T4"]
+    moved = solve(spec, forgot.cluster, forgot.profiles)  # the failure: all onto the T4
+    assert [(r.gpu, r.batch_size) for r in moved.ranks] == [("A10G", 0), ("T4", 32)]
+
+
+def test_known_corrections_that_are_not_positive_times_are_ignored() -> None:
+    spec = _spec("gpt-small")
+    one = ClusterSpec(groups=[GpuGroup(product="A10G", count=1),
+                              GpuGroup(product="T4", count=1)])
+    planned = solve(spec, ClusterSpec(groups=[GpuGroup(product="A10G", count=1)]))
+    cal = recalibrate(spec, one, None, planned, Measured(planned.predicted_step_seconds),
+                      known_compute_scale={"T4": float("nan")})
+    assert cal.compute_scale == pytest.approx({"A10G": 1.0}, rel=1e-6)
+    cal = recalibrate(spec, one, None, planned, Measured(planned.predicted_step_seconds),
+                      known_compute_scale={"T4": 0.0})
+    assert "T4" not in cal.compute_scale

@@ -69,7 +69,9 @@ class Measured:
 
 @dataclass(frozen=True)
 class Calibration:
-    compute_scale: dict[str, float]  # per GPU (catalog name): measured / modelled compute
+    # Per GPU (catalog name): measured / modelled compute, measured now or carried from an
+    # earlier calibration of the job (recalibrate's known_compute_scale).
+    compute_scale: dict[str, float]
     collective_scale: float  # c: measured collective time / the model's
     bandwidth_bytes_per_second: float  # the network after calibration (declared form)
     latency_seconds: float
@@ -88,8 +90,17 @@ class Calibration:
 
 def recalibrate(spec: CephaloJobSpec, cluster: ClusterSpec,
                 profiles: Mapping[str, GpuProfile] | None, plan: Plan,
-                measured: Measured) -> Calibration:
-    """The model corrected by `measured` (of `plan`, which runs on `cluster`'s GPUs)."""
+                measured: Measured,
+                known_compute_scale: Mapping[str, float] | None = None) -> Calibration:
+    """The model corrected by `measured` (of `plan`, which runs on `cluster`'s GPUs).
+
+    `known_compute_scale`: what earlier calibrations of the job measured per GPU type
+    (their `compute_scale`). A type the running plan does not compute on keeps it: a re-plan
+    onto fewer GPUs measures only those, and the others at their raw profile would look as
+    fast as the profile says, however slow the job measured them (seen on CPU ranks under
+    load: the one-GPU plan a re-plan made measured far slower than profiled, and its
+    calibration re-planned onto the other, equally profiled GPU at its raw profile). A type
+    measured now takes the new figure."""
     if not measured.step_seconds > 0 or not math.isfinite(measured.step_seconds):
         raise ValueError(f"measured step {measured.step_seconds} s is not a positive time")
     given = complete_profiles(spec, cluster, profiles)
@@ -113,6 +124,9 @@ def recalibrate(spec: CephaloJobSpec, cluster: ClusterSpec,
     predicted = step(1.0, {})
     scale = _compute_scale(spec, cluster, given, assignment, ranks, kept, recompute,
                            measured, predicted, split, groups)
+    scale = {**{gpu: _clamp(s, MIN_COMPUTE_SCALE, MAX_COMPUTE_SCALE)
+                for gpu, s in (known_compute_scale or {}).items()
+                if gpu in given and math.isfinite(s) and s > 0}, **scale}
     target = measured.step_seconds
     lo, hi = math.log(MIN_COLLECTIVE_SCALE), math.log(MAX_COLLECTIVE_SCALE)
     if len(ranks) == 1 or step(math.exp(lo), scale) >= target:
