@@ -196,6 +196,30 @@ def _cache_profile(cluster: Cluster, ns: str, job: Any, product: str, profile_js
 _CPU_PROFILES: dict[str, str] = {}
 
 
+def _straightened(profile_json: str) -> str:
+    """The profile with each of its four compute times replaced by the least-squares line
+    a + b·m through its measured points (a >= 0, b > 0: a microbatch costs a fixed part
+    plus a part per sample), so that equal GPUs split a batch evenly whatever noise the
+    measurement caught. Memory, fixed costs and the rest stay as measured."""
+    import numpy as np
+
+    from cephalo.api import GpuProfile
+
+    profile = GpuProfile.model_validate_json(profile_json)
+    sizes = np.array([p.micro_batch_size for p in profile.points], dtype=np.float64)
+    times = ("block_forward_seconds", "block_backward_seconds", "other_forward_seconds",
+             "other_backward_seconds")
+    fitted: dict[str, np.ndarray] = {}
+    for name in times:
+        seconds = np.array([getattr(p, name) for p in profile.points], dtype=np.float64)
+        slope, intercept = np.polyfit(sizes, seconds, 1) if sizes.size > 1 else (0.0, 0.0)
+        slope = max(float(slope), float(np.mean(seconds / sizes)) * 1e-3)
+        fitted[name] = max(float(intercept), 0.0) + slope * sizes
+    points = [p.model_copy(update={name: float(fitted[name][i]) for name in times})
+              for i, p in enumerate(profile.points)]
+    return profile.model_copy(update={"points": points}).to_compact_json()
+
+
 def seed_one_cpu_profile(cluster: Cluster, ns: str, body: dict[str, Any],
                          micro_batch_sizes: Sequence[int], tmp_dir: Path) -> list[str]:
     """Cache ONE profile of this CPU, measured at `micro_batch_sizes` by the real profiler,
@@ -208,7 +232,10 @@ def seed_one_cpu_profile(cluster: Cluster, ns: str, body: dict[str, Any],
     differently (a fresh-clone CI run at load 7 planned [0, 16] for two such GPUs: one
     rank idle, nothing to rebalance from, and two re-plan tests on one GPU from the start),
     and a plan extrapolates microbatch sizes beyond those measured from two noisy points;
-    `micro_batch_sizes` should cover every size the job's plan may take."""
+    `micro_batch_sizes` should cover every size the job's plan may take. The measured
+    times are then replaced by their straight-line fit over the sizes (`_straightened`):
+    one size measured during a load spike made a larger microbatch look cheaper per sample,
+    and the plan put all 16 samples on one GPU (a run beside a loaded machine, load 7)."""
     import json
 
     import yaml
@@ -230,7 +257,7 @@ def seed_one_cpu_profile(cluster: Cluster, ns: str, body: dict[str, Any],
              "--micro-batch-sizes", ",".join(map(str, sorted(micro_batch_sizes)))],
             capture_output=True, text=True, timeout=JOB_SECONDS)
         assert run.returncode == 0, run.stderr
-        _CPU_PROFILES[key] = out.read_text()
+        _CPU_PROFILES[key] = _straightened(out.read_text())
     return [_cache_profile(cluster, ns, job, lookup_gpu(product).name, _CPU_PROFILES[key])
             for product in sorted({n.product for n in NODES})]
 
