@@ -88,14 +88,16 @@ async def set_pod(api: ApiEmulator, ns: str, name: str, phase: str, **kw: Any) -
 
 
 def pods(api: ApiEmulator, ns: str, role: str, job: str | None = None) -> list[dict[str, Any]]:
-    return [p for p in api.list_objects("pods", ns)
-            if p["metadata"]["labels"].get("cephalo.dev/role") == role
-            and (job is None or p["metadata"]["labels"].get("cephalo.dev/job") == job)]
+    def wanted(p: dict[str, Any]) -> bool:
+        labels = p["metadata"]["labels"]
+        return labels.get("cephalo.dev/role") == role and (
+            job is None or labels.get("cephalo.dev/job") == job)
+    return api.list_objects("pods", ns, where=wanted)
 
 
 def job_status(api: ApiEmulator, ns: str, name: str) -> dict[str, Any]:
-    jobs = [j for j in api.list_objects("cephalojobs", ns, group="cephalo.dev")
-            if j["metadata"]["name"] == name]
+    jobs = api.list_objects("cephalojobs", ns, group="cephalo.dev",
+                            where=lambda j: j["metadata"]["name"] == name)
     return (jobs[0].get("status") or {}) if jobs else {}
 
 
@@ -192,7 +194,7 @@ class ExtraPassKubelet:
 
     async def _loop(self) -> None:
         while True:
-            for pod in self.api.list_objects("pods"):
+            for pod in self.api.list_objects("pods", where=_unanswered_extra_pass):
                 # a pod that went between reading and writing it: the next look sees why
                 with contextlib.suppress(AssertionError):
                     await self._answer(pod)
@@ -200,17 +202,21 @@ class ExtraPassKubelet:
 
     async def _answer(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
-        if meta.get("labels", {}).get("cephalo.dev/role") != "profiler" \
-                or not is_extra_pass(pod) or meta.get("deletionTimestamp") \
-                or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed") \
-                or (pod.get("spec") or {}).get("schedulingGates"):
-            return
         job = stored_job(self.api, meta["namespace"], meta["labels"]["cephalo.dev/job"])
         if job is None:
             return
         await set_pod(self.api, meta["namespace"], meta["name"], "Succeeded",
                       message=self.profile_json(pod, job))
         self.answered.append(meta["name"])
+
+
+def _unanswered_extra_pass(pod: dict[str, Any]) -> bool:
+    """A profiler pod of an extra pass that a kubelet may run and has not finished."""
+    meta = pod["metadata"]
+    return meta.get("labels", {}).get("cephalo.dev/role") == "profiler" \
+        and is_extra_pass(pod) and not meta.get("deletionTimestamp") \
+        and (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed") \
+        and not (pod.get("spec") or {}).get("schedulingGates")
 
 
 async def finish_profilers(api: ApiEmulator, ns: str, job_body: dict[str, Any],
