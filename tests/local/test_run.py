@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .cli_helpers import cephalo_cmd, run_cephalo, trainer_pids
+from .cli_helpers import cephalo_cmd, run_cephalo, run_cephalo_in_process, trainer_pids
 
 pytestmark = pytest.mark.slow
 
@@ -282,10 +282,12 @@ def test_hand_written_hybrid_plan_runs_end_to_end(tmp_path, tiny_job) -> None:
     assert meta["replica_groups"] == [[0, 1], [2, 3]]
     # Every rank wrote its piece of its slice (the optimizer state is split across groups).
     assert sorted(meta["files"]) == [f"rank-0000{r}.pt" for r in range(4)]
-    # Per-unit ratios that differ between the groups at one position: refused up front.
+    # Per-unit ratios that differ between the groups at one position: refused up front
+    # (main() in this process: a refusal's exit code and one line are the same there, and
+    # test_bad_input_is_one_clear_line runs refusals through the real process).
     plan["unit_shard_ratios"] = {"1": [0.5, 0.5, 0.4, 0.6]}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    bad = run_cephalo(tmp_path, "run", str(tiny_job(steps=3)), "--plan", "plan.json",
+    bad = run_cephalo_in_process(tmp_path, "run", str(tiny_job(steps=3)), "--plan", "plan.json",
                       "--devices", "cpu:4")
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [
