@@ -3,6 +3,8 @@ checkout's `operator/` folder must not shadow the standard library)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -34,6 +36,26 @@ def run_cephalo(cwd: Path, *args: str, timeout: float = 240) -> subprocess.Compl
     env = dict(os.environ, XDG_CACHE_HOME=str(cwd / ".cache"))
     return subprocess.run(cephalo_cmd(*args), cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def run_cephalo_in_process(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """`cephalo ARGS` as run_cephalo runs it (in `cwd`, the profile cache under it), but
+    through `cephalo.cli.main` in this process: the same parser, handlers, one-line errors
+    and exit codes, without an interpreter importing torch and the command's libraries again
+    (~2-4 s of CPU). For commands whose process boundary is not what the test checks."""
+    from cephalo.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(cwd)
+        patch.setenv("XDG_CACHE_HOME", str(cwd / ".cache"))
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exit_:  # argparse's usage errors
+                code = exit_.code if isinstance(exit_.code, int) else 2
+    return subprocess.CompletedProcess(["cephalo", *args], code, out.getvalue(),
+                                       err.getvalue())
 
 
 def run_without_module(cwd: Path, module: str, job: Path) -> subprocess.CompletedProcess:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
+import sys
+import types
+
 import pytest
 
-from cephalo.local.devices import DeviceError, select_devices
+from cephalo.local.devices import DeviceError, cuda_driver_missing, cuda_products, select_devices
 
 
 def test_default_without_gpu_is_two_cpu_ranks() -> None:
@@ -43,3 +47,24 @@ def test_bad_device_selection_is_one_clear_error(devices, emulate, gpus, message
 def test_unknown_emulated_gpu() -> None:
     with pytest.raises(ValueError, match="unknown GPU 'GTX-1'"):
         select_devices(None, "GTX-1", gpus=[])
+
+
+class _TorchNotToBeImported(types.ModuleType):
+    def __getattr__(self, name: str):
+        raise AssertionError(f"torch.{name} used: the GPU lookup imported torch")
+
+
+def test_no_cuda_driver_means_no_gpus_without_importing_torch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where libcuda.so.1 cannot be loaded (a machine without the NVIDIA driver) there is no
+    CUDA GPU, and the lookup says so without importing torch (~2 s of CPU)."""
+    def no_driver(name: str, *args: object, **kwargs: object) -> ctypes.CDLL:
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(ctypes, "CDLL", no_driver)
+    monkeypatch.setitem(sys.modules, "torch", _TorchNotToBeImported("torch"))
+    assert cuda_driver_missing()
+    assert cuda_products() == []
+    with pytest.raises(DeviceError, match="no CUDA GPU is visible"):
+        select_devices("cuda", None)

@@ -20,7 +20,7 @@ import yaml
 from cephalo.api.job import CephaloJobSpec
 from cephalo.trainer.data import DataSource
 
-from .cli_helpers import REPO, run_cephalo
+from .cli_helpers import REPO, run_cephalo, run_cephalo_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -75,9 +75,11 @@ def test_finetune_example_starts_from_the_pretrained_loss(tmp_path: Path) -> Non
     assert expected < 0.8 * math.log(256)  # the pre-training worked
     assert abs(records[0]["loss"] - expected) <= 1e-4 * expected
 
+    # The export in this process (which already holds torch and transformers): its process
+    # is not what is tested, and one would import both again (~3 s of CPU).
     out = tmp_path / "exported"
-    done = run_cephalo(tmp_path, "export", str(run_dir / "checkpoints"), "--format", "hf",
-                       "--output", str(out))
+    done = run_cephalo_in_process(tmp_path, "export", str(run_dir / "checkpoints"),
+                                  "--format", "hf", "--output", str(out))
     assert done.returncode == 0, done.stdout + done.stderr
     transformers.AutoModelForCausalLM.from_pretrained(out)
 

@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from .cli_helpers import cephalo_cmd, run_cephalo, trainer_pids
+from .cli_helpers import (
+    TINY_JOB,
+    cephalo_cmd,
+    run_cephalo,
+    run_cephalo_in_process,
+    trainer_pids,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -22,14 +28,27 @@ def _run_dir(cwd: Path, name: str) -> Path:
     return run_dir
 
 
-def test_run_trains_and_leaves_a_complete_run_directory(tmp_path, tiny_job) -> None:
-    job = tiny_job(steps=6)
-    # Profiled up to the global batch (6), the most one rank can take: no plan needs a size
-    # above the profiled ones, so none needs an extra profiler pass (a torchrun of its own,
-    # ~5 s of CPU; whether a plan chose size 5 depended on the measured speeds, so on load).
-    # The extra pass has its own test (test_run_extra_sizes.py).
-    job.write_text(job.read_text().replace("[1, 2, 4]", "[1, 2, 4, 6]"))
-    done = run_cephalo(tmp_path, "run", str(job), "--emulate", "RTX-A6000,P40")
+@pytest.fixture(scope="module")
+def emulated_auto_run(tmp_path_factory: pytest.TempPathFactory
+                      ) -> tuple[Path, subprocess.CompletedProcess]:
+    """One profiled `cephalo run` that two tests read (each profiling pass is a torchrun
+    and a profiler per precision, each importing torch): three emulated GPUs of the three
+    precisions `precision: auto` gives (bf16 RTX A6000, fp16 V100, fp32 P40), 6 steps.
+    Profiled up to the global batch (6), the most one rank can take (a loaded machine's
+    measured latency made the planner put all 6 on the A6000, the others holding state
+    only): no plan needs a size above the profiled ones, so none needs an extra profiler
+    pass (a process of its own, whose use depended on the measured speeds, so on load; it
+    has its own test: test_run_extra_sizes.py). Returns (the working folder, the run)."""
+    cwd = tmp_path_factory.mktemp("emulated-auto")
+    job = cwd / "tiny.yaml"
+    job.write_text(TINY_JOB.format(name="tiny", batch=6, steps=6).replace(
+        "  globalBatchSize:", "  precision: auto\n  globalBatchSize:").replace(
+        "[1, 2, 4]", "[1, 2, 4, 6]"))
+    return cwd, run_cephalo(cwd, "run", str(job), "--emulate", "RTX-A6000,V100-16GB,P40")
+
+
+def test_run_trains_and_leaves_a_complete_run_directory(emulated_auto_run) -> None:
+    cwd, done = emulated_auto_run
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert "EMULATION: emulated P40" in out and "(EMULATED GPUs on this CPU)" in out
@@ -38,18 +57,43 @@ def test_run_trains_and_leaves_a_complete_run_directory(tmp_path, tiny_job) -> N
     assert "  profiled cpu (cpu, gpt-tiny, micro-batch sizes 1, 2, 4, 6, measured in " in out, out
     assert "Measuring micro-batch size" not in out, out
     assert "Summary" in out and "measured" in out and "predicted" in out
-    run_dir = _run_dir(tmp_path, "tiny")
+    run_dir = _run_dir(cwd, "tiny")
     for name in ("job.yaml", "plan.json", "metrics.jsonl", "loss.png", "time_breakdown.png",
-                 "logs/rank-0.log", "logs/rank-1.log", "profiles/measured-cpu.json",
-                 "profiles/emulated-P40.json"):
+                 "logs/rank-0.log", "logs/rank-1.log", "logs/rank-2.log",
+                 "profiles/measured-cpu.json", "profiles/emulated-P40.json"):
         assert (run_dir / name).is_file(), name
     plan = json.loads((run_dir / "plan.json").read_text())
-    assert [r["gpu"] for r in plan["ranks"]] == ["RTX-A6000", "P40"]
+    assert [r["gpu"] for r in plan["ranks"]] == ["RTX-A6000", "V100-16GB", "P40"]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert records[-1]["loss"] < records[0]["loss"]
     assert any((run_dir / "checkpoints").iterdir())
-    assert trainer_pids(str(tmp_path)) == []
+    assert trainer_pids(str(cwd)) == []
+
+
+def test_auto_profiles_the_cpu_per_precision_and_plans_each_rank_in_its_own(
+        emulated_auto_run) -> None:
+    """`cephalo run` under `precision: auto` on emulated GPUs (issue 36): the CPU is profiled
+    in each precision the emulated GPUs compute in, each emulated GPU's profile is that one
+    (so the planner accepts it), and the plan gives each rank its GPU's fastest precision."""
+    cwd, done = emulated_auto_run
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "precision: auto: bf16 on 1 RTX-A6000, fp16 on 1 V100-16GB, fp32 on 1 P40" \
+        in done.stdout, done.stdout
+    profiles = _run_dir(cwd, "tiny") / "profiles"
+    measured = {name: json.loads((profiles / f"{name}.json").read_text())
+                for name in ("measured-cpu", "measured-cpu-bf16", "measured-cpu-fp16")}
+    # The CPU's own precision under auto is fp32; the others were measured for the GPUs.
+    assert [p["precision"] for p in measured.values()] == ["fp32", "bf16", "fp16"]
+    for gpu, source in (("RTX-A6000", "measured-cpu-bf16"), ("V100-16GB", "measured-cpu-fp16"),
+                        ("P40", "measured-cpu")):
+        emulated = json.loads((profiles / f"emulated-{gpu}.json").read_text())
+        assert (emulated["precision"], emulated["model_key"]) == (
+            measured[source]["precision"], measured[source]["model_key"]), gpu
+    plan = json.loads((_run_dir(cwd, "tiny") / "plan.json").read_text())
+    assert plan["precision"] == "auto"
+    assert [(r["gpu"], r["precision"]) for r in plan["ranks"]] == [
+        ("RTX-A6000", "bf16"), ("V100-16GB", "fp16"), ("P40", "fp32")]
 
 
 @pytest.mark.parametrize("content,args,message", [
@@ -282,10 +326,12 @@ def test_hand_written_hybrid_plan_runs_end_to_end(tmp_path, tiny_job) -> None:
     assert meta["replica_groups"] == [[0, 1], [2, 3]]
     # Every rank wrote its piece of its slice (the optimizer state is split across groups).
     assert sorted(meta["files"]) == [f"rank-0000{r}.pt" for r in range(4)]
-    # Per-unit ratios that differ between the groups at one position: refused up front.
+    # Per-unit ratios that differ between the groups at one position: refused up front
+    # (main() in this process: a refusal's exit code and one line are the same there, and
+    # test_bad_input_is_one_clear_line runs refusals through the real process).
     plan["unit_shard_ratios"] = {"1": [0.5, 0.5, 0.4, 0.6]}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    bad = run_cephalo(tmp_path, "run", str(tiny_job(steps=3)), "--plan", "plan.json",
+    bad = run_cephalo_in_process(tmp_path, "run", str(tiny_job(steps=3)), "--plan", "plan.json",
                       "--devices", "cpu:4")
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [
