@@ -17,6 +17,8 @@ if __name__ == "__main__":
         "autogroup": autogroup.read_text().split()[-1] if autogroup.exists() else None,
         "interfaces": sorted(name for _, name in socket.if_nameindex()),
         "cwd": os.getcwd(), "argv": sys.argv[1:], "marker": os.environ.get("MARKER"),
-        "inherited": "CEPHALO_PLACEMENT_UNSET" in os.environ}))
+        "inherited": "CEPHALO_PLACEMENT_UNSET" in os.environ,
+        # torch's threads where the fork server imported it (OMP_NUM_THREADS honoured)
+        "threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None}))
     print("exiting", file=sys.stderr)
     sys.exit(int(sys.argv[1]))

@@ -99,6 +99,7 @@ def _run_module(module: str, args: list[str], env: dict[str, str], cwd: str, log
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
+        _threads_as_started_with(env)
         sys.argv = [module, *args]
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as done:
@@ -113,6 +114,19 @@ def _run_module(module: str, args: list[str], env: dict[str, str], cwd: str, log
     sys.stdout.flush()
     sys.stderr.flush()
     sys.exit(code)
+
+
+def _threads_as_started_with(env: Mapping[str, str]) -> None:
+    """torch's intra-op threads as a fresh interpreter with `env` would have them. OpenMP
+    read OMP_NUM_THREADS when the server loaded torch, from the server's environment: a
+    forked process keeps that count whatever its own says (measured: 2 threads under
+    OMP_NUM_THREADS=1, which moved a resumed run's weights off a one-thread reference)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    value = env.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(int(value) if value.isdigit() and int(value) > 0
+                          else len(os.sched_getaffinity(0)))  # OpenMP's default: the CPUs
 
 
 def _own_session_at(niceness: int) -> None:

@@ -64,8 +64,8 @@ def test_a_timed_module_runs_in_its_namespace_at_its_niceness_with_only_its_env(
     log = tmp_path / "module.log"
     with shaped.shaped_nodes(100) as nodes:
         proc = shaped.start_timed_module("tests.placement_report", ["3", "x"],
-                                         {"MARKER": "given"}, log=log, cwd=tmp_path,
-                                         netns=nodes.b, niceness=-5)
+                                         {"MARKER": "given", "OMP_NUM_THREADS": "1"},
+                                         log=log, cwd=tmp_path, netns=nodes.b, niceness=-5)
         try:
             assert proc.wait(timeout=120) == 3 == proc.returncode, log.read_text()
         finally:
@@ -81,3 +81,6 @@ def test_a_timed_module_runs_in_its_namespace_at_its_niceness_with_only_its_env(
     assert seen["interfaces"] == sorted(["lo", shaped.DEVICE_B]), seen
     assert (seen["cwd"], seen["argv"], seen["marker"], seen["inherited"]) == (
         str(tmp_path), ["3", "x"], "given", False)
+    # As a fresh interpreter under OMP_NUM_THREADS=1 would have them, not the fork server's
+    # count (OpenMP read its own environment when the server imported torch).
+    assert seen["threads"] == 1, seen
