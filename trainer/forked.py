@@ -42,7 +42,7 @@ def fork_server() -> ForkServerContext:
 
 class ForkedModule:
     """A module run by `start_module`, with the subprocess.Popen calls its callers make
-    (pid, poll, wait, kill, returncode) on the fork server's child."""
+    (pid, poll, wait, kill, send_signal, returncode) on the fork server's child."""
 
     def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
         self._process = process
@@ -63,6 +63,10 @@ class ForkedModule:
 
     def kill(self) -> None:
         self._process.kill()
+
+    def send_signal(self, signum: int) -> None:
+        if self._process.exitcode is None:  # as Popen: never a pid that may be reused
+            os.kill(self.pid, signum)
 
 
 def start_module(module: str, args: Sequence[str], env: Mapping[str, str], *, cwd: Path,
