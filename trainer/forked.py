@@ -45,8 +45,10 @@ class ForkedModule:
     (pid, poll, wait, kill, send_signal, returncode) on the fork server's child."""
 
     def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
+        if process.pid is None:
+            raise RuntimeError(f"{process.name} was never started")
         self._process = process
-        self.pid = process.pid
+        self.pid: int = process.pid
 
     @property
     def returncode(self) -> int | None:
