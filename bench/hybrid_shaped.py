@@ -13,7 +13,8 @@ as root: `python bench/hybrid_shaped.py [--rates 50,10000] [--repeats 3]`.
 Each rank computes with one thread, as profiled: four ranks on this 2-core machine share
 the cores two to one, so compute runs up to twice as long as the profile says; on the slow
 link the collectives dominate both plans' steps, and that error is a small part of them.
-Every timed process starts through `start_timed` (niceness -20 in a session of its own).
+Every timed process starts through `start_timed_module` (niceness -20 in a session of its own,
+forked from a fork server that imported torch once).
 """
 
 from __future__ import annotations

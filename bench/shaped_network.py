@@ -18,12 +18,15 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from cephalo.trainer.forked import ForkedModule, start_module
 
 ROOT = Path(__file__).resolve().parents[1]
 ADDRESS_A, ADDRESS_B = "10.231.0.1", "10.231.0.2"
@@ -109,6 +112,37 @@ def start_timed(args: list[str], niceness: int = TIMED_NICENESS,
     return proc
 
 
+def start_timed_module(module: str, args: list[str], env: dict[str, str], *, log: Path,
+                       cwd: Path = ROOT, netns: str | None = None,
+                       niceness: int = TIMED_NICENESS) -> ForkedModule:
+    """`python -m module args`, timed as `start_timed` starts a command (niceness, a session
+    and autogroup of its own), in network namespace `netns` as `ip netns exec` would run it,
+    its output appended to `log`; forked from the fork server (cephalo.trainer.forked), so
+    it does not pay torch's imports (~2.5 s of CPU each) before its timed work."""
+    return start_module(module, args, env, cwd=cwd, log=log, netns=netns, niceness=niceness)
+
+
+def wait_all(start: Callable[[int], ForkedModule], logs: list[Path],
+             timeout_seconds: float) -> None:
+    """Start process i with `start(i)` for each of `logs` (its output), wait for all; none
+    is left running, also on failure. Raises with the first failing one's log."""
+    procs: list[ForkedModule] = []
+    try:
+        for i in range(len(logs)):
+            procs.append(start(i))
+        for proc in procs:
+            proc.wait(timeout=timeout_seconds)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for i, (proc, log) in enumerate(zip(procs, logs, strict=True)):
+        if proc.returncode != 0:
+            raise RuntimeError(f"process {i} ({log.name}) failed (exit {proc.returncode}): "
+                               f"{log.read_text(errors='replace')[-2000:]}")
+
+
 # Each rank of the profiler's measurement (`cephalo profile --collectives` runs the same
 # function under torchrun), its fit printed as JSON by rank 0. The bandwidth probe is cut
 # from 16 MiB to BIG_ELEMENTS so a slow shape finishes in seconds.
@@ -141,19 +175,16 @@ def measure(nodes: Nodes, ranks_per_node: int = 2, big_elements: int = 1024**2,
     if probe not in PROBES:
         raise ValueError(f"probe {probe!r}: one of {', '.join(PROBES)}")
     world = 2 * ranks_per_node
-    command = ([sys.executable, "-m", "cephalo.trainer.netprobe", "--output", "-",
-                "--repeats", str(repeats)] if probe == "netprobe" else
-               [sys.executable, "-c", _RANK, str(big_elements), str(repeats), probe, model])
+    if probe == "netprobe":
+        return _measure_netprobe(nodes, ranks_per_node, repeats, timeout_seconds)
+    command = [sys.executable, "-c", _RANK, str(big_elements), str(repeats), probe, model]
     procs = []
     for rank in range(world):
         in_a = rank < ranks_per_node
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world),
-               "LOCAL_RANK": str(rank % ranks_per_node), "MASTER_ADDR": ADDRESS_A,
-               "MASTER_PORT": "29511", "GLOO_SOCKET_IFNAME": DEVICE_A if in_a else DEVICE_B,
-               "OMP_NUM_THREADS": "1", "CEPHALO_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
         procs.append(start_timed(
-            ["ip", "netns", "exec", nodes.a if in_a else nodes.b, *command], env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
+            ["ip", "netns", "exec", nodes.a if in_a else nodes.b, *command],
+            env=_rank_env(rank, world, ranks_per_node), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, cwd=ROOT))
     outputs = []
     try:
         for p in procs:
@@ -166,10 +197,37 @@ def measure(nodes: Nodes, ranks_per_node: int = 2, big_elements: int = 1024**2,
     for p, (_, err) in zip(procs, outputs, strict=True):
         if p.returncode != 0:
             raise RuntimeError(f"a rank failed (exit {p.returncode}): {err[-2000:]}")
-    for line in outputs[0][0].splitlines():
+    return _fit_of(outputs[0][0])
+
+
+def _rank_env(rank: int, world: int, ranks_per_node: int) -> dict[str, str]:
+    """A measuring rank's environment: the first `ranks_per_node` ranks in A, the rest in B."""
+    return {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank % ranks_per_node), "MASTER_ADDR": ADDRESS_A,
+            "MASTER_PORT": "29511",
+            "GLOO_SOCKET_IFNAME": DEVICE_A if rank < ranks_per_node else DEVICE_B,
+            "OMP_NUM_THREADS": "1", "CEPHALO_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def _measure_netprobe(nodes: Nodes, ranks_per_node: int, repeats: int,
+                      timeout_seconds: float) -> dict[str, float]:
+    """The operator's network probe on every rank, forked (start_timed_module)."""
+    world = 2 * ranks_per_node
+    with tempfile.TemporaryDirectory(prefix="netprobe-") as tmp:
+        logs = [Path(tmp) / f"rank-{rank}.log" for rank in range(world)]
+        wait_all(lambda rank: start_timed_module(
+            "cephalo.trainer.netprobe", ["--output", "-", "--repeats", str(repeats)],
+            _rank_env(rank, world, ranks_per_node), log=logs[rank],
+            netns=nodes.a if rank < ranks_per_node else nodes.b), logs, timeout_seconds)
+        return _fit_of(logs[0].read_text(errors="replace"))
+
+
+def _fit_of(output: str) -> dict[str, float]:
+    """Rank 0's fit from its output (the profiler's "FIT {...}" or the probe's JSON line)."""
+    for line in output.splitlines():
         if line.startswith(("FIT ", "{")):
             return dict(json.loads(line.removeprefix("FIT ")))
-    raise RuntimeError(f"rank 0 printed no fit: {outputs[0][0][-2000:]}")
+    raise RuntimeError(f"rank 0 printed no fit: {output[-2000:]}")
 
 
 def link_figures(fit: dict[str, float], rate_mbit: float) -> dict[str, float]:

@@ -10,8 +10,9 @@ Each rank computes with one thread (CEPHALO_NUM_THREADS=1), as the profile measu
 ranks on this 2-core machine then each have a core. A one-rank plan runs in namespace A
 alone (no link). `--run both` (default) also runs the other choice (the two-rank plan where
 the planner chose one rank, and the reverse) to check the choice against a measurement.
-Every timed process starts through `start_timed` (niceness -20 in a session and autogroup
-of its own, root): other sessions' load then leaves the profile and the runs alone.
+Every timed process starts through `start_timed_module` (niceness -20 in a session and
+autogroup of its own, root): other sessions' load then leaves the profile and the runs alone;
+forked from one fork server that imported torch once, none pays the imports again.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -38,6 +38,7 @@ from cephalo.local.ranks import RankEnv, rank_environment
 from cephalo.local.runner import build_cluster
 from cephalo.planner import evaluate, solve
 from cephalo.planner.feedback.recalibrate import Measured, recalibrate, scale_profile
+from cephalo.trainer.forked import ForkedModule
 
 # The namespaces machinery lives beside this file (run as a script or loaded from its path).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,8 +51,9 @@ from shaped_network import (
     link_figures,
     measure,
     shaped_nodes,
-    start_timed,
+    start_timed_module,
     unavailable,
+    wait_all,
 )
 
 WARMUP_STEPS = 2  # left out of the measured median: allocator, connections, first gathers
@@ -78,18 +80,10 @@ def cpu_profile(job_file: Path, work: Path) -> GpuProfile:
     """The real profiler on this machine's CPU with one thread, measured now (a fresh
     cache): on a shared machine the prediction then sees the load the run will see."""
     output = Path(tempfile.mkdtemp(prefix="profile-", dir=work))
-    proc = start_timed([sys.executable, "-m", "cephalo.trainer.profile", "--job",
-                        str(job_file), "--output", str(output / "cpu.json"), "--cache-dir",
-                        str(output / "cache")], env=_one_thread_env(),
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=work)
-    try:
-        _, err = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    if proc.returncode != 0:
-        raise RuntimeError(f"profiling the CPU failed: {err[-2000:]}")
+    log = output / "profile.log"
+    wait_all(lambda _: start_timed_module("cephalo.trainer.profile", [
+        "--job", str(job_file), "--output", str(output / "cpu.json"), "--cache-dir",
+        str(output / "cache")], _one_thread_env(), log=log, cwd=work), [log], 600)
     return GpuProfile.model_validate_json((output / "cpu.json").read_text())
 
 
@@ -122,30 +116,17 @@ def run_plan(plan: Plan, nodes: Nodes, job_file: Path, work: Path,
     plan_file.write_text(plan.to_json())
     devices = select_devices(f"cpu:{plan.world_size}", None)
     ranks = [RankEnv(d) for d in devices]
-    procs = []
-    try:
-        for rank in range(plan.world_size):
-            env = rank_environment(rank, plan, ranks, run_dir, job_file, plan_file,
-                                   MASTER_PORT, THREADS, checkpoint_dir="")
-            in_a = rank < ranks_per_node
-            env.update(MASTER_ADDR=ADDRESS_A, GLOO_SOCKET_IFNAME=DEVICE_A if in_a else DEVICE_B)
-            log = open(run_dir / f"rank-{rank}.log", "wb")  # noqa: SIM115 (closed below)
-            procs.append((start_timed(
-                ["ip", "netns", "exec", nodes.a if in_a else nodes.b, sys.executable,
-                 "-m", "cephalo.trainer"], env=env, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, cwd=run_dir), log))
-        for proc, _ in procs:
-            proc.wait(timeout=timeout_seconds)
-    finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
-    for rank, (proc, _) in enumerate(procs):
-        if proc.returncode != 0:
-            tail = (run_dir / f"rank-{rank}.log").read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"rank {rank} failed (exit {proc.returncode}): {tail}")
+
+    def start(rank: int) -> ForkedModule:
+        env = rank_environment(rank, plan, ranks, run_dir, job_file, plan_file,
+                               MASTER_PORT, THREADS, checkpoint_dir="")
+        in_a = rank < ranks_per_node
+        env.update(MASTER_ADDR=ADDRESS_A, GLOO_SOCKET_IFNAME=DEVICE_A if in_a else DEVICE_B)
+        return start_timed_module("cephalo.trainer", [], env, log=run_dir / f"rank-{rank}.log",
+                                  cwd=run_dir, netns=nodes.a if in_a else nodes.b)
+
+    wait_all(start, [run_dir / f"rank-{rank}.log" for rank in range(plan.world_size)],
+             timeout_seconds)
     records = [json.loads(line) for line in
                (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return records[WARMUP_STEPS:]

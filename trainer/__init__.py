@@ -17,6 +17,7 @@ Modules:
   object storage (fsspec): asynchronous upload, marker written last, per-rank verification.
 * `optim`, `data`, `metrics`, `env`, `run`  the rest of a training run;
   `python -m cephalo.trainer` is `run.main` (SIGTERM: checkpoint at the agreed step, exit 143).
-* `spawn`             N local gloo ranks for tests and benchmarks.
+* `spawn`, `forked`   N local gloo ranks, and `python -m MODULE` in a forked process, from one
+  fork server that imported torch once, for tests and benchmarks.
 * `torch_memory`      peak bytes torch allocates on the CPU (memory-model tests, benchmarks).
 """

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 from cephalo.api.trainer_env import TrainerVars, to_environ
+from cephalo.trainer.forked import fork_server
 
 
 def free_port() -> int:
@@ -56,13 +56,7 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     `fn` must be importable (module level). Raises RuntimeError with the first failing
     rank's traceback, or on timeout (all ranks are then killed).
     """
-    ctx = mp.get_context("forkserver")
-    # The fork server imports torch (and the lazily imported sympy that the first
-    # backward-with-gradient pulls in) once; every rank then forks from it in milliseconds
-    # instead of paying ~2-4 s of imports. Nothing has run a kernel in the server, so the
-    # forked ranks start with fresh thread pools.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "cephalo.trainer.engine",
-                                "torch.fx.experimental.symbolic_shapes"])
+    ctx = fork_server()  # torch imported once; each rank forks from it in milliseconds
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, daemon=True,

@@ -6,6 +6,7 @@ them."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -51,3 +52,35 @@ def test_a_timed_process_runs_first_in_a_session_of_its_own() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.skipif(shaped.unavailable() is not None, reason=str(shaped.unavailable()))
+def test_a_timed_module_runs_in_its_namespace_at_its_niceness_with_only_its_env(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # What the shaped-link runs start their trainer, profiler and probe ranks with: forked
+    # from the fork server, yet placed as `ip netns exec` under `start_timed` would place
+    # `python -m module`, with exactly the environment given, its exit code passed on.
+    monkeypatch.setenv("CEPHALO_PLACEMENT_UNSET", "1")  # the test's own: not passed on
+    log = tmp_path / "module.log"
+    with shaped.shaped_nodes(100) as nodes:
+        proc = shaped.start_timed_module("tests.placement_report", ["3", "x"],
+                                         {"MARKER": "given", "OMP_NUM_THREADS": "1"},
+                                         log=log, cwd=tmp_path, netns=nodes.b, niceness=-5)
+        try:
+            assert proc.wait(timeout=120) == 3 == proc.returncode, log.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    out, err = log.read_text().splitlines()[-2:]
+    seen = json.loads(out)
+    assert err == "exiting"
+    assert seen["pid"] == proc.pid and seen["sid"] == proc.pid != os.getsid(0)
+    assert seen["niceness"] == -5
+    assert seen["autogroup"] in (None, "-5"), seen  # None: a kernel without autogroups
+    assert seen["interfaces"] == sorted(["lo", shaped.DEVICE_B]), seen
+    assert (seen["cwd"], seen["argv"], seen["marker"], seen["inherited"]) == (
+        str(tmp_path), ["3", "x"], "given", False)
+    # As a fresh interpreter under OMP_NUM_THREADS=1 would have them, not the fork server's
+    # count (OpenMP read its own environment when the server imported torch).
+    assert seen["threads"] == 1, seen

@@ -19,6 +19,7 @@ from cephalo.trainer.engine import Layout
 from cephalo.trainer.env import EnvError, read_env
 from cephalo.trainer.run import train
 from cephalo.trainer.spawn import free_port, spawn_ranks
+from tests.trainer_ranks import finish, start_ranks
 
 JOB = {"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob", "metadata": {"name": "t"},
        "spec": {"model": {"preset": "gpt-tiny"}, "globalBatchSize": 8,
@@ -121,9 +122,9 @@ def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted(tmp_path: Pa
     base = _files(tmp_path, plan)
     ckpt = Path(base["CEPHALO_CHECKPOINT_DIR"])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "cephalo.trainer"],
-                              env={**env, **_env(base, r, 2)}, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL) for r in range(2)]
+    # Real rank processes (forked, tests/trainer_ranks.py): SIGKILL ends them as it would
+    # an interpreter, and the resumed ones start from what is on disk alone.
+    procs = start_ranks([{**env, **_env(base, r, 2)} for r in range(2)], tmp_path, "killed")
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
@@ -134,24 +135,15 @@ def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted(tmp_path: Pa
         for p in procs:  # no warning, no final checkpoint
             p.kill()
     finally:
-        for p in procs:
-            p.wait(timeout=30)
+        finish(procs, tmp_path, "killed", timeout_seconds=30)
     killed_at = checkpoint.find_latest(ckpt)
     assert killed_at is not None and 3 <= killed_at.step < 20
 
     base["MASTER_PORT"] = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-m", "cephalo.trainer"],
-                              env={**env, **_env(base, r, 2)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
-    try:
-        outputs = [p.communicate(timeout=600) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    procs = start_ranks([{**env, **_env(base, r, 2)} for r in range(2)], tmp_path, "resumed")
+    outputs = finish(procs, tmp_path, "resumed")
     assert [p.returncode for p in procs] == [0, 0], outputs
-    assert "resumed from" in outputs[0][0] and "step 20/20" in outputs[0][0]
+    assert "resumed from" in outputs[0] and "step 20/20" in outputs[0]
     progress = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert progress[-1]["step"] == 20 and len(progress[-1]["ranks"]) == 2
 

@@ -1,0 +1,157 @@
+"""The fork server that tests and benchmarks start torch processes from, and `start_module`:
+`python -m MODULE` (the trainer, the profiler, the network probe) in a process forked from
+it, optionally in a network namespace at a niceness of its own (the shaped-link benchmarks,
+bench/shaped_network.py). Without torch itself: a caller that only starts processes does
+not import it.
+
+The server (one per process, multiprocessing's "forkserver") imports FORK_SERVER_PRELOAD
+once; every process then forks from it in milliseconds instead of paying ~2-4 s of CPU for
+its imports. Nothing has run a kernel in the server, so the forked processes start with
+fresh thread pools (`trainer.spawn.spawn_ranks` uses the same server).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing
+import os
+import runpy
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Mapping, Sequence
+from multiprocessing.context import ForkServerContext
+from pathlib import Path
+
+# One list for every caller: the server is started by whichever comes first. torch, the
+# lazily imported sympy that the first backward-with-gradient pulls in, and what the
+# modules start_module runs import (not those modules: runpy runs them afresh as __main__).
+FORK_SERVER_PRELOAD = ["torch", "torch.distributed", "cephalo.trainer.engine",
+                       "torch.fx.experimental.symbolic_shapes", "cephalo.trainer.run",
+                       "cephalo.trainer.profile_units", "cephalo.trainer.profile_collectives"]
+CLONE_NEWNET = 0x40000000  # sched.h: setns(2) into a network namespace
+
+
+def fork_server() -> ForkServerContext:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(FORK_SERVER_PRELOAD)
+    return ctx
+
+
+class ForkedModule:
+    """A module run by `start_module`, with the subprocess.Popen calls its callers make
+    (pid, poll, wait, kill, send_signal, returncode) on the fork server's child."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
+        if process.pid is None:
+            raise RuntimeError(f"{process.name} was never started")
+        self._process = process
+        self.pid: int = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(["forked", self._process.name], timeout or 0.0)
+        return self._process.exitcode
+
+    def kill(self) -> None:
+        self._process.kill()
+
+    def send_signal(self, signum: int) -> None:
+        if self._process.exitcode is None:  # as Popen: never a pid that may be reused
+            os.kill(self.pid, signum)
+
+
+def start_module(module: str, args: Sequence[str], env: Mapping[str, str], *, cwd: Path,
+                 log: Path, netns: str | None = None,
+                 niceness: int | None = None) -> ForkedModule:
+    """`python -m module args` with exactly `env` and its stdout and stderr appended to `log`,
+    forked from the fork server: in the network namespace `netns` (as `ip netns` names it),
+    and with `niceness` (root for a negative one) at that niceness in a session and
+    autogroup of its own. For tests and benchmarks that start many torch processes whose
+    start-up is not what they measure."""
+    process = fork_server().Process(
+        target=_run_module, name=module,
+        args=(module, list(args), dict(env), str(cwd), str(log.absolute()), netns,
+              niceness))
+    process.start()
+    return ForkedModule(process)
+
+
+def _run_module(module: str, args: list[str], env: dict[str, str], cwd: str, log: str,
+                netns: str | None, niceness: int | None) -> None:
+    """The forked process: its output to `log` first (so a failure to place it is there
+    too), placed as asked, then the module as `python -m` runs it; exits with its exit
+    code."""
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for fd in (1, 2):
+        os.dup2(out, fd)
+    os.close(out)
+    code: str | int | None = 0
+    try:
+        if niceness is not None:
+            _own_session_at(niceness)
+        if netns is not None:
+            _enter_network_namespace(netns)
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        _threads_as_started_with(env)
+        sys.argv = [module, *args]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as done:
+        code = done.code
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    # What the interpreter's exit does and multiprocessing's os._exit skips.
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
+
+
+def _threads_as_started_with(env: Mapping[str, str]) -> None:
+    """torch's intra-op threads as a fresh interpreter with `env` would have them. OpenMP
+    read OMP_NUM_THREADS when the server loaded torch, from the server's environment: a
+    forked process keeps that count whatever its own says (measured: 2 threads under
+    OMP_NUM_THREADS=1, which moved a resumed run's weights off a one-thread reference)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    value = env.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(int(value) if value.isdigit() and int(value) > 0
+                          else len(os.sched_getaffinity(0)))  # OpenMP's default: the CPUs
+
+
+def _own_session_at(niceness: int) -> None:
+    """A session of its own whose autogroup (sched(7)) runs at `niceness` too: with the
+    kernel's autogroups a process's niceness ranks it only inside its session, and each
+    other session gets an equal share of the cores whatever its niceness."""
+    os.setsid()
+    os.setpriority(os.PRIO_PROCESS, 0, niceness)  # threads started later inherit it
+    with contextlib.suppress(OSError):  # no autogroups here: niceness alone
+        Path(f"/proc/{os.getpid()}/autogroup").write_text(f"{niceness}\n")
+
+
+def _enter_network_namespace(name: str) -> None:
+    """Join the namespace `ip netns add NAME` made (the networking `ip netns exec` gives)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
