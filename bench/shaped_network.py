@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cephalo.trainer.forked import ForkedModule, start_module
+from cephalo.trainer.forked import ForkedModule, start_module, stop_all
 
 ROOT = Path(__file__).resolve().parents[1]
 ADDRESS_A, ADDRESS_B = "10.231.0.1", "10.231.0.2"
@@ -133,10 +133,7 @@ def wait_all(start: Callable[[int], ForkedModule], logs: list[Path],
         for proc in procs:
             proc.wait(timeout=timeout_seconds)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        stop_all(procs)
     for i, (proc, log) in enumerate(zip(procs, logs, strict=True)):
         if proc.returncode != 0:
             raise RuntimeError(f"process {i} ({log.name}) failed (exit {proc.returncode}): "

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from cephalo.trainer.forked import ForkedModule, start_module
+from cephalo.trainer.forked import ForkedModule, start_module, wait_for_all
 
 
 def start_ranks(envs: Sequence[Mapping[str, str]], folder: Path, tag: str
@@ -28,12 +28,5 @@ def log_of(folder: Path, tag: str, rank: int) -> Path:
 def finish(procs: Sequence[ForkedModule], folder: Path, tag: str,
            timeout_seconds: float = 600) -> list[str]:
     """Wait for every rank (none left running, also on failure); each rank's output."""
-    try:
-        for proc in procs:
-            proc.wait(timeout=timeout_seconds)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    wait_for_all(procs, timeout_seconds)
     return [log_of(folder, tag, i).read_text(errors="replace") for i in range(len(procs))]

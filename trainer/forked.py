@@ -71,6 +71,24 @@ class ForkedModule:
             os.kill(self.pid, signum)
 
 
+def stop_all(procs: Sequence[ForkedModule]) -> None:
+    """Kill and reap every process of `procs` still running."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def wait_for_all(procs: Sequence[ForkedModule], timeout_seconds: float) -> None:
+    """Wait for every process, each up to `timeout_seconds`; none is left running, also when
+    a wait times out (stop_all)."""
+    try:
+        for proc in procs:
+            proc.wait(timeout=timeout_seconds)
+    finally:
+        stop_all(procs)
+
+
 def start_module(module: str, args: Sequence[str], env: Mapping[str, str], *, cwd: Path,
                  log: Path, netns: str | None = None,
                  niceness: int | None = None) -> ForkedModule:
