@@ -10,6 +10,7 @@ import re
 import statistics
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cephalo.api import ClusterSpec, GpuGroup, parse_job
@@ -21,8 +22,9 @@ from cephalo.api.profile import CollectiveProfile, GpuProfile
 from cephalo.local.devices import LocalDevice
 from cephalo.local.runner import build_cluster
 from cephalo.planner import estimate_profile, solve
+from cephalo.planner.cost.comm_model import UnitComm
 from cephalo.planner.outputs.report import format_plan
-from cephalo.planner.search.problem import network_of
+from cephalo.planner.search.problem import build_problem, network_of
 
 GBIT = 1e9 / 8
 ROOT = Path(__file__).resolve().parents[2]
@@ -160,3 +162,44 @@ def test_the_gloo_figure_is_the_median_of_the_documented_runs() -> None:
     assert len(runs) == 13
     median = statistics.median(statistics.harmonic_mean(run) for run in runs)
     assert round(median, 2) == GLOO_EFFICIENCY
+
+
+
+def _measured_link(mbit: float, probe_vs_model: float | None, spec: CephaloJobSpec,
+                   cluster: ClusterSpec) -> CollectiveProfile:
+    """Collectives measured at `mbit` (the reduce-scatter a little slower, as on gloo) with,
+    unless `probe_vs_model` is None, a probe step that many times what the model predicts of
+    it on that link: a real probe step slows with the link as the collectives do."""
+    fit = CollectiveProfile(
+        bandwidth_bytes_per_second=mbit * 1e6 / 8, latency_seconds=2e-4,
+        reduce_scatter_bandwidth_bytes_per_second=mbit * 0.8e6 / 8,
+        reduce_scatter_latency_seconds=5e-4, all_reduce_seconds=1e-3, world_size=2,
+        overlap_fraction=0.3, uneven_overhead=0.05)
+    if probe_vs_model is None:
+        return fit
+    problem = build_problem(spec, cluster, _profile("cpu", spec, fit))
+    unit = UnitComm.build(problem.model, problem.comm_model, 2, uneven=False)
+    one = np.ones(1)
+    predicted = float(problem.classes[0].cost.step_seconds(one, one, unit)[0])
+    return fit.model_copy(update={"probe_step_seconds": probe_vs_model * predicted})
+
+
+@pytest.mark.parametrize("probe_vs_model", [None, 0.5, 1.3])
+def test_a_slower_measured_link_never_predicts_a_faster_step(
+        probe_vs_model: float | None) -> None:
+    """The planner's best step on two CPU ranks (using one or both, as it chooses) with the
+    collectives measured ever slower: never faster, both ranks on the fastest link and one
+    alone on the slowest; with a measured probe step the model under- or over-predicts too.
+    (tests/trainer/test_shaped_plan.py plans from real measurements on a shaped link, where
+    each shape's figures carry their own noise.)"""
+    spec = _job(batch=128, chooseGpus=True)
+    cluster = ClusterSpec(groups=[GpuGroup(product="cpu", count=2)])
+    steps, ranks = [], []
+    for mbit in (3000, 1000, 300, 150, 100, 50, 20, 5):
+        fit = _measured_link(mbit, probe_vs_model, spec, cluster)
+        plan = solve(spec, cluster, _profile("cpu", spec, fit))
+        assert plan.predicted_step_seconds is not None
+        steps.append(plan.predicted_step_seconds)
+        ranks.append(plan.world_size)
+    assert steps == sorted(steps), (steps, ranks)
+    assert ranks == sorted(ranks, reverse=True) and ranks[0] == 2 and ranks[-1] == 1, ranks

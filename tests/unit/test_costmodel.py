@@ -3,6 +3,7 @@ forward pass paid once per pass, and the calibration against a measured probe st
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -104,6 +105,35 @@ def test_planner_calibrates_with_a_measured_probe() -> None:
     probed = measured.model_copy(update={"probe_step_seconds": predicted * 1.5})
     problem = build_problem(spec, cluster, {"cpu": _profile(0.01, 0.02, None, probed)})
     assert problem.comm_model.step_overhead_seconds == pytest.approx(predicted * 0.5)
+
+
+
+def test_a_probe_the_model_over_predicts_never_prices_a_step_below_its_compute() -> None:
+    """Regression (found planning on a 5 Mbit/s link with a measured probe step): a probe step
+    measured faster than the model predicts gives a negative per-step overhead, bounded by the
+    probe's collectives. The probe (one sample) exposes nearly all of them; a larger step
+    hides most under its compute, so the whole bound once priced such a step below its
+    compute alone, negative on a slow link, and the planner chose it. A step pays at most the
+    collectives every step exposes back (UnitComm.applied_overhead_seconds)."""
+    spec = parse_job({"apiVersion": "cephalo.dev/v1alpha1", "kind": "CephaloJob",
+                      "spec": {"model": {"preset": "gpt-tiny"}, "globalBatchSize": 64}}).spec
+    cluster = ClusterSpec(groups=[GpuGroup(product="cpu", count=2, memory_bytes=2**30)])
+    slow = CollectiveProfile(bandwidth_bytes_per_second=5e6 / 8, latency_seconds=1e-3,
+                             world_size=2, overlap_fraction=0.5)
+    profile = _profile(0.01, 0.02, None, slow)
+    unit = UnitComm.build(CONFIG, build_problem(spec, cluster, {"cpu": profile}).comm_model, 2,
+                          uneven=False)
+    predicted = _step(_cost(profile), 1, 1, unit)
+    probed = slow.model_copy(update={"probe_step_seconds": predicted * 0.2})
+    problem = build_problem(spec, cluster, {"cpu": _profile(0.01, 0.02, None, probed)})
+    assert problem.comm_model.step_overhead_seconds < 0  # the case: over-predicted
+    calibrated = UnitComm.build(CONFIG, problem.comm_model, 2, uneven=False)
+    silent = dataclasses.replace(calibrated, ag_block=0.0, rs_block=0.0, ag_first=0.0,
+                                 ag_head=0.0, rs_other=0.0, all_reduce_seconds=0.0,
+                                 step_overhead_seconds=0.0)  # its compute alone
+    cost = problem.classes[0].cost
+    for ell, m in [(1, 1), (4, 1), (32, 1), (8, 4), (32, 2)]:
+        assert _step(cost, ell, m, calibrated) >= _step(cost, ell, m, silent) > 0, (ell, m)
 
 
 def _probe(seconds: float) -> SingleRankStep:

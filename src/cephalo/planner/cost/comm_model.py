@@ -75,8 +75,7 @@ class CommModel:
         times and the transport taking CPU from compute. It is never made negative enough to
         cancel more than the collectives' own modelled time."""
         unit = UnitComm.build(model, self, world_size, uneven=False)
-        silent = replace(unit, ag_block=0.0, rs_block=0.0, ag_first=0.0, ag_head=0.0,
-                         rs_other=0.0, all_reduce_seconds=0.0)
+        silent = unit.silent()
         one = np.ones(1)
         fastest = min(costs, key=lambda c: float(c.step_seconds(one, one, unit)[0]))
         predicted = float(fastest.step_seconds(one, one, unit)[0])
@@ -119,6 +118,14 @@ class UnitComm:
     # (the backward's gathers read the slice already there). The head's is in ag_head.
     cross_ag_block: float = 0.0
     cross_ag_first: float = 0.0
+
+    def silent(self) -> UnitComm:
+        """The same step without its collectives (nor the overhead measured beyond them):
+        its compute alone."""
+        return replace(self, ag_block=0.0, rs_block=0.0, ag_first=0.0, ag_head=0.0,
+                       rs_other=0.0, all_reduce_seconds=0.0, step_overhead_seconds=0.0,
+                       ag_block_even=0.0, rs_block_even=0.0, cross_ag_block=0.0,
+                       cross_ag_first=0.0)
 
     @classmethod
     def build(cls, model: ModelConfig, comm: CommModel, world_size: int,

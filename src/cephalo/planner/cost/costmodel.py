@@ -275,9 +275,21 @@ class GpuCostModel:
         `kept` (recompute mode): per candidate, how many of the last blocks keep their
         graphs (their backward skips the recompute, not the gather). `per_micro`:
         compute_seconds(max(m, 1)) when the caller has it (a bisection over ℓ)."""
-        ell = np.asarray(ell, dtype=np.float64)
         if per_micro is None:
             per_micro = self.compute_seconds(np.maximum(m, 1))
+        seconds = self._step_seconds(ell, comm, kept, per_micro)
+        if comm.step_overhead_seconds >= 0.0:
+            return seconds
+        # A negative overhead (the model over-predicted the measured probe step) takes back at
+        # most this step's own exposed collectives. The probe, one sample per rank, hides
+        # almost none of them under compute; a larger step hides most, and the probe's whole
+        # share priced it below its compute alone, negative on a slow link
+        # (tests/unit/test_costmodel.py).
+        return np.maximum(seconds, self._step_seconds(ell, comm.silent(), kept, per_micro))
+
+    def _step_seconds(self, ell: np.ndarray, comm: UnitComm, kept: np.ndarray | None,
+                      per_micro: np.ndarray) -> np.ndarray:
+        ell = np.asarray(ell, dtype=np.float64)
         f, b, fo, bo = per_micro * ell
         ag_back, ag_first_back = comm.ag_block, comm.ag_first
         if kept is not None and not np.any(kept):
