@@ -34,6 +34,7 @@ import re
 import signal
 import sys
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,8 @@ from typing import Any
 
 from kube_emulator import ApiEmulator
 from kubelet import ExtraPassKubelet, OperatorProcess, free_port, pod_status
+
+from cephalo.trainer.forked import ForkedModule, start_module
 
 ROLE, JOB, ATTEMPT = "cephalo.dev/role", "cephalo.dev/job", "cephalo.dev/attempt"
 HASH = "cephalo.dev/config-hash"
@@ -54,8 +57,57 @@ class Container:
     key: tuple[Any, ...]
     uid: str
     folder: Path
-    proc: asyncio.subprocess.Process | None = None
+    proc: asyncio.subprocess.Process | ForkedModule | None = None
     stopping: bool = False
+
+
+async def _start(argv: list[str], env: dict[str, str], folder: Path
+                 ) -> asyncio.subprocess.Process | ForkedModule:
+    """The container's process in a process group of its own, its output in the folder's
+    container.log. `python -m MODULE` (the trainer, the network probe) forks from the fork
+    server that imported torch once (trainer/forked.py) instead of paying ~2.5 s of CPU for
+    its imports; any other command runs as itself."""
+    log = folder / "container.log"
+    if argv[:2] == ["python", "-m"] and len(argv) > 2:
+        return start_module(argv[2], argv[3:], env, cwd=folder, log=log, new_session=True)
+    if argv and argv[0] == "python":
+        argv = [sys.executable, *argv[1:]]  # the "image": this interpreter's environment
+    with log.open("ab") as out:
+        return await asyncio.create_subprocess_exec(
+            *argv, env=env, stdout=out, stderr=asyncio.subprocess.STDOUT,
+            stdin=asyncio.subprocess.DEVNULL, cwd=folder, start_new_session=True)
+
+
+# One future per forked process, resolved with its exit code: one reader per descriptor (a
+# second add_reader would replace the first waiter's).
+_ENDINGS: weakref.WeakKeyDictionary[ForkedModule, asyncio.Future[int]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _ending(proc: ForkedModule) -> asyncio.Future[int]:
+    future = _ENDINGS.get(proc)
+    if future is None:
+        loop = asyncio.get_running_loop()
+        future = _ENDINGS[proc] = loop.create_future()
+
+        def check(future: asyncio.Future[int] = future) -> None:
+            code = proc.poll()  # its sentinel becomes readable when it ends
+            if code is not None:
+                loop.remove_reader(proc.sentinel)
+                if not future.done():
+                    future.set_result(code)
+
+        loop.add_reader(proc.sentinel, check)
+        check()  # it may have ended already
+    return future
+
+
+async def exited(proc: asyncio.subprocess.Process | ForkedModule) -> int:
+    """The process's exit code once it has exited, waited for in the event loop (no thread
+    waits on a forked one: the loop watches its sentinel)."""
+    if isinstance(proc, asyncio.subprocess.Process):
+        return await proc.wait()
+    return await asyncio.shield(_ending(proc))  # a cancelled waiter leaves the others
 
 
 @dataclass
@@ -182,15 +234,10 @@ class ProcessKubelet:
         (container,) = pod["spec"]["containers"]
         env = self._environment(c, pod)
         argv = [*container.get("command", []), *container.get("args", [])]
-        if argv and argv[0] == "python":
-            argv[0] = sys.executable  # the "image": this interpreter's environment
         c.folder.mkdir(parents=True, exist_ok=True)
-        with (c.folder / "container.log").open("ab") as log:
-            c.proc = await asyncio.create_subprocess_exec(
-                *argv, env=env, stdout=log, stderr=asyncio.subprocess.STDOUT,
-                stdin=asyncio.subprocess.DEVNULL, cwd=c.folder, start_new_session=True)
+        c.proc = await _start(argv, env, c.folder)
         self._report(c.key, c.uid, pod_status("Running"))
-        code = await c.proc.wait()
+        code = await exited(c.proc)
         self.exits.append((pod["metadata"]["name"], code))
         phase = "Succeeded" if code == 0 else "Failed"
         self._report(c.key, c.uid, pod_status(phase, exit_code=code,
@@ -207,7 +254,7 @@ class ProcessKubelet:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(c.proc.pid, signal.SIGTERM)
             try:
-                await asyncio.wait_for(asyncio.shield(c.proc.wait()), max(grace_seconds, 0.1))
+                await asyncio.wait_for(asyncio.shield(exited(c.proc)), max(grace_seconds, 0.1))
             except asyncio.TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(c.proc.pid, signal.SIGKILL)
@@ -242,7 +289,7 @@ class ProcessKubelet:
             if c.proc is not None and c.proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(c.proc.pid, signal.SIGKILL)
-                await c.proc.wait()
+                await exited(c.proc)
         deadline = time.monotonic() + 10
         while self._tasks and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -44,12 +43,13 @@ from kubelet import (
     wait_for,
 )
 from operator_harness import NS, events, plan_of
-from process_kubelet import ProcessKubelet
+from process_kubelet import ProcessKubelet, exited
 
 from cephalo.api import parse_job
 from cephalo.api.network import NIC_GBPS_LABEL
 from cephalo.operator.rbac import allowed
 from cephalo.planner import estimate_profile, lookup_gpu
+from cephalo.trainer.forked import start_module, stop_all
 
 pytestmark = pytest.mark.asyncio
 POOL = "NVIDIA-A10G"
@@ -156,20 +156,15 @@ async def _uninterrupted(folder: Path, job_yaml: str, plan_json: str) -> list[di
             "CEPHALO_PLAN": str(folder / "plan.json"),
             "CEPHALO_CHECKPOINT_DIR": str(folder / "ckpt"), "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_port()), "CEPHALO_METRICS_FILE": str(folder / "m.jsonl")}
-    procs = [await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "cephalo.trainer", env={**base, "RANK": str(r),
-                                                      "LOCAL_RANK": str(r)},
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
-        for r in range(world)]
+    logs = [folder / f"rank-{r}.log" for r in range(world)]
+    procs = [start_module("cephalo.trainer", [], {**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                          cwd=folder, log=logs[r]) for r in range(world)]
     try:  # eight processes on a loaded machine: once measured at 90 s for 60 steps
-        outputs = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs)),
-                                         WAIT_SECONDS * 4)
+        codes = await asyncio.wait_for(asyncio.gather(*(exited(p) for p in procs)),
+                                       WAIT_SECONDS * 4)
     finally:
-        for p in procs:
-            if p.returncode is None:
-                p.kill()
-                await p.wait()
-    assert [p.returncode for p in procs] == [0] * world, [o[1][-2000:] for o in outputs]
+        stop_all(procs)
+    assert codes == [0] * world, [log.read_text()[-2000:] for log in logs]
     return _records(folder / "m.jsonl")
 
 

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,12 +83,14 @@ class Operator:
 
 
 def phases_until(cluster: Cluster, ns: str, name: str, since: str, until: set[str],
-                 timeout_seconds: float, statuses: list[dict[str, Any]] | None = None
+                 timeout_seconds: float, statuses: list[dict[str, Any]] | None = None,
+                 reached: Callable[[dict[str, Any]], bool] | None = None
                  ) -> tuple[list[str], dict[str, Any]]:
     """Every phase the job went through after resourceVersion `since`, from a watch (no
-    change is missed, however short), until one of `until`; and its status then.
-    `statuses`: when given, every status the watch showed is appended to it, oldest first
-    (for a verdict on what the job showed on its way, not only at the end)."""
+    change is missed, however short), until one of `until` or a status `reached` accepts;
+    and its status then. `statuses`: when given, every status the watch showed is appended
+    to it, oldest first (for a verdict on what the job showed on its way, not only at the
+    end)."""
     seen: list[str] = []
     deadline = time.monotonic() + timeout_seconds
     version = since
@@ -110,10 +112,11 @@ def phases_until(cluster: Cluster, ns: str, name: str, since: str, until: set[st
                 statuses.append(status)
             if (phase := status.get("phase")) and (not seen or seen[-1] != phase):
                 seen.append(phase)
-            if phase in until:
+            if phase in until or (reached is not None and reached(status)):
                 return seen, status
     raise AssertionError(f"timed out after {timeout_seconds:.0f} s waiting for job {name} in "
-                         f"{sorted(until)} (phases so far: {seen})")
+                         f"{sorted(until)}{' or the status awaited' if reached else ''} "
+                         f"(phases so far: {seen})")
 
 
 def cached_profiles(cluster: Cluster, ns: str) -> list[str]:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from cephalo.api.trainer_env import METRICS_ADDRESS, METRICS_PORT
+from cephalo.trainer.forked import ForkedModule
 
 from .controlplane import free_port
 from .kubelet_logs import ContainerLog
@@ -40,7 +41,7 @@ CLUSTER_DNS = re.compile(r"^[a-z0-9.-]+\.svc(\.cluster\.local)?$")
 class Container:
     pod: dict[str, Any]
     folder: Path
-    proc: subprocess.Popen[bytes] | None = None
+    proc: subprocess.Popen[bytes] | ForkedModule | None = None
     started_at: str = ""
     mounts: list[tuple[str, Path]] = field(default_factory=list)  # (container path, folder)
     deleting: bool = False
