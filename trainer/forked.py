@@ -185,10 +185,10 @@ def _run_module(module: str, args: list[str], env: dict[str, str], cwd: str,
     except BaseException:
         traceback.print_exc()
         code = 1
-    # What the interpreter's exit does and multiprocessing's os._exit skips.
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # Then multiprocessing ends the process as the interpreter would (threading._shutdown:
+    # the threading atexit calls, such as an executor's shutdown, then every non-daemon thread
+    # joined). Joining them here first waited forever on an asyncio executor's idle workers
+    # (a kopf operator stopped with SIGINT).
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(ValueError):  # a module may close its own (json.tool does)
             stream.flush()

@@ -133,3 +133,20 @@ def test_threads_waiting_and_polling_at_once_all_read_the_exit_code(tmp_path: Pa
         proc = start_module("json.tool", ["missing.json"], {}, cwd=tmp_path,
                             log=tmp_path / "log")
         assert _exit_codes_seen_at_once(proc) == [2, 2, 2, 2] and proc.returncode == 2
+
+
+def test_a_module_that_leaves_an_idle_executor_thread_exits(tmp_path: Path) -> None:
+    """Regression: the forked process joined every non-daemon thread before the threading
+    atexit calls that stop an executor's idle workers, and waited on them forever (a kopf
+    operator stopped with SIGINT never exited). It ends as the interpreter would."""
+    statement = ("import builtins, concurrent.futures as f; "  # kept: never collected
+                 "builtins.pool = f.ThreadPoolExecutor(max_workers=1); "
+                 "builtins.pool.submit(int).result()")
+    proc = start_module("timeit", ["-n", "1", "-r", "1", statement], {}, cwd=tmp_path,
+                        log=tmp_path / "log")
+    try:
+        assert proc.wait(60) == 0, (tmp_path / "log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
