@@ -13,7 +13,7 @@ out=${1:-}
 work=$(mktemp -d)
 session="cephalo-demo-$$"
 .venv/bin/python -I tests/operator/cluster_sim.py --kubeconfig "$work/kubeconfig" \
-    >"$work/sim.log" 2>&1 &
+    --operator-log "$work/operator.log" >"$work/sim.log" 2>&1 &
 sim=$!
 cleanup() {
     tmux kill-session -t "$session" 2>/dev/null || true

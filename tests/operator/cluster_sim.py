@@ -246,7 +246,7 @@ def operator_env(sim: TrainingSim) -> dict[str, str]:
             "CEPHALO_PROGRESS_INTERVAL_SECONDS": "0.3"}
 
 
-async def serve(kubeconfig: Path) -> None:
+async def serve(kubeconfig: Path, operator_log: Path | None = None) -> None:
     from conftest import write_kubeconfig
 
     async with ApiEmulator() as api, kmock.Server(api) as server:
@@ -254,7 +254,7 @@ async def serve(kubeconfig: Path) -> None:
         write_kubeconfig(kubeconfig, str(server.url).rstrip("/"))
         await apply_nodes(api, cluster_a())
         sim = await TrainingSim(api, tick_seconds=0.25).start()
-        log = Path(tempfile.mkdtemp(prefix="cephalo-sim-")) / "operator.log"
+        log = operator_log or Path(tempfile.mkdtemp(prefix="cephalo-sim-")) / "operator.log"
         operator = OperatorProcess(kubeconfig, log, **operator_env(sim)).start()
         print(f"emulated cluster ready: KUBECONFIG={kubeconfig} (operator log {log})",
               flush=True)
@@ -271,5 +271,8 @@ async def serve(kubeconfig: Path) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kubeconfig", required=True, type=Path)
+    parser.add_argument("--operator-log", type=Path,
+                        help="the operator's log (default: in a new temporary folder, kept)")
+    args = parser.parse_args()
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(parser.parse_args().kubeconfig))
+        asyncio.run(serve(args.kubeconfig, args.operator_log))
