@@ -42,16 +42,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import urllib3
 
-from cephalo.trainer.forked import ForkedModule, start_module
-
-from .controlplane import dies_with_its_starter
 from .kubelet_logs import ContainerLog, LogServer
 from .pki import Pki
-from .pod_setup import POD_IP, Container, PodSetup
+from .pod_setup import POD_IP, Container, PodSetup, start_process
 from .rest import Reply, Rest
 
 MAX_MESSAGE_BYTES = 4096  # the kubelet's termination-message limit
@@ -67,36 +64,6 @@ def exit_code(returncode: int) -> int:
 
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-
-
-def _start(argv: list[str], env: dict[str, str], cwd: Path
-           ) -> tuple[subprocess.Popen[bytes] | ForkedModule, tuple[IO[bytes], IO[bytes]]]:
-    """The container's process, in a process group of its own, and its stdout and stderr
-    pipes. The project's `python -m MODULE` containers (trainer, profiler, network probe)
-    fork from the fork server (trainer/forked.py), which imported torch once: started
-    afresh each paid ~2.5 s of CPU for its imports, some 50 times a run of tests/realk8s.
-    Any other command runs as itself."""
-    if argv[:2] == ["python", "-m"] and len(argv) > 2:
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        try:
-            proc = start_module(argv[2], argv[3:], env, cwd=cwd, output=(out_w, err_w),
-                                new_session=True)
-        except BaseException:
-            for fd in (out_r, err_r):
-                os.close(fd)
-            raise
-        finally:
-            for fd in (out_w, err_w):
-                os.close(fd)
-        return proc, (os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
-    popen = subprocess.Popen(dies_with_its_starter(argv), env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, cwd=cwd,
-                             start_new_session=True)
-    assert popen.stdout is not None and popen.stderr is not None
-    return popen, (popen.stdout, popen.stderr)
 
 
 class ProcessKubelet:
@@ -228,7 +195,7 @@ class ProcessKubelet:
             if c.deleting:
                 return
             c.started_at = _now()
-            c.proc, pipes = _start(argv, env, c.folder)
+            c.proc, pipes = start_process(argv, env, c.folder)
             c.log = ContainerLog(c.folder / "container.log")
             for pipe, stream in zip(pipes, ("stdout", "stderr"), strict=True):
                 c.log.pump(pipe, stream)

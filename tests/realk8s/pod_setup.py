@@ -1,5 +1,6 @@
 """What the process kubelet makes of a pod before it starts the container's process: its
-volumes mapped to local folders and its environment, as a kubelet would build them.
+volumes mapped to local folders and its environment, as a kubelet would build them; and the
+process itself (`start_process`).
 
 * volumes: configMap and secret keys written as files, emptyDir a fresh folder, a
   persistentVolumeClaim one folder per claim shared by every pod (an RWX volume); the
@@ -18,18 +19,19 @@ volumes mapped to local folders and its environment, as a kubelet would build th
 from __future__ import annotations
 
 import base64
+import os
 import re
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from cephalo.api.trainer_env import METRICS_ADDRESS, METRICS_PORT
-from cephalo.trainer.forked import ForkedModule
+from cephalo.trainer.forked import ForkedModule, start_module
 
-from .controlplane import free_port
+from .controlplane import dies_with_its_starter, free_port
 from .kubelet_logs import ContainerLog
 from .rest import Rest
 
@@ -176,3 +178,31 @@ class PodSetup:
         expanded = re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)", lambda m: "$" if m.group(0)
                           == "$$" else env.get(m.group(1), m.group(0)), text)
         return c.host_path(expanded) if expanded.startswith("/") else expanded
+
+
+def start_process(argv: list[str], env: dict[str, str], cwd: Path
+           ) -> tuple[subprocess.Popen[bytes] | ForkedModule, tuple[IO[bytes], IO[bytes]]]:
+    """The container's process, in a process group of its own, and its stdout and stderr
+    pipes. The project's `python -m MODULE` containers (trainer, profiler, network probe)
+    fork from the fork server (trainer/forked.py), which imported torch once: started
+    afresh each paid ~2.5 s of CPU for its imports, some 50 times a run of tests/realk8s.
+    Any other command runs as itself."""
+    if argv[:2] == ["python", "-m"] and len(argv) > 2:
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            proc = start_module(argv[2], argv[3:], env, cwd=cwd, output=(out_w, err_w),
+                                new_session=True)
+        except BaseException:
+            for fd in (out_r, err_r):
+                os.close(fd)
+            raise
+        finally:
+            for fd in (out_w, err_w):
+                os.close(fd)
+        return proc, (os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
+    popen = subprocess.Popen(dies_with_its_starter(argv), env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, cwd=cwd,
+                             start_new_session=True)
+    assert popen.stdout is not None and popen.stderr is not None
+    return popen, (popen.stdout, popen.stderr)
