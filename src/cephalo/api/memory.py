@@ -62,18 +62,25 @@ def state_bytes(owned_parameters: float, precision: str = "fp32") -> float:
 HYBRID_SLICE_BYTES_PER_PARAMETER = FP32_BYTES
 
 
-def hybrid_state_bytes(owned_parameters_in_group: float, groups: int, precision: str) -> float:
+def hybrid_state_bytes(owned_parameters_in_group: float, groups: int, precision: str,
+                       replicated_fraction: float = 0.0) -> float:
     """Training state of a rank under hybrid sharding across `groups` replica groups, where
     it holds `owned_parameters_in_group` (n_j) of its group's shard: the whole fp32 slice
-    (what its group's all-gathers read, 4 n_j) and the master, Adam moments and gradient of
-    only its piece of it, n_j / G (16 n_j / G: `state_bytes`). In every precision (the state
-    is fp32 in all). With one group the slice is the master: `state_bytes(n_j)` exactly."""
+    (what its group's all-gathers read, 4 n_j) and the master, Adam moments and gradient
+    (16 bytes a parameter: `state_bytes`) of its piece of the sharded part of the slice,
+    (1 - a) n_j / G, and of all of the replicated part, a n_j (a: the plan's
+    `replicated_fraction`). In every precision (the state is fp32 in all). With one group
+    the slice is the master: `state_bytes(n_j)` exactly."""
     if groups < 1:
         raise ValueError(f"groups must be >= 1, got {groups}")
+    if not 0.0 <= replicated_fraction <= 1.0:
+        raise ValueError(f"replicated_fraction must be in [0, 1], got {replicated_fraction}")
     if groups == 1:
         return state_bytes(owned_parameters_in_group, precision)
+    owned = owned_parameters_in_group * (replicated_fraction +
+                                         (1.0 - replicated_fraction) / groups)
     return (HYBRID_SLICE_BYTES_PER_PARAMETER * owned_parameters_in_group
-            + state_bytes(owned_parameters_in_group / groups, precision))
+            + state_bytes(owned, precision))
 
 
 def unit_buffer_bytes(largest_unit_parameters: int) -> int:

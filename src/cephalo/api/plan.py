@@ -43,7 +43,7 @@ def _omit_empty(data: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
 OPTIONAL_PLAN_FIELDS = ("idle_gpus", "optimality_gap_seconds", "unit_shard_ratios", "cost",
                         "recompute", "pod_ranks", "model", "precision", "memory_fraction",
                         "state_bytes", "estimated_gpus", "assumptions", "search", "notes",
-                        "replica_groups")
+                        "replica_groups", "replicated_fraction")
 
 
 class RankPlan(BaseModel):
@@ -193,6 +193,13 @@ class Plan(BaseModel):
     # agree position by position. Batches stay per rank over the whole job. Empty
     # (omitted): flat sharding, one group of every rank.
     replica_groups: list[list[int]] = Field(default_factory=list)
+    # Hybrid sharding's split of each slice across groups (docs/hybrid-sharding.md): the
+    # leading `replicated_fraction` of every rank's slice of every unit keeps its whole
+    # optimizer state in every group (its gradient all-reduced across groups under the
+    # backward, nothing to gather after the update); the rest is sharded across groups as
+    # above. 0 (omitted): all of it sharded; 1: every group keeps the whole state. Only with
+    # two or more replica groups.
+    replicated_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
     # What the planner assumed, for humans and `cephalo plan` (the trainer ignores them).
     model: dict[str, Any] | None = None  # the resolved ModelConfig
     precision: str | None = None
@@ -240,6 +247,10 @@ def check_invariants(plan: Plan) -> None:
     if total != plan.global_batch_size:
         raise PlanError(f"rank batch sizes sum to {total}, not global_batch_size "
                         f"{plan.global_batch_size}")
+    if plan.replicated_fraction and len(plan.replica_groups) < 2:
+        raise PlanError(f"replicated_fraction {plan.replicated_fraction} needs two or more "
+                        f"replica_groups, the plan has {len(plan.replica_groups)}: omit it "
+                        "(or set 0) for flat sharding")
     if plan.replica_groups:
         check_replica_groups(plan.replica_groups, [r.shard_ratio for r in plan.ranks],
                              "shard ratios")

@@ -36,3 +36,12 @@ def is_even(bounds: Sequence[tuple[int, int]]) -> bool:
     """True when all shards have the same size, up to one element (no uneven-collective cost)."""
     sizes = [e - s for s, e in bounds]
     return max(sizes) - min(sizes) <= 1
+
+
+def replicated_prefix(slice_numel: int, fraction: float) -> int:
+    """How many leading elements of a rank's slice hybrid sharding replicates across groups
+    (a plan's `replicated_fraction`, docs/hybrid-sharding.md): rounded, so every rank at one
+    position, holding the same slice, agrees."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"replicated fraction must be in [0, 1], got {fraction}")
+    return min(slice_numel, round(slice_numel * fraction))
