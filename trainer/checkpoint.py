@@ -331,10 +331,11 @@ def restore(engine: Engine, info: CheckpointInfo, reader: ShardReader | None = N
         engine.load_parameters(lambda i, start, end: reader.read(i, start, end))
         with torch.no_grad():  # ... and the moments of what it owns
             for i in range(len(engine.units)):
-                start, end = engine.owned_range(i)
+                ranges = engine.owned_ranges(i)
                 for key, target in (("exp_avg", opt["exp_avg"][i]),
                                     ("exp_avg_sq", opt["exp_avg_sq"][i])):
-                    target.copy_(reader.read(i, start, end, key).to(target.device))
+                    target.copy_(torch.cat([reader.read(i, start, end, key)
+                                            for start, end in ranges]).to(target.device))
         torch.set_rng_state(reader.rng_state(rng_file(info.meta, engine.file_index)))
     finally:
         reader.close()

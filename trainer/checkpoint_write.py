@@ -61,11 +61,20 @@ def _snapshot(engine: Engine, copy: bool) -> tuple[dict[str, Any], dict[str, Any
 
     # Every rank writes what it owns: its slice when flat (file = rank), its piece of its
     # slice under hybrid sharding (file = position x groups + group: replicas.file_index).
+    # (A replicated prefix, which every group holds, is written by the owner of piece 0.)
+    def part(key: str, unit: int) -> torch.Tensor:
+        start, end, skip = engine.file_range(unit)
+        whole = opt[key][unit]  # type: ignore[literal-required]
+        if end - start == whole.numel():
+            return cpu(whole)
+        # A copy, not a view: torch.save would write the view's whole storage.
+        return whole[skip:skip + end - start].detach().to("cpu", copy=True)
+
     shard = {"rank": engine.file_index, "rng": torch.get_rng_state(), "units": [
-        {"start": start, "end": end, "param": cpu(opt["param"][i]),
-         "exp_avg": cpu(opt["exp_avg"][i]), "exp_avg_sq": cpu(opt["exp_avg_sq"][i])}
-        for i, (start, end) in enumerate(engine.owned_range(i)
-                                         for i in range(len(engine.units)))]}
+        {"start": engine.file_range(i)[0], "end": engine.file_range(i)[1],
+         "param": part("param", i), "exp_avg": part("exp_avg", i),
+         "exp_avg_sq": part("exp_avg_sq", i)}
+        for i in range(len(engine.units))]}
     meta = {"format_version": FORMAT_VERSION, "step": state["step_count"],
             # world_size: how many shard files (one a rank); bounds: the global [start, end)
             # of each file's shard of each unit, which is all a reader needs whatever plan

@@ -17,7 +17,8 @@ inputShape[0]`; only `reduce_scatter(list)` takes uneven sizes), so:
   NCCL's even path the full gradient's storage is freed when the shard is out.
 
 * Hybrid sharding's collectives across replica groups (`cephalo.trainer.replicas`) are
-  these two, on the ranks of one position, counted under their own kinds (`CROSS`).
+  these two, on the ranks of one position, counted under their own kinds (`CROSS`), and
+  an asynchronous SUM `all_reduce` of a flat gradient (the replicated prefix of a slice).
 
 No NCCL form has run here (NCCL wants one GPU per rank; the device machine has one). The
 uneven ones are the same calls the tests run on gloo (the gathers are shared code;
@@ -50,6 +51,7 @@ from cephalo.trainer.wait_clock import HostWaitClock, WaitClock, cuda_wait_clock
 CROSS = "cross_"
 CROSS_REDUCE_SCATTER = CROSS + "reduce_scatter"
 CROSS_ALL_GATHER = CROSS + "all_gather"
+CROSS_ALL_REDUCE = CROSS + "all_reduce"
 
 
 @dataclass
@@ -133,6 +135,8 @@ class UnevenCollectives:
         self.group = group
         self.gather_kind = kind_prefix + "all_gather"
         self.scatter_kind = kind_prefix + "reduce_scatter"
+        # (kind_prefix "" would count it as the step's small all-reduce: cross-group only)
+        self.reduce_kind = kind_prefix + "all_reduce"
         self.stats = CollectiveStats()
         # Tests and emulation: every collective also crosses one serial link of this many
         # bytes/s (a ring moves (n-1)/n of the buffer), so a slow network can be emulated
@@ -281,6 +285,30 @@ class UnevenCollectives:
 
         return self._over_link(Pending(works, out, self.scatter_kind, self.stats,
                                        finish=slice_out), buf)
+
+    def all_reduce(self, grad: torch.Tensor, unit: int, *,
+                   wire_dtype: torch.dtype | None = None) -> Pending:
+        """Start a SUM all-reduce of a flat gradient (the collective's to overwrite); the
+        result, on every rank the same, is the sum in `grad`'s dtype. `wire_dtype`: rounded
+        to it and summed in it, as `reduce_scatter` does. One backend all-reduce (a ring:
+        a reduce-scatter and an all-gather's bytes); its result is copied out of one
+        reduction, so every rank holds the same values."""
+        narrow = wire_dtype is not None and wire_dtype != grad.dtype and self.world_size > 1
+        buf = grad.to(wire_dtype) if narrow else grad
+        self._count(self.reduce_kind, unit, buf.numel(), buf.dtype)
+        if self.world_size == 1:
+            return Pending([], grad, self.reduce_kind, self.stats, done=True)
+        self.stats.native_calls[self.reduce_kind] += 1
+        work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+        def widen() -> None:
+            grad.copy_(buf)
+            buf.untyped_storage().resize_(0)  # ours: a narrowed copy
+
+        pending = Pending([work], grad, self.reduce_kind, self.stats,
+                          finish=widen if narrow else None)
+        # A ring all-reduce crosses the link twice: as a reduce-scatter and an all-gather.
+        return self._over_link(self._over_link(pending, buf), buf)
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Blocking SUM all-reduce of a small tensor (once per step: grad-norm, loss, and what

@@ -105,6 +105,9 @@ class Layout:
     the ranks in groups of one size, each holding the whole state sharded among its ranks;
     a rank's shard ratios (and each unit's) are then its share within its group. Empty:
     flat, one group of every rank. Batches stay per rank over the whole job either way.
+    `replicated_fraction`: with two or more groups, the leading share of every slice whose
+    whole optimizer state each group keeps (its gradient all-reduced across groups; a plan's
+    ``replicated_fraction``, cephalo.trainer.replicas).
     """
 
     batch_sizes: list[int]
@@ -115,6 +118,7 @@ class Layout:
     graph_bytes_per_sample: list[float | None] = field(default_factory=list)
     precisions: list[str | None] = field(default_factory=list)
     replica_groups: list[list[int]] = field(default_factory=list)
+    replicated_fraction: float = 0.0
 
     def ratios_for(self, unit: int) -> list[float]:
         """Unit `unit`'s ratios by rank (under hybrid sharding: within each rank's group;
@@ -265,6 +269,11 @@ class Engine:
         # followed by a sleep of (d - 1) x its duration. Sleeping frees the core, so the
         # other ranks and in-flight collectives run as they would beside a slow GPU.
         self.time_dilation = time_dilation
+        if not 0.0 <= layout.replicated_fraction <= 1.0 or (
+                layout.replicated_fraction and len(layout.replica_groups) < 2):
+            raise ValueError(f"replicated_fraction {layout.replicated_fraction} needs a value "
+                             "in [0, 1] and two or more replica_groups, the layout has "
+                             f"{len(layout.replica_groups)}")
         if layout.replica_groups:  # after every check of the arguments: it makes groups
             self._join_replica_groups(layout, replicas)
         use_offload = self.device.type == "cuda" if offload is None else offload
@@ -287,11 +296,10 @@ class Engine:
         else:
             self.cross = CrossGroupShards(self._cross_comm, slices, self.piece,
                                           self.groups_count, self.reduce_dtype,
-                                          self.gather_dtype)
-            ranges = [self.cross.piece_range(u) for u in range(len(slices))]
-            self.optimizer = ShardedAdamW(self.cross.pieces(),
-                                          [m[a:b].clone() for m, (a, b) in
-                                           zip(masks, ranges, strict=True)], training)
+                                          self.gather_dtype, layout.replicated_fraction)
+            self.optimizer = ShardedAdamW(self.cross.masters(),
+                                          [self.cross.master_of(u, m)
+                                           for u, m in enumerate(masks)], training)
         self.step_count = 0
 
     def _join_replica_groups(self, layout: Layout, replicas: ReplicaGroups | None) -> None:
@@ -334,17 +342,28 @@ class Engine:
         slice when flat, its piece of it under hybrid sharding)."""
         return file_index(self.position, self.piece, self.groups_count)
 
-    def owned_range(self, unit: int) -> tuple[int, int]:
-        """Global [start, end) of unit `unit` whose master and moments this rank holds."""
+    def owned_ranges(self, unit: int) -> list[tuple[int, int]]:
+        """Global [start, end) ranges of unit `unit` whose master and moments this rank
+        holds, in the order its master concatenates them (one unless a replicated prefix
+        and a piece other than 0: replicas.master_ranges)."""
         u = self.units[unit]
         if self.cross is None:
-            return u.start, u.end
-        a, b = self.cross.piece_range(unit)
-        return u.start + a, u.start + b
+            return [(u.start, u.end)]
+        return [(u.start + a, u.start + b) for a, b in self.cross.master_ranges(unit)]
+
+    def file_range(self, unit: int) -> tuple[int, int, int]:
+        """What this rank's checkpoint file holds of unit `unit`: global [start, end) and
+        where in its master that part begins (past the replicated prefix, which only the
+        owner of piece 0 writes)."""
+        ranges = self.owned_ranges(unit)
+        if self.cross is None or self.piece == 0:
+            return ranges[0][0], ranges[0][1], 0
+        return ranges[-1][0], ranges[-1][1], self.cross.heads[unit]
 
     def file_bounds(self, unit: int) -> list[tuple[int, int]]:
-        """Every rank's `owned_range` of unit `unit`, by file number."""
-        return file_bounds(self.units[unit].bounds, self.groups_count)
+        """Every rank's `file_range` of unit `unit`, by file number."""
+        return file_bounds(self.units[unit].bounds, self.groups_count,
+                           self.layout.replicated_fraction)
 
     @torch.no_grad()
     def load_parameters(self, read: Callable[[int, int, int], torch.Tensor]) -> None:
@@ -359,8 +378,7 @@ class Engine:
                 self.optimizer.params[i].copy_(values)
                 continue
             self.cross.slices[i].copy_(values)
-            a, b = self.cross.piece_range(i)
-            self.optimizer.params[i].copy_(self.cross.slices[i][a:b])
+            self.optimizer.params[i].copy_(self.cross.master_of(i, self.cross.slices[i]))
 
     # ---- checkpoint state (torch.distributed.checkpoint's Stateful protocol) --------
     def state_dict(self) -> EngineState:
@@ -425,8 +443,7 @@ class Engine:
         across groups in bf16 is rounded, so it is gathered again in fp32 then."""
         if self.cross is None or self.cross.gather_dtype is None:
             return self._slice(index)
-        return self.cross.comm.all_gather(self.master_shards[index],
-                                          self.cross.bounds[index], index).wait()
+        return self.cross.exact_slice(index, self.master_shards[index])
 
     def full_parameters(self) -> list[torch.Tensor]:
         """Every unit's full flat fp32 master weights (a collective: all ranks must call
@@ -542,7 +559,8 @@ class Engine:
                                            sum(u.numel for u in self.units[:-1]),
                                            self.graph_bytes_per_sample)
         slice_numel = sum(u.shard_numel for u in self.units)
-        state = memory.hybrid_state_bytes(slice_numel, self.groups_count, self.precision)
+        state = memory.hybrid_state_bytes(slice_numel, self.groups_count, self.precision,
+                                          self.layout.replicated_fraction)
         if self.groups_count > 1:
             # The slice gradient of the unit whose cross-group reduce-scatter runs.
             state += memory.FP32_BYTES * max(u.shard_numel for u in self.units)
@@ -581,9 +599,12 @@ class Engine:
         extra[self.rank] = elapsed - waited
         extra[world + self.rank] = waited
         mine = [float(v) for v in votes()] if votes is not None else []
-        # Under hybrid sharding every element's gradient is in exactly one rank's piece, so
-        # the world's sum of Σ grad² counts each once: the norm is the flat one.
-        squared = opt.squared_norm(grads).to(self.device)
+        # Under hybrid sharding every element's gradient is in exactly one rank's piece (a
+        # replicated prefix counted by the owner of piece 0 only), so the world's sum of
+        # Σ grad² counts each once: the norm is the flat one.
+        cross = self.cross
+        counted = grads if cross is None else [cross.unshared(u, g) for u, g in enumerate(grads)]
+        squared = opt.squared_norm(counted).to(self.device)
         totals = torch.cat([torch.stack([squared, loss_sum.float()]).double(),
                             torch.cat([extra, torch.tensor(mine, dtype=torch.float64)]
                                       ).to(self.device)])

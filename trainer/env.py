@@ -124,7 +124,8 @@ def layout_from_plan(plan: Plan) -> Layout:
                   kept_blocks=[r.kept_blocks for r in plan.ranks],
                   graph_bytes_per_sample=[r.block_graph_bytes_per_sample for r in plan.ranks],
                   precisions=[r.precision for r in plan.ranks],
-                  replica_groups=[list(g) for g in groups])
+                  replica_groups=[list(g) for g in groups],
+                  replicated_fraction=plan.replicated_fraction or 0.0)
 
 
 def read_env(env: Mapping[str, str] | None = None) -> TrainerEnv:

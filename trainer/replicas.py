@@ -8,8 +8,13 @@ slice is split once more, evenly, across them (ZeRO++-style secondary partitioni
 rank in group g keeps the master and Adam moments of piece g only. A unit's gradient is
 reduce-scattered inside the group (the slice's gradient, the group's sum), then across the
 position's ranks (the piece's gradient, the world's sum); after the update each piece is
-all-gathered back into the slice across them (`CrossGroupShards`). Nothing else crosses
-groups but the end-of-step all-reduce (loss, norm, timings, votes), on the world.
+all-gathered back into the slice across them (`CrossGroupShards`). A plan's
+`replicated_fraction` keeps the leading share of every slice out of that split: every rank
+at the position keeps its whole state, its gradient is all-reduced across them under the
+backward, and nothing of it is gathered after the update (the bytes of the parameters'
+all-gather move from the next forward into the backward, at the price of that share's
+optimizer state in every group). Nothing else crosses groups but the end-of-step
+all-reduce (loss, norm, timings, votes), on the world.
 
 The pure part (positions, group ratios) is separate from the part that makes process
 groups, so the checks run without a process group.
@@ -23,12 +28,12 @@ import torch
 import torch.distributed as dist
 
 from cephalo.api.plan import check_replica_groups
-from cephalo.api.sharding import shard_bounds
+from cephalo.api.sharding import replicated_prefix, shard_bounds
 from cephalo.trainer.collectives import Pending, UnevenCollectives
 
 __all__ = ["CrossGroupShards", "ReplicaGroups", "build_replica_groups", "check_groups",
-           "file_bounds", "file_index", "group_ratios", "locate", "piece_bounds", "piece_index",
-           "positions"]
+           "file_bounds", "file_index", "file_ranges", "group_ratios", "locate", "master_ranges",
+           "piece_bounds", "piece_index", "positions"]
 
 
 def check_groups(groups: list[list[int]], ratios: list[float], what: str) -> None:
@@ -73,17 +78,40 @@ def piece_index(groups: list[list[int]], rank: int) -> int:
     return sorted(positions(groups)[position]).index(rank)
 
 
+def file_ranges(slice_numel: int, groups: int, fraction: float = 0.0) -> list[tuple[int, int]]:
+    """What each piece's checkpoint file holds of a slice (slice offsets, piece order): the
+    pieces of the sharded part, the replicated prefix (`fraction`) in piece 0's, so the
+    files cover the slice once and each holds one range."""
+    head = replicated_prefix(slice_numel, fraction)
+    pieces = [(head + a, head + b) for a, b in piece_bounds(slice_numel - head, groups)]
+    pieces[0] = (0, pieces[0][1])
+    return pieces
+
+
+def master_ranges(slice_numel: int, groups: int, piece: int, fraction: float = 0.0
+                  ) -> list[tuple[int, int]]:
+    """The ranges of a slice (slice offsets) whose optimizer state the rank owning `piece`
+    keeps, in the order its master concatenates them: the replicated prefix, then its piece
+    of the rest (one range for piece 0, whose file holds both)."""
+    head = replicated_prefix(slice_numel, fraction)
+    a, b = piece_bounds(slice_numel - head, groups)[piece]
+    if piece == 0 or head == 0:
+        return [(0 if piece == 0 else head + a, head + b)]
+    return [(0, head), (head + a, head + b)]
+
+
 def file_index(position: int, piece: int, groups: int) -> int:
     """The checkpoint file of the rank at `position` that owns `piece`: position-major, so
     the files' pieces follow each other through every unit (flat: the rank)."""
     return position * groups + piece
 
 
-def file_bounds(position_bounds: list[tuple[int, int]], groups: int) -> list[tuple[int, int]]:
+def file_bounds(position_bounds: list[tuple[int, int]], groups: int, fraction: float = 0.0
+                ) -> list[tuple[int, int]]:
     """A unit's global [start, end) of every file's piece (`file_index` order), from its
-    slices' bounds by position."""
+    slices' bounds by position (`file_ranges`)."""
     return [(start + a, start + b) for start, end in position_bounds
-            for a, b in piece_bounds(end - start, groups)]
+            for a, b in file_ranges(end - start, groups, fraction)]
 
 
 @dataclass(frozen=True)
@@ -109,93 +137,137 @@ def build_replica_groups(groups: list[list[int]], rank: int) -> ReplicaGroups:
 
 
 class CrossGroupShards:
-    """The state one rank keeps across replica groups, and the two collectives that keep it.
+    """The state one rank keeps across replica groups, and the collectives that keep it.
 
     The rank at position j of group g holds the whole fp32 slice j of every unit (`slices`:
-    what its group's all-gathers read) and the master of only piece g of it (`pieces`;
-    `piece_bounds`), so the optimizer state is split G ways more. Per step:
+    what its group's all-gathers read). Each slice is cut in two: a replicated prefix (the
+    plan's `replicated_fraction` of it, `heads`) and the rest, split evenly in G pieces
+    (`bounds`, in the rest's offsets). The rank keeps the master of the prefix and of piece
+    g of the rest (`master_ranges`), so the optimizer state of the rest is split G ways
+    more. Per step:
 
     * backward: the engine hands over each unit's intra-group reduce-scatter as it issues
-      it (`follow`); the cross-group reduce-scatter of the previous one's slice gradient
-      (over this position's ranks, one per group) starts then, once that reduce-scatter is
-      done, so it runs under the next unit's backward. `finish` starts the last one and
-      waits for all: every piece's gradient summed over the world, before the optimizer;
-    * after the update: `publish` starts the cross-group all-gather of every unit's piece
-      into its slice, unit 0 first; `slice(u)` waits unit u's just before its group
-      gathers it, so each hides under the forward of the units before it.
+      it (`follow`); the cross-group collectives of the previous one's slice gradient (over
+      this position's ranks, one per group) start then, once that reduce-scatter is done,
+      so they run under the next unit's backward: an all-reduce of the prefix and a
+      reduce-scatter of the rest. `finish` starts the last ones and waits for all: every
+      master's gradient summed over the world, before the optimizer;
+    * after the update: `publish` copies each updated prefix into its slice (every rank at
+      the position computed the same one) and starts the cross-group all-gather of every
+      unit's piece into the rest, unit 0 first; `slice(u)` waits unit u's just before its
+      group gathers it, so each hides under the forward of the units before it.
 
-    Both start in an order every rank shares (the reduce-scatters', whatever a rank's
-    batch or kept blocks; units 0.. for the gathers): order, not timing, decides."""
+    All start in an order every rank shares (the reduce-scatters', whatever a rank's batch
+    or kept blocks; units 0.. for the gathers): order, not timing, decides."""
 
     def __init__(self, comm: UnevenCollectives, slices: list[torch.Tensor], index: int,
                  groups: int, reduce_dtype: torch.dtype | None,
-                 gather_dtype: torch.dtype | None) -> None:
+                 gather_dtype: torch.dtype | None, replicated_fraction: float = 0.0) -> None:
         self.comm = comm  # the ranks at this rank's position (one per group)
-        self.slices = slices  # by unit; a finished all-gather replaces its entry
+        self.slices = slices  # by unit; a finished all-gather fills its rest
         self.index = index  # the piece of each slice this rank owns (piece_index)
-        self.bounds = [piece_bounds(s.numel(), groups) for s in slices]
+        self.groups = groups
+        self.fraction = replicated_fraction
+        self.heads = [replicated_prefix(s.numel(), replicated_fraction) for s in slices]
+        self.bounds = [piece_bounds(s.numel() - h, groups)
+                       for s, h in zip(slices, self.heads, strict=True)]
         self.reduce_dtype = reduce_dtype  # the job's reducePrecision (None: fp32)
         # gatherPrecision (None: fp32, exact). bf16 loses nothing a group computes with:
         # its own all-gather rounds the slice to bf16 anyway.
         self.gather_dtype = gather_dtype
         self._previous: tuple[int, Pending] | None = None
-        self._reduced: dict[int, Pending] = {}
+        self._reduced: dict[int, tuple[Pending | None, Pending]] = {}
         self._gathers: dict[int, Pending] = {}
 
-    def piece_range(self, unit: int) -> tuple[int, int]:
-        """This rank's piece of unit `unit`'s slice, in the slice's own offsets."""
-        return self.bounds[unit][self.index]
+    def master_ranges(self, unit: int) -> list[tuple[int, int]]:
+        """The ranges of unit `unit`'s slice (its own offsets) this rank's master holds."""
+        return master_ranges(self.slices[unit].numel(), self.groups, self.index, self.fraction)
 
-    def pieces(self) -> list[torch.Tensor]:
-        """Copies of this rank's pieces of the slices (the masters' first values)."""
-        return [s[a:b].clone() for s, (a, b) in
-                zip(self.slices, (self.piece_range(u) for u in range(len(self.slices))),
-                    strict=True)]
+    def masters(self) -> list[torch.Tensor]:
+        """This rank's masters, copied from the slices (their first values)."""
+        return [self.master_of(u, s) for u, s in enumerate(self.slices)]
 
-    # ---- backward: the slice gradients, reduce-scattered into the pieces ---------------
+    def master_of(self, unit: int, values: torch.Tensor) -> torch.Tensor:
+        """The part of a slice-sized tensor (`values`: the slice, its decay mask) that
+        this rank's master of unit `unit` holds, as one new tensor."""
+        return torch.cat([values[a:b] for a, b in self.master_ranges(unit)])
+
+    def unshared(self, unit: int, master: torch.Tensor) -> torch.Tensor:
+        """The part of a master-sized tensor (the master, its gradient) this rank alone
+        holds at its position: its piece, without the prefix every group holds (what it
+        counts in the world's squared norm, so each element counts once, and what its
+        checkpoint file holds unless it owns piece 0, whose file holds the prefix too)."""
+        return master if self.index == 0 else master[self.heads[unit]:]
+
+    # ---- backward: the slice gradients, summed across the groups ------------------------
     def begin(self) -> None:
-        """Forget the last step's reduce-scatters (all waited for by then)."""
+        """Forget the last step's reductions (all waited for by then)."""
         self._previous = None
         self._reduced = {}
 
     def follow(self, unit: int, scatter: Pending) -> Pending:
         """Unit `unit`'s intra-group reduce-scatter has just been issued: start the
-        cross-group one of the unit before it. Returns `scatter` for the pass to wait on."""
+        cross-group ones of the unit before it. Returns `scatter` for the pass to wait on."""
         self._start_previous()
         self._previous = (unit, scatter)
         return scatter
 
     def finish(self, units: int) -> list[torch.Tensor]:
-        """Every unit's piece gradient summed over the world, by unit (0..units-1)."""
+        """Every master's gradient summed over the world, by unit (0..units-1)."""
         self._start_previous()
         missing = [u for u in range(units) if u not in self._reduced]
         if missing:
             raise RuntimeError(f"units {missing} were never reduce-scattered this step")
-        return [self._reduced[u].wait() for u in range(units)]
+        out = []
+        for u in range(units):
+            prefix, piece = self._reduced[u]
+            got = piece.wait()
+            out.append(got if prefix is None else torch.cat([prefix.wait(), got]))
+        return out
 
     def _start_previous(self) -> None:
         if self._previous is None:
             return
         unit, scatter = self._previous
         self._previous = None
-        self._reduced[unit] = self.comm.reduce_scatter(scatter.wait(), self.bounds[unit],
-                                                       unit, wire_dtype=self.reduce_dtype)
+        grad, head = scatter.wait(), self.heads[unit]
+        # The two ride the same position's ranks, in the same order on every rank: the
+        # prefix's all-reduce first, then the rest's reduce-scatter.
+        prefix = self.comm.all_reduce(grad[:head], unit, wire_dtype=self.reduce_dtype) \
+            if head else None
+        rest = self.comm.reduce_scatter(grad[head:] if head else grad, self.bounds[unit],
+                                        unit, wire_dtype=self.reduce_dtype)
+        self._reduced[unit] = (prefix, rest)
 
     # ---- after the update: the pieces, all-gathered into the slices --------------------
-    def publish(self, pieces: list[torch.Tensor]) -> None:
-        """Start the all-gather of every unit's updated piece into its slice, unit 0 first."""
+    def publish(self, masters: list[torch.Tensor]) -> None:
+        """Copy every updated prefix into its slice and start the all-gather of every
+        unit's updated piece into the rest of it, unit 0 first."""
         if self._gathers:
             raise RuntimeError(f"units {sorted(self._gathers)} still gather the last update")
-        for unit, piece in enumerate(pieces):
-            self._gathers[unit] = self.comm.all_gather(piece, self.bounds[unit], unit,
+        for unit, master in enumerate(masters):
+            head = self.heads[unit]
+            if head:
+                self.slices[unit][:head].copy_(master[:head])
+            self._gathers[unit] = self.comm.all_gather(master[head:], self.bounds[unit], unit,
                                                        wire_dtype=self.gather_dtype)
 
     def slice(self, unit: int) -> torch.Tensor:
         """Unit `unit`'s slice, as of the last update (waits for its all-gather)."""
         pending = self._gathers.pop(unit, None)
         if pending is not None:
-            self.slices[unit] = pending.wait()
+            if self.heads[unit]:
+                self.slices[unit][self.heads[unit]:].copy_(pending.wait())
+            else:
+                self.slices[unit] = pending.wait()
         return self.slices[unit]
+
+    def exact_slice(self, unit: int, master: torch.Tensor) -> torch.Tensor:
+        """Unit `unit`'s slice in fp32 from the masters (a collective over the position):
+        under a bf16 `gather_dtype` the slices' rest is rounded, so it is gathered again."""
+        head = self.heads[unit]
+        rest = self.comm.all_gather(master[head:], self.bounds[unit], unit).wait()
+        return torch.cat([master[:head], rest]) if head else rest
 
     def settle(self) -> None:
         """Wait for every outstanding all-gather (before anything reads all the slices)."""

@@ -4,6 +4,7 @@ PyTorch trains one model on the global batch."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from cephalo.api import memory
 from cephalo.api.job import CephaloJobSpec, DataSpec, SyntheticData, TrainingSpec
 from cephalo.api.models import preset
 from cephalo.trainer import checkpoint
-from cephalo.trainer.collectives import CROSS_ALL_GATHER, CROSS_REDUCE_SCATTER
+from cephalo.trainer.collectives import CROSS_ALL_GATHER, CROSS_ALL_REDUCE, CROSS_REDUCE_SCATTER
 from cephalo.trainer.data import DataSource
 from cephalo.trainer.engine import Engine, Layout
 from cephalo.trainer.flat import param_specs, unflatten
@@ -23,8 +24,10 @@ from cephalo.trainer.models import build_model
 from cephalo.trainer.replicas import (
     file_bounds,
     file_index,
+    file_ranges,
     group_ratios,
     locate,
+    master_ranges,
     piece_bounds,
     piece_index,
     positions,
@@ -71,6 +74,11 @@ TWO_OF_ONE = Layout(batch_sizes=[5, 2], micro_batch_sizes=[5, 1], shard_ratios=[
                     replica_groups=[[0], [1]])
 ONE_OF_FOUR = Layout(batch_sizes=[4, 2, 6, 3], micro_batch_sizes=[2, 1, 3, 3],
                      shard_ratios=[0.45, 0.2, 0.1, 0.25], replica_groups=[[0, 1, 2, 3]])
+# A replicated prefix (the plan's replicated_fraction): half of every slice keeps its whole
+# state in both groups, its gradient all-reduced across them; and all of it (every group
+# the whole state of its slices: nothing gathered across groups after the update).
+HYBRID_HALF = dataclasses.replace(HYBRID, replicated_fraction=0.5)
+TWO_OF_ONE_WHOLE = dataclasses.replace(TWO_OF_ONE, replicated_fraction=1.0)
 
 
 def test_positions_and_group_ratios() -> None:
@@ -86,6 +94,14 @@ def test_positions_and_group_ratios() -> None:
     # Slices [0, 7) and [7, 10) of a unit: their pieces in file order cover it once.
     assert file_bounds([(0, 7), (7, 10)], 2) == [(0, 4), (4, 7), (7, 9), (9, 10)]
     assert file_bounds([(0, 7), (7, 10)], 1) == [(0, 7), (7, 10)]
+    # A replicated prefix of 40 % (4 of a 10-element slice, rounded): piece 0's file holds
+    # it with its piece of the rest; the master of piece 1 is the prefix and its piece.
+    assert file_ranges(10, 2, 0.4) == [(0, 7), (7, 10)]
+    assert master_ranges(10, 2, 0, 0.4) == [(0, 7)]
+    assert master_ranges(10, 2, 1, 0.4) == [(0, 4), (7, 10)]
+    assert master_ranges(10, 2, 1) == [(5, 10)] and file_ranges(10, 2) == [(0, 5), (5, 10)]
+    assert file_ranges(6, 3, 1.0) == [(0, 6), (6, 6), (6, 6)]  # all replicated
+    assert file_bounds([(0, 7), (7, 10)], 2, 0.5) == [(0, 6), (6, 7), (7, 9), (9, 10)]
     with pytest.raises(ValueError, match="rank 4 is in no replica group"):
         locate(groups, 4)
 
@@ -133,10 +149,14 @@ def _hybrid_worker(rank: int, world_size: int, layout: Layout, reduce_precision:
         norms.append(result.grad_norm)
     shards = sum(u.shard_numel for u in engine.units)
     sent = dict(engine.comm.stats.payload_bytes)  # the steps' (full_parameters adds its own)
+    heads = engine.cross.heads if engine.cross is not None else [0] * len(engine.units)
     return {"losses": losses, "norms": norms, "params": engine.full_parameters(),
             "cross_bytes": (sent.get(CROSS_REDUCE_SCATTER, 0), sent.get(CROSS_ALL_GATHER, 0)),
-            "shard_elements": shards, "position": engine.position,
-            "fused_tail": engine.fused_tail}
+            "all_reduced_bytes": sent.get(CROSS_ALL_REDUCE, 0),
+            "shard_elements": shards, "replicated_elements": sum(heads),
+            "prefixes": [m[:h].clone() for m, h in zip(engine.master_shards, heads,
+                                                        strict=True)],
+            "position": engine.position, "fused_tail": engine.fused_tail}
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -161,7 +181,8 @@ def _max_relative_by_parameter(got: list[torch.Tensor], want: list[torch.Tensor]
 @pytest.mark.parametrize(("layout", "recompute", "fused_tail", "positions_"), [
     (HYBRID, True, 0, [0, 1, 0, 1]), (HYBRID_TAIL, True, 1, [0, 1, 0, 1]),
     (HYBRID, False, 0, [0, 1, 0, 1]), (TWO_OF_ONE, True, 0, [0, 0]),
-    (ONE_OF_FOUR, True, 0, [0, 1, 2, 3])])
+    (ONE_OF_FOUR, True, 0, [0, 1, 2, 3]), (HYBRID_HALF, True, 0, [0, 1, 0, 1]),
+    (TWO_OF_ONE_WHOLE, True, 0, [0, 0])])
 def test_hybrid_fp32_equals_plain_pytorch_on_the_global_batch(layout: Layout, recompute: bool,
                                                               fused_tail: int,
                                                               positions_: list[int]) -> None:
@@ -180,10 +201,21 @@ def test_hybrid_fp32_equals_plain_pytorch_on_the_global_batch(layout: Layout, re
     assert _max_relative_by_parameter(rank0["params"], ref_params) <= TOLERANCE
     assert rank0["losses"][-1] != rank0["losses"][0]  # it trained
     # Per step across the groups: one fp32 reduce-scatter of each slice's gradient and one
-    # fp32 all-gather of each slice; none with one group.
+    # fp32 all-gather of each slice, but for the replicated prefix, whose gradient is
+    # all-reduced instead; none with one group.
     cross = 4 * STEPS if len(layout.replica_groups) > 1 else 0
     for r in results:
-        assert r["cross_bytes"] == (cross * r["shard_elements"],) * 2
+        sharded = r["shard_elements"] - r["replicated_elements"]
+        assert r["cross_bytes"] == (cross * sharded,) * 2
+        assert r["all_reduced_bytes"] == cross * r["replicated_elements"]
+        assert (r["replicated_elements"] > 0) == bool(layout.replicated_fraction)
+    # Every group computed the same replicated prefix, bit for bit (one all-reduce's result
+    # on every rank, one AdamW on it): the copies never drift apart.
+    for a in results:
+        for b in results:
+            if a["position"] == b["position"]:
+                assert all(torch.equal(x, y) for x, y in zip(a["prefixes"], b["prefixes"],
+                                                             strict=True))
 
 
 @pytest.mark.slow
@@ -415,11 +447,50 @@ def test_checkpoints_resume_across_flat_and_hybrid_and_group_counts(tmp_path: Pa
             assert _relative(m_b, m_a) <= TOLERANCE
 
 
-def _load_worker(rank: int, world_size: int) -> dict:
+# A replicated prefix in the checkpoint (the owner of piece 0 writes it with its piece).
+TWO_GROUPS_HALF = dataclasses.replace(TWO_GROUPS, replicated_fraction=0.5)
+FOUR_GROUPS_MOST = dataclasses.replace(FOUR_GROUPS, replicated_fraction=0.75)
+
+
+@pytest.mark.slow
+def test_checkpoints_with_a_replicated_prefix_resume_flat_and_back(tmp_path: Path) -> None:
+    """Saved under two groups of two keeping half of every slice whole in both, resumed
+    flat and as four groups keeping three quarters; a flat checkpoint resumed as the
+    latter: every one within 1e-5 of an uninterrupted run, Adam moments included."""
+    full, half, flat_first = tmp_path / "full", tmp_path / "half", tmp_path / "flat"
+    regrouped = tmp_path / "regrouped"
+    ref = spawn_ranks(_run_worker, 2, FLAT, str(full), None, timeout_seconds=120)
+    spawn_ranks(_run_worker, 4, TWO_GROUPS_HALF, str(half), 2, timeout_seconds=120)
+    saved = checkpoint.find_latest(half)
+    assert saved is not None and saved.step == 2 and saved.meta["world_size"] == 4
+    shutil.copytree(half, regrouped)
+    to_flat = spawn_ranks(_run_worker, 2, FLAT, str(half), None, timeout_seconds=120)
+    to_most = spawn_ranks(_run_worker, 4, FOUR_GROUPS_MOST, str(regrouped), None,
+                          timeout_seconds=120)
+    shutil.copytree(full, flat_first)
+    shutil.rmtree(flat_first / checkpoint.step_dir_name(CKPT_STEPS))
+    from_flat = spawn_ranks(_run_worker, 4, FOUR_GROUPS_MOST, str(flat_first), None,
+                            timeout_seconds=120)
+    want = latest_weights(full)
+    a = checkpoint.ShardReader(checkpoint.find_latest(full))  # type: ignore[arg-type]
+    for resumed, root in ((to_flat, half), (to_most, regrouped), (from_flat, flat_first)):
+        assert resumed[0]["first"] == 2 and resumed[0]["last"] == CKPT_STEPS
+        assert resumed[0]["losses"] == pytest.approx(ref[0]["losses"][2:], rel=TOLERANCE)
+        assert max_relative(latest_weights(root), want) <= TOLERANCE
+        last = checkpoint.find_latest(root)
+        assert last is not None
+        b = checkpoint.ShardReader(last)
+        for unit, numel in enumerate(last.meta["unit_numels"]):
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert _relative(b.read(unit, 0, numel, key),
+                                 a.read(unit, 0, numel, key)) <= TOLERANCE
+
+
+def _load_worker(rank: int, world_size: int, layout: Layout) -> dict:
     """Weights set from one function of the global offset (as a checkpoint or a Hugging
     Face folder sets them) under two groups of one gathering in bf16; then the pieces
     gathered across the groups in bf16, as after an update."""
-    engine = Engine(preset(MODEL), _spec(), TWO_OF_ONE, gather_precision="bf16")
+    engine = Engine(preset(MODEL), _spec(), layout, gather_precision="bf16")
     assert engine.cross is not None
 
     def values(unit: int, start: int, end: int) -> torch.Tensor:
@@ -428,21 +499,32 @@ def _load_worker(rank: int, world_size: int) -> dict:
     engine.load_parameters(values)
     masters = [m.clone() for m in engine.master_shards]
     engine.cross.publish(engine.master_shards)
-    return {"owned": [engine.owned_range(u) for u in range(len(engine.units))],
+    return {"owned": [engine.owned_ranges(u) for u in range(len(engine.units))],
+            "files": [engine.file_range(u)[:2] for u in range(len(engine.units))],
+            "heads": list(engine.cross.heads),
             "masters": masters, "params": engine.full_parameters(),
             "slices": [s.clone() for s in engine.slices],
             "want": [values(u, 0, unit.numel) for u, unit in enumerate(engine.units)]}
 
 
 @pytest.mark.slow
-def test_loaded_weights_fill_slice_and_piece_and_full_parameters_stay_exact() -> None:
-    results = spawn_ranks(_load_worker, 2, timeout_seconds=120)
+@pytest.mark.parametrize("layout", [TWO_OF_ONE, dataclasses.replace(TWO_OF_ONE,
+                                                                     replicated_fraction=0.3)])
+def test_loaded_weights_fill_slice_and_piece_and_full_parameters_stay_exact(layout: Layout
+                                                                           ) -> None:
+    results = spawn_ranks(_load_worker, 2, layout, timeout_seconds=120)
     for r in results:
         for u, want in enumerate(r["want"]):
-            start, end = r["owned"][u]
-            assert torch.equal(r["masters"][u], want[start:end])  # the piece's master
-            # The slice gathered in bf16 holds rounded weights; full_parameters does not.
-            assert torch.equal(r["slices"][u], want.to(torch.bfloat16).float())
+            held = torch.cat([want[a:b] for a, b in r["owned"][u]])
+            assert torch.equal(r["masters"][u], held)  # the prefix's and the piece's master
+            # The slice gathered in bf16 holds rounded weights (but for the prefix, copied
+            # from the master); full_parameters does not.
+            head = r["heads"][u]
+            assert torch.equal(r["slices"][u][:head], want[:head])
+            assert torch.equal(r["slices"][u][head:], want[head:].to(torch.bfloat16).float())
             assert torch.equal(r["params"][u], want)
-    # The two pieces split every unit between the ranks.
-    assert [a[1] for a in results[0]["owned"]] == [b[0] for b in results[1]["owned"]]
+    # The two files split every unit between the ranks; the prefix is piece 0's.
+    assert [a[1] for a in results[0]["files"]] == [b[0] for b in results[1]["files"]]
+    if layout.replicated_fraction:
+        assert all(r["heads"][u] > 0 and r["owned"][u][0] == (0, r["heads"][u])
+                   for r in results[1:] for u in range(len(r["heads"])))

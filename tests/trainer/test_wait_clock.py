@@ -212,7 +212,7 @@ def test_cross_group_collectives_start_in_order_and_hide_under_the_passes() -> N
     cross = StreamCollectives(stream, stats, transfer_ms=50.0)
     slices = [torch.zeros(4) for _ in range(3)]
     sync = CrossGroupShards(cross, slices, 0, 2, None, None)  # type: ignore[arg-type]
-    assert [sync.piece_range(u) for u in range(3)] == [(0, 2)] * 3
+    assert [sync.master_ranges(u) for u in range(3)] == [[(0, 2)]] * 3
     sync.begin()
     grads = {u: torch.full((4,), float(u)) for u in range(3)}
     for u in (2, 1, 0):  # backward: the head first; each reduce-scatter ends 10 ms on

@@ -38,3 +38,20 @@ def test_groups_that_break_the_contract_are_refused(ratios: list[float],
                                                    groups: list[list[int]], says: str) -> None:
     with pytest.raises(PlanError, match=says):
         parse_plan(_plan(ratios, groups))
+
+
+def test_a_replicated_fraction_round_trips_reaches_the_engine_and_needs_two_groups() -> None:
+    from cephalo.trainer.env import layout_from_plan
+
+    plan = parse_plan({**_plan([0.7, 0.3, 0.7, 0.3], [[0, 1], [2, 3]]),
+                       "replicated_fraction": 0.25})
+    again = Plan.model_validate_json(plan.to_json())
+    assert again.replicated_fraction == 0.25
+    assert layout_from_plan(again).replicated_fraction == 0.25
+    assert layout_from_plan(parse_plan(_plan([0.5, 0.5], []))).replicated_fraction == 0.0
+    assert "replicated_fraction" not in parse_plan(_plan([0.5, 0.5], [])).to_json()
+    with pytest.raises(PlanError, match="needs two or more replica_groups"):
+        parse_plan({**_plan([1.0, 1.0], [[0, 1]]), "replicated_fraction": 0.5})
+    with pytest.raises(PlanError, match="replicated_fraction"):
+        parse_plan({**_plan([0.7, 0.3, 0.7, 0.3], [[0, 1], [2, 3]]),
+                    "replicated_fraction": 1.5})
