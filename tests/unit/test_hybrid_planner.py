@@ -574,18 +574,94 @@ def test_targets_at_100_gbit_never_below_flat_and_at_10_gbit_beyond_1_5x() -> No
     assert auto_10.predicted_samples_per_second >= 1.5 * FLAT_10_GBIT_SAMPLES_PER_SECOND
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "not met under the engine's second design either (sharded across groups): the cross-"
-    "group all-gather of the parameters, (G-1)/G of their bytes per NIC, hides only under "
-    "the next forward, a quarter of the compute in recompute mode; predicted 131.0 "
-    "samples/s at 25 Gbit/s (0.69x of 189.2) and at 10 Gbit/s 75.5 on 24 GPUs, 61.1 at "
-    "best on 48 or more (1.47x of 41.5); docs/hybrid-sharding.md 'When hybrid pays'"))
-def test_targets_at_25_gbit_0_75x_and_at_10_gbit_48_gpus() -> None:
+def test_target_at_25_gbit_0_75x_of_the_100_gbit_plan() -> None:
+    """Issue 44: at 25 Gbit/s at least 0.75x the 100 Gbit/s plan. Met once a block's
+    cross-group backward collective runs beside its group's (one node a group) and part of
+    each slice is all-reduced under the backward instead of gathered under the forward:
+    154.0 samples/s on 8 groups of 8 with half of each slice replicated, 0.81x of 189.2
+    (131.0, 0.69x, before)."""
     cluster = pools_as_cluster(cluster_b("gpt-2.7b", 512, 100))
     at_100 = solve(cluster_b("gpt-2.7b", 512, 100), cluster).predicted_samples_per_second
-    at_25 = solve(cluster_b("gpt-2.7b", 512, 25), cluster).predicted_samples_per_second
-    at_10 = solve(cluster_b("gpt-2.7b", 512, 10), cluster)
-    assert at_25 >= 0.75 * at_100
+    at_25 = solve(cluster_b("gpt-2.7b", 512, 25), cluster)
+    assert at_100 is not None and at_25.predicted_samples_per_second is not None
+    assert at_25.replica_groups and at_25.replicated_fraction
+    assert at_25.predicted_samples_per_second >= 0.75 * at_100
+
+
+def _best_on_at_least(spec: CephaloJobSpec, gpus: int) -> tuple[float, Problem]:
+    """The fastest hybrid plan's step on at least `gpus` GPUs, over every recompute mode,
+    layout and replicated fraction the planner searches (each solved exactly), and its
+    problem."""
+    from cephalo.planner.search.hybrid import layouts
+    from cephalo.planner.search.hybrid_search import _holds_state
+    from cephalo.planner.search.solver import _solution_step, solve_fixed
+    best: tuple[float, Problem] | None = None
+    for mode in _modes(build_problem(spec, pools_as_cluster(spec))):
+        for layout in layouts(mode)[0]:
+            if len(layout.ranks) < gpus:
+                continue
+            for fraction in REPLICATED_FRACTIONS:
+                sub = layout_problem(mode, dataclasses.replace(
+                    layout, replicated_fraction=fraction))
+                if not _holds_state(sub):
+                    continue
+                try:
+                    step = _solution_step(sub, solve_fixed(sub))
+                except InfeasibleError:
+                    continue
+                if best is None or step < best[0]:
+                    best = (step, sub)
+    assert best is not None
+    return best
+
+
+def _nic_floor_seconds(problem: Problem, gather: int = 2, reduce: int = 2) -> float:
+    """The least step any schedule of `problem`'s collectives takes: each node's NIC bytes
+    of one step (2 (G-1)/G of the gradient and parameter bytes, bf16) at its rate."""
+    assert problem.topology is not None
+    moved = link_bytes_per_step(problem.model, gather, reduce, problem.rank_node,
+                                problem.groups, 0, problem.replicated_fraction)
+    nic = min(problem.topology.nodes[n].nic_bandwidth_bytes_per_second
+              for n in set(problem.rank_node))
+    return moved.nic_per_node / nic
+
+
+def test_at_10_gbit_beyond_1_5x_on_48_gpus_too_but_fastest_on_fewer() -> None:
+    """Issue 44 at 10 Gbit/s: at least 1.5x its 41.5 samples/s, on 48 GPUs or more as well
+    (the best such plan: 6 groups of a node, 66.0 samples/s, 1.59x). The fastest plan uses
+    fewer (24 GPUs, 82.6 samples/s): every node's NIC carries 2 (G-1)/G of the gradient and
+    parameter bytes a step whatever the schedule, so more groups put more bytes on each
+    NIC, and the 48-GPU layout's NIC alone (its floor, 7.71 s) takes longer than the whole
+    24-GPU step (6.20 s)."""
+    spec = cluster_b("gpt-2.7b", 512, 10)
+    fastest = solve(spec, pools_as_cluster(spec))
+    assert fastest.predicted_samples_per_second is not None
+    assert fastest.predicted_samples_per_second >= 1.5 * FLAT_10_GBIT_SAMPLES_PER_SECOND
+    step_48, on_48 = _best_on_at_least(cluster_b("gpt-2.7b", 512, 10, "hybrid"), 48)
+    assert 512 / step_48 >= 1.5 * FLAT_10_GBIT_SAMPLES_PER_SECOND
+    floor_48 = _nic_floor_seconds(on_48)
+    print(f"10 Gbit/s: fastest {fastest.predicted_samples_per_second:.1f} samples/s on "
+          f"{fastest.world_size} GPUs ({len(fastest.replica_groups)} groups, a = "
+          f"{fastest.replicated_fraction or 0}); best on >= 48 GPUs "
+          f"{512 / step_48:.1f} samples/s on {on_48.world_size} ({len(on_48.groups)} groups, "
+          f"a = {on_48.replicated_fraction}); its NIC floor {floor_48:.3f} s, "
+          f"{512 / floor_48:.1f} samples/s")
+    assert fastest.predicted_step_seconds is not None
+    assert step_48 >= floor_48 > fastest.predicted_step_seconds
+    assert fastest.world_size < 48
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "not met by design: the throughput-optimal plan at 10 Gbit/s uses 24 GPUs (3 groups "
+    "of a node, 82.6 samples/s), not 48 or more. Each node's NIC carries 2 (G-1)/G of the "
+    "gradient and parameter bytes a step whatever the schedule, so more groups mean more "
+    "bytes per NIC: on 6 groups (48 GPUs) 9.3 GB, a floor of 7.71 s (66.4 samples/s) "
+    "against the 24-GPU plan's 6.20 s step; the best 48-GPU plan predicts 66.0 samples/s "
+    "(1.59x of 41.5: the issue's 1.5x is met on 48 GPUs, "
+    "test_at_10_gbit_beyond_1_5x_on_48_gpus_too_but_fastest_on_fewer)"))
+def test_the_fastest_plan_at_10_gbit_uses_48_gpus_or_more() -> None:
+    at_10 = solve(cluster_b("gpt-2.7b", 512, 10),
+                  pools_as_cluster(cluster_b("gpt-2.7b", 512, 10)))
     assert at_10.world_size >= 48
 
 

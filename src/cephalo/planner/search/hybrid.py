@@ -56,6 +56,7 @@ collectives; every pair is solved or proven unable to beat the best step found
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -65,7 +66,7 @@ from typing import Protocol
 from cephalo.api.memory import COMM_BYTES_PER_PARAMETER, hybrid_state_bytes
 from cephalo.api.models import ModelConfig
 from cephalo.planner.cost.comm_model import CommModel, UnitComm
-from cephalo.planner.cost.topology import ASSUMED, Topology
+from cephalo.planner.cost.topology import ASSUMED, NodeLinks, Topology
 
 
 class Placement(Protocol):
@@ -98,8 +99,9 @@ class Layout:
     # (Plan.replicated_fraction): its gradient all-reduced across groups, nothing gathered.
     replicated_fraction: float = 0.0
 
-    @property
+    @functools.cached_property
     def ranks(self) -> list[int]:
+        # Cached (the search reads it for every layout at every fraction); frozen fields.
         return sorted(r for g in self.groups for r in g)
 
 
@@ -114,15 +116,10 @@ def hybrid_unit_comm(model: ModelConfig, base: CommModel, topology: Topology,
     step's small all-reduces over every rank."""
     k, num_groups, world = len(groups[0]), len(groups), len(rank_node)
     a = replicated_fraction
-    rings = [topology.ring([rank_node[r] for r in g]) for g in groups]
-    ring = replace(base, bandwidth_bytes_per_second=min(b for b, _ in rings),
-                   latency_seconds=max(lat for _, lat in rings))
-    inside = UnitComm.build(model, ring, k, uneven)
-    world_ring = topology.comm(base, rank_node)
-    share = node_share(rank_node, groups)
-    nodes = set(rank_node)
-    nic = min(topology.nodes[n].nic_bandwidth_bytes_per_second for n in nodes)
-    nic_latency = max(topology.nodes[n].nic_latency_seconds for n in nodes)
+    links = _group_links(model, base, topology.nodes, tuple(rank_node),
+                         tuple(tuple(g) for g in groups), uneven)
+    inside, share, nic, nic_latency = links.inside, links.share, links.nic, links.nic_latency
+    spans_nodes = links.spans_nodes
 
     def across(params: int, bytes_per_parameter: float, passes: float, hops: int) -> float:
         """Ring collectives of every position's slice of a unit across the groups: each
@@ -149,7 +146,6 @@ def hybrid_unit_comm(model: ModelConfig, base: CommModel, topology: Topology,
         the two per unit); where the group's ring crosses the NICs too, they share them."""
         return own + cross if spans_nodes else max(own, cross)
 
-    spans_nodes = any(len({rank_node[r] for r in g}) > 1 for g in groups)
     embedding, block, head = (model.embedding_parameters(), model.block_parameters(),
                               model.head_parameters())
     return replace(
@@ -162,8 +158,44 @@ def hybrid_unit_comm(model: ModelConfig, base: CommModel, topology: Topology,
         cross_ag_first=gathered(embedding),
         state_share_parameters=optimizer_parameters(model.total_parameters(), k, num_groups,
                                                     a),
-        all_reduce_seconds=2 * world_ring.small_all_reduce_seconds(world),
+        all_reduce_seconds=links.all_reduce_seconds,
         step_overhead_seconds=base.step_overhead_seconds if world > 1 else 0.0)
+
+
+@dataclass(frozen=True)
+class _GroupLinks:
+    """What `hybrid_unit_comm` reads of a layout's links, the same at every replicated
+    fraction: the group's collectives (every rank at the slowest group ring's pace), the
+    share of a group's cross-group bytes one NIC carries, the slowest NIC and its hop
+    latency, whether a group's ring crosses the NICs, the step's small all-reduces."""
+
+    inside: UnitComm
+    share: float
+    nic: float
+    nic_latency: float
+    spans_nodes: bool
+    all_reduce_seconds: float
+
+
+@functools.lru_cache(maxsize=1024)
+def _group_links(model: ModelConfig, base: CommModel, nodes: tuple[NodeLinks, ...],
+                 rank_node: tuple[int, ...], groups: tuple[tuple[int, ...], ...],
+                 uneven: bool) -> _GroupLinks:
+    """_GroupLinks, kept by its immutable arguments: the search prices every layout at
+    each fraction (and a cluster's layouts hold hundreds of ranks to walk)."""
+    topology = Topology(nodes, {})  # its rings read the nodes' links only
+    rings = [topology.ring([rank_node[r] for r in g]) for g in groups]
+    ring = replace(base, bandwidth_bytes_per_second=min(b for b, _ in rings),
+                   latency_seconds=max(lat for _, lat in rings))
+    used = set(rank_node)
+    return _GroupLinks(
+        inside=UnitComm.build(model, ring, len(groups[0]), uneven),
+        share=node_share(rank_node, groups),
+        nic=min(nodes[n].nic_bandwidth_bytes_per_second for n in used),
+        nic_latency=max(nodes[n].nic_latency_seconds for n in used),
+        spans_nodes=any(len({rank_node[r] for r in g}) > 1 for g in groups),
+        all_reduce_seconds=2 * topology.comm(base, rank_node).small_all_reduce_seconds(
+            len(rank_node)))
 
 
 def optimizer_parameters(params: float, group_size: int, num_groups: int,

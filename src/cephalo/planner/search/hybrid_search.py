@@ -36,7 +36,7 @@ HYBRID_MIN_GAIN = 0.05
 # 25 Gbit/s 154.1 at 0.4 against 154.0 at 0.5). Five points keep the exact search over
 # layouts x fractions at most 5x the layouts' work, most of it pruned by each point's
 # collectives-alone bound.
-REPLICATED_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+REPLICATED_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)  # ascending: search_layouts relies on it
 
 
 def hybrid_must_beat(flat_step_seconds: float) -> float:
@@ -72,11 +72,13 @@ def search_layouts(problem: Problem, solve_fixed: Callable[[Problem], Any],
     # GPUs first, then the least replicated: less memory for the same step).
     candidates = []
     for layout in found:
+        on_layout = layout_problem(problem, layout)  # its GPUs once, at each fraction below
         for fraction in REPLICATED_FRACTIONS:
-            sub = layout_problem(problem, replace(layout, replicated_fraction=fraction))
-            if _holds_state(sub):
-                candidates.append((_collectives_alone_seconds(sub), -len(layout.ranks),
-                                   layout.nodes_per_group, fraction, layout, sub))
+            sub = replace(on_layout, replicated_fraction=fraction)
+            if not _holds_state(sub):
+                break  # a larger fraction holds more state: no more fit
+            candidates.append((_collectives_alone_seconds(sub), -len(layout.ranks),
+                               layout.nodes_per_group, fraction, layout, sub))
     candidates.sort(key=lambda c: c[:4])
     best: Choice | None = None
     full: Choice | None = None
