@@ -4,6 +4,7 @@ plan, and the predicted targets on the paper's Cluster B."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 import os
@@ -22,7 +23,11 @@ from cephalo.commands.plan import pools_as_cluster
 from cephalo.planner import InfeasibleError, solve
 from cephalo.planner.outputs.report import format_plan
 from cephalo.planner.search.hybrid import Layout, hybrid_unit_comm, link_bytes_per_step
-from cephalo.planner.search.hybrid_search import HYBRID_MIN_GAIN, hybrid_must_beat
+from cephalo.planner.search.hybrid_search import (
+    HYBRID_MIN_GAIN,
+    REPLICATED_FRACTIONS,
+    hybrid_must_beat,
+)
 from cephalo.planner.search.problem import Problem, build_problem, layout_problem
 
 from .planner_brute import brute_force_seconds
@@ -95,10 +100,11 @@ def _two_nodes_problem(nic_gbps: float = 10.0, per_node: int = 2,
 def test_hybrid_collectives_are_the_group_ring_plus_the_cross_group_halves() -> None:
     """Two nodes of two A10Gs, a group per node, fp32 gathers and bf16 reduce-scatters:
     the group's gathers and reduce-scatters on the intra-node link alone; each gradient's
-    reduce-scatter followed by the cross-group reduce-scatter of the slice, (G-1)/G of a
-    unit's gradient bytes per node NIC; each forward gather after the cross-group
-    all-gather of the piece, (G-1)/G of the parameter bytes, pipelined with the group's
-    gathers (the slower of the two) and the first unit's exposed; AdamW on P / (k G)."""
+    cross-group reduce-scatter of the slice, (G-1)/G of a unit's gradient bytes per node
+    NIC, on a link of its own (beside the group's); each forward gather after the
+    cross-group all-gather of the piece, (G-1)/G of the parameter bytes, pipelined with the
+    group's gathers (the slower of the two) and the first unit's exposed; AdamW on
+    P / (k G)."""
     problem = _two_nodes_problem(gather="fp32")
     assert problem.network is not None and problem.topology is not None
     links = problem.topology.nodes[0]
@@ -122,11 +128,13 @@ def test_hybrid_collectives_are_the_group_ring_plus_the_cross_group_halves() -> 
             links.nic_latency_seconds
 
     assert comm.ag_block == pytest.approx(inside(block, gathered), rel=1e-12)
-    assert comm.rs_block == pytest.approx(inside(block, reduced) + across(block, reduced),
+    assert comm.rs_block == pytest.approx(inside(block, reduced), rel=1e-12)
+    assert comm.cross_rs_block == pytest.approx(across(block, reduced), rel=1e-12)
+    assert comm.rs_other == pytest.approx(inside(embedding, reduced) + inside(head, reduced),
                                           rel=1e-12)
-    assert comm.rs_other == pytest.approx(
-        inside(embedding, reduced) + across(embedding, reduced) +
-        inside(head, reduced) + across(head, reduced), rel=1e-12)
+    assert comm.cross_rs_other == pytest.approx(
+        across(embedding, reduced) + across(head, reduced), rel=1e-12)
+    assert comm.cross_own_link  # each group one node: its rings never cross a NIC
     # 10 Gbit/s NICs against a 256 Gbit/s link: the cross all-gather is the slower stage.
     assert across(block, gathered) > inside(block, gathered)
     assert comm.ag_block + comm.cross_ag_block == pytest.approx(across(block, gathered),
@@ -143,6 +151,8 @@ def test_hybrid_collectives_are_the_group_ring_plus_the_cross_group_halves() -> 
                                 problem.rank_node, [[0, 2], [1, 3]])
     assert crossing.ag_block > comm.ag_block
     assert crossing.cross_ag_block == pytest.approx(across(block, gathered, 0.5), rel=1e-12)
+    assert crossing.cross_rs_block == pytest.approx(across(block, reduced, 0.5), rel=1e-12)
+    assert not crossing.cross_own_link
 
 
 def test_the_step_charges_the_cross_all_gather_to_the_forward_only() -> None:
@@ -167,6 +177,95 @@ def test_the_step_charges_the_cross_all_gather_to_the_forward_only() -> None:
     assert extra == pytest.approx(layers * (max(f, 0.501) - max(f, 0.001)) + 0.25, rel=1e-9)
 
 
+@pytest.mark.parametrize("fraction", REPLICATED_FRACTIONS)
+def test_the_replicated_fraction_moves_bytes_from_the_forward_to_the_backward(
+        fraction: float) -> None:
+    """Replicated fraction a: each unit's cross-group bytes under the backward are (1 + a)
+    times the reduce-scatter's (a reduce-scatter of 1 - a, an all-reduce of a: 2 (G-1)/G of
+    it, 2 (G-1) hops), under the next forward (1 - a) times the all-gather's (none at all
+    for a = 1); every rank's AdamW updates P / (k G) (1 - a) + P / k a parameters; the
+    group's own collectives are unchanged. a = 0 is the plan before the fraction, exactly."""
+    problem = _two_nodes_problem(gather="fp32")
+    assert problem.network is not None and problem.topology is not None
+    links = problem.topology.nodes[0]
+    model = problem.model
+    groups = [[0, 1], [2, 3]]
+    base = hybrid_unit_comm(model, problem.network.base, problem.topology, problem.rank_node,
+                            groups)
+    comm = hybrid_unit_comm(model, problem.network.base, problem.topology, problem.rank_node,
+                            groups, replicated_fraction=fraction)
+    a, nic, hop = fraction, links.nic_bandwidth_bytes_per_second, links.nic_latency_seconds
+    block, embedding = model.block_parameters(), model.embedding_parameters()
+    gathered, reduced = 4, 2  # fp32, bf16 bytes per parameter
+    # G = 2: (G-1)/G = 1/2 of a unit's bytes per NIC a pass, G - 1 = 1 hop a ring.
+    backward = (1 + a) * 0.5 * block * reduced / nic + ((a < 1) + 2 * (a > 0)) * hop
+    forward = (1 - a) * 0.5 * block * gathered / nic + (a < 1) * hop
+    assert comm.cross_rs_block == pytest.approx(backward, rel=1e-12)
+    assert comm.ag_block + comm.cross_ag_block == pytest.approx(
+        max(base.ag_block, forward), rel=1e-12)
+    assert comm.cross_ag_first == pytest.approx(
+        (1 - a) * 0.5 * embedding * gathered / nic + (a < 1) * hop, rel=1e-12)
+    for name in ("ag_block", "rs_block", "ag_first", "rs_other", "all_reduce_seconds"):
+        assert getattr(comm, name) == getattr(base, name), name
+    params = model.total_parameters()
+    assert comm.state_share_parameters == pytest.approx(
+        params / 4 * (1 - a) + params / 2 * a, rel=1e-12)
+    if a == 0:
+        assert comm == base  # the default is the plan without the fraction, to the bit
+    if a == 1:
+        assert comm.cross_ag_block == comm.cross_ag_first == 0.0
+
+
+def test_a_blocks_backward_waits_the_slower_of_its_group_and_cross_collectives() -> None:
+    """T(l, m) with a cross-group collective X under each backward, against without: where
+    it rides a link of its own (every group one node), a block's backward waits
+    max(b, max(AG + RS, X)), where it shares the NICs with the group's ring
+    max(b, AG + RS + X); the same for the embedding and head's term, for kept blocks (no
+    recompute, still a gather), and without recompute (no gather). Silent: none of it."""
+    import numpy as np
+
+    from cephalo.planner.cost.comm_model import UnitComm
+    from cephalo.planner.search.problem import without_recompute
+    problem = _two_nodes_problem()
+    plain = UnitComm(ag_block=0.001, rs_block=0.02, ag_first=0.03, ag_head=0.04,
+                     rs_other=0.05, state_share_parameters=1e6)
+    layers = problem.model.num_layers
+    ell, m = np.array([1]), np.array([1])
+    for own in (True, False):
+        crossed = dataclasses.replace(plain, cross_rs_block=0.5, cross_rs_other=0.25,
+                                      cross_own_link=own)
+
+        def waits(ag: float, rs: float, cross: float, own: bool = own) -> float:
+            return max(ag + rs, cross) if own else ag + rs + cross
+
+        for cost in (problem.rank_cost(0), without_recompute(problem).rank_cost(0)):
+            f, b, _, bo = (float(x) for x in cost.compute_seconds(m)[:, 0])
+            ag = 0.001 if cost.recompute else 0.0  # no recompute: the backward gathers none
+            ag_first = 0.03 if cost.recompute else 0.0
+            if not cost.recompute:
+                b = max(b - f, 0.0)
+            extra = float(cost.step_seconds(ell, m, crossed)[0] -
+                          cost.step_seconds(ell, m, plain)[0])
+            assert extra == pytest.approx(
+                layers * (max(b, waits(ag, 0.02, 0.5)) - max(b, ag + 0.02)) +
+                max(bo, waits(ag_first, 0.05, 0.25)) - max(bo, ag_first + 0.05),
+                rel=1e-9, abs=1e-12), (own, cost.recompute)
+            silent = cost.step_seconds(ell, m, crossed.silent())
+            assert silent == cost.step_seconds(ell, m, plain.silent())
+        # One kept block: its backward skips the recompute, not the gather.
+        cost = problem.rank_cost(0)
+        f, b, _, _ = (float(x) for x in cost.compute_seconds(m)[:, 0])
+        kept = np.array([1])
+        extra = float(cost.step_seconds(ell, m, crossed, kept)[0] -
+                      cost.step_seconds(ell, m, plain, kept)[0]) - float(
+            cost.step_seconds(ell, m, crossed)[0] - cost.step_seconds(ell, m, plain)[0])
+        # The kept block's term replaces one recomputed block's.
+        b_kept = max(b - f, 0.0)
+        assert extra == pytest.approx(
+            (max(b_kept, waits(0.001, 0.02, 0.5)) - max(b_kept, 0.021)) -
+            (max(b, waits(0.001, 0.02, 0.5)) - max(b, 0.021)), rel=1e-9, abs=1e-12), own
+
+
 def test_a_group_holds_the_slices_and_one_gth_of_the_optimizer_state() -> None:
     """Memory under hybrid (docs/hybrid-sharding.md): per parameter a group holds 4 bytes
     of slice weights and 16 / G of master, moments and piece gradient, plus the slice
@@ -181,6 +280,12 @@ def test_a_group_holds_the_slices_and_one_gth_of_the_optimizer_state() -> None:
     assert group_state_bytes(model, "auto", 8) == pytest.approx(
         4 * params + 16 * params / 8 + 4 * largest, rel=1e-12)
     assert group_state_bytes(model, "auto", 1) == 16 * params
+    # A replicated fraction a: its optimizer state whole in every group, 16 a + 16 (1-a)/G.
+    assert group_state_bytes(model, "auto", 8, 0.5) == pytest.approx(
+        4 * params + 16 * params * (0.5 + 0.5 / 8) + 4 * largest, rel=1e-12)
+    half = layout_problem(problem, Layout(((0, 1), (2, 3)), 1, replicated_fraction=0.5))
+    assert half.replicated_fraction == 0.5
+    assert half.state_bytes == pytest.approx(4 * params + 12 * params + 4 * largest, rel=1e-12)
     two = layout_problem(problem, Layout(((0, 1), (2, 3)), 1))
     assert two.state_bytes == pytest.approx(4 * params + 8 * params + 4 * largest, rel=1e-12)
     # A plan's ranks hold the group's state evenly (1/k) next to their compute memory.
@@ -240,12 +345,15 @@ def _modes(problem: Problem) -> list[Problem]:
 
 def _hybrid_brute_force(spec: CephaloJobSpec, cluster: ClusterSpec,
                         profiles) -> tuple[float | None, float | None]:
-    """The least step time over every layout, and over the layouts on every GPU (None:
-    none fits), from one search of each layout in each mode."""
+    """The least step time over every layout at every replicated fraction of the grid,
+    and over the layouts on every GPU (None: none fits), from one search of each in each
+    mode."""
     problem = build_problem(spec, cluster, profiles)
-    found = [(brute_force_seconds(layout_problem(mode, layout)),
+    found = [(brute_force_seconds(layout_problem(
+                mode, dataclasses.replace(layout, replicated_fraction=fraction))),
               len(layout.ranks) == problem.world_size)
-             for layout in _every_layout(problem) for mode in _modes(problem)]
+             for layout in _every_layout(problem) for mode in _modes(problem)
+             for fraction in REPLICATED_FRACTIONS]
     return (min((f for f, _ in found if f is not None), default=None),
             min((f for f, every in found if f is not None and every), default=None))
 
@@ -360,9 +468,9 @@ def test_flat_is_the_auto_plan_without_the_sharding_record_where_flat_wins() -> 
 
 
 def test_auto_keeps_flat_where_hybrid_gains_less_than_the_margin() -> None:
-    """ViT-e on Cluster B at 100 Gbit/s: hybrid is predicted a few per cent faster than
-    flat, less than HYBRID_MIN_GAIN (5 %): auto keeps flat and says why."""
-    spec = cluster_b("vit-e", 512, 100)
+    """Llama-7B on Cluster B at 25 Gbit/s: hybrid is predicted a little faster than flat,
+    less than HYBRID_MIN_GAIN (5 %): auto keeps flat and says why."""
+    spec = cluster_b("llama-7b", 1024, 25)
     cluster = pools_as_cluster(spec)
     flat = solve(_with_sharding(spec, "flat"), cluster).predicted_step_seconds
     hybrid = solve(_with_sharding(spec, "hybrid"), cluster).predicted_step_seconds
@@ -437,10 +545,16 @@ def test_the_printed_plan_shows_the_groups_the_choice_and_each_links_bytes() -> 
     assert f"sharding: hybrid, {len(plan.replica_groups)} replica groups" in text
     assert "bytes per step: intra-node link" in text and "NIC" in text
     assert plan.assumptions["sharding_reason"] in text
-    # Each group holds 4 bytes of weights and 16 / G of optimizer state per parameter.
-    per_parameter = 4 + 16 / len(plan.replica_groups)
+    # Each group holds 4 bytes of weights and 16 (a + (1 - a) / G) of optimizer state per
+    # parameter (a: the replicated fraction, which the sharding line names).
+    a = plan.replicated_fraction
+    assert a, "the case: a plan that keeps part of the state in every group"
+    per_parameter = 4 + 16 * (a + (1 - a) / len(plan.replica_groups))
     assert f"{per_parameter:g} bytes of training state per parameter in each replica " \
         "group" in text
+    kept = f"{a * 100:g} % of each slice's optimizer state kept in every group"
+    sharding_line = next(line for line in text.splitlines() if line.startswith("sharding:"))
+    assert sharding_line.endswith(f"; {kept}") and kept in plan.assumptions["sharding_reason"]
 
 
 # --- the issue's targets (predictions: deterministic) --------------------------------------
@@ -460,18 +574,94 @@ def test_targets_at_100_gbit_never_below_flat_and_at_10_gbit_beyond_1_5x() -> No
     assert auto_10.predicted_samples_per_second >= 1.5 * FLAT_10_GBIT_SAMPLES_PER_SECOND
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "not met under the engine's second design either (sharded across groups): the cross-"
-    "group all-gather of the parameters, (G-1)/G of their bytes per NIC, hides only under "
-    "the next forward, a quarter of the compute in recompute mode; predicted 131.0 "
-    "samples/s at 25 Gbit/s (0.69x of 189.2) and at 10 Gbit/s 75.5 on 24 GPUs, 61.1 at "
-    "best on 48 or more (1.47x of 41.5); docs/hybrid-sharding.md 'When hybrid pays'"))
-def test_targets_at_25_gbit_0_75x_and_at_10_gbit_48_gpus() -> None:
+def test_target_at_25_gbit_0_75x_of_the_100_gbit_plan() -> None:
+    """Issue 44: at 25 Gbit/s at least 0.75x the 100 Gbit/s plan. Met once a block's
+    cross-group backward collective runs beside its group's (one node a group) and part of
+    each slice is all-reduced under the backward instead of gathered under the forward:
+    154.0 samples/s on 8 groups of 8 with half of each slice replicated, 0.81x of 189.2
+    (131.0, 0.69x, before)."""
     cluster = pools_as_cluster(cluster_b("gpt-2.7b", 512, 100))
     at_100 = solve(cluster_b("gpt-2.7b", 512, 100), cluster).predicted_samples_per_second
-    at_25 = solve(cluster_b("gpt-2.7b", 512, 25), cluster).predicted_samples_per_second
-    at_10 = solve(cluster_b("gpt-2.7b", 512, 10), cluster)
-    assert at_25 >= 0.75 * at_100
+    at_25 = solve(cluster_b("gpt-2.7b", 512, 25), cluster)
+    assert at_100 is not None and at_25.predicted_samples_per_second is not None
+    assert at_25.replica_groups and at_25.replicated_fraction
+    assert at_25.predicted_samples_per_second >= 0.75 * at_100
+
+
+def _best_on_at_least(spec: CephaloJobSpec, gpus: int) -> tuple[float, Problem]:
+    """The fastest hybrid plan's step on at least `gpus` GPUs, over every recompute mode,
+    layout and replicated fraction the planner searches (each solved exactly), and its
+    problem."""
+    from cephalo.planner.search.hybrid import layouts
+    from cephalo.planner.search.hybrid_search import _holds_state
+    from cephalo.planner.search.solver import _solution_step, solve_fixed
+    best: tuple[float, Problem] | None = None
+    for mode in _modes(build_problem(spec, pools_as_cluster(spec))):
+        for layout in layouts(mode)[0]:
+            if len(layout.ranks) < gpus:
+                continue
+            for fraction in REPLICATED_FRACTIONS:
+                sub = layout_problem(mode, dataclasses.replace(
+                    layout, replicated_fraction=fraction))
+                if not _holds_state(sub):
+                    continue
+                try:
+                    step = _solution_step(sub, solve_fixed(sub))
+                except InfeasibleError:
+                    continue
+                if best is None or step < best[0]:
+                    best = (step, sub)
+    assert best is not None
+    return best
+
+
+def _nic_floor_seconds(problem: Problem, gather: int = 2, reduce: int = 2) -> float:
+    """The least step any schedule of `problem`'s collectives takes: each node's NIC bytes
+    of one step (2 (G-1)/G of the gradient and parameter bytes, bf16) at its rate."""
+    assert problem.topology is not None
+    moved = link_bytes_per_step(problem.model, gather, reduce, problem.rank_node,
+                                problem.groups, 0, problem.replicated_fraction)
+    nic = min(problem.topology.nodes[n].nic_bandwidth_bytes_per_second
+              for n in set(problem.rank_node))
+    return moved.nic_per_node / nic
+
+
+def test_at_10_gbit_beyond_1_5x_on_48_gpus_too_but_fastest_on_fewer() -> None:
+    """Issue 44 at 10 Gbit/s: at least 1.5x its 41.5 samples/s, on 48 GPUs or more as well
+    (the best such plan: 6 groups of a node, 66.0 samples/s, 1.59x). The fastest plan uses
+    fewer (24 GPUs, 82.6 samples/s): every node's NIC carries 2 (G-1)/G of the gradient and
+    parameter bytes a step whatever the schedule, so more groups put more bytes on each
+    NIC, and the 48-GPU layout's NIC alone (its floor, 7.71 s) takes longer than the whole
+    24-GPU step (6.20 s)."""
+    spec = cluster_b("gpt-2.7b", 512, 10)
+    fastest = solve(spec, pools_as_cluster(spec))
+    assert fastest.predicted_samples_per_second is not None
+    assert fastest.predicted_samples_per_second >= 1.5 * FLAT_10_GBIT_SAMPLES_PER_SECOND
+    step_48, on_48 = _best_on_at_least(cluster_b("gpt-2.7b", 512, 10, "hybrid"), 48)
+    assert 512 / step_48 >= 1.5 * FLAT_10_GBIT_SAMPLES_PER_SECOND
+    floor_48 = _nic_floor_seconds(on_48)
+    print(f"10 Gbit/s: fastest {fastest.predicted_samples_per_second:.1f} samples/s on "
+          f"{fastest.world_size} GPUs ({len(fastest.replica_groups)} groups, a = "
+          f"{fastest.replicated_fraction or 0}); best on >= 48 GPUs "
+          f"{512 / step_48:.1f} samples/s on {on_48.world_size} ({len(on_48.groups)} groups, "
+          f"a = {on_48.replicated_fraction}); its NIC floor {floor_48:.3f} s, "
+          f"{512 / floor_48:.1f} samples/s")
+    assert fastest.predicted_step_seconds is not None
+    assert step_48 >= floor_48 > fastest.predicted_step_seconds
+    assert fastest.world_size < 48
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "not met by design: the throughput-optimal plan at 10 Gbit/s uses 24 GPUs (3 groups "
+    "of a node, 82.6 samples/s), not 48 or more. Each node's NIC carries 2 (G-1)/G of the "
+    "gradient and parameter bytes a step whatever the schedule, so more groups mean more "
+    "bytes per NIC: on 6 groups (48 GPUs) 9.3 GB, a floor of 7.71 s (66.4 samples/s) "
+    "against the 24-GPU plan's 6.20 s step; the best 48-GPU plan predicts 66.0 samples/s "
+    "(1.59x of 41.5: the issue's 1.5x is met on 48 GPUs, "
+    "test_at_10_gbit_beyond_1_5x_on_48_gpus_too_but_fastest_on_fewer)"))
+def test_the_fastest_plan_at_10_gbit_uses_48_gpus_or_more() -> None:
+    at_10 = solve(cluster_b("gpt-2.7b", 512, 10),
+                  pools_as_cluster(cluster_b("gpt-2.7b", 512, 10)))
     assert at_10.world_size >= 48
 
 
@@ -490,6 +680,33 @@ def test_recalibration_prices_a_running_hybrid_plan_in_its_groups() -> None:
     assert calibration.predicted_step_seconds == pytest.approx(plan.predicted_step_seconds,
                                                                rel=1e-9)
     assert calibration.collective_scale == pytest.approx(1.0, rel=1e-3)
+    # With its replicated fraction: the same plan without it is another step (its
+    # collectives and optimizer differ), which recalibration must not price.
+    assert plan.replicated_fraction
+    other = plan.model_copy(update={"replicated_fraction": None})
+    unfractioned = recalibrate(spec, cluster, None, other,
+                               Measured(step_seconds=plan.predicted_step_seconds))
+    assert unfractioned.predicted_step_seconds != pytest.approx(
+        plan.predicted_step_seconds, rel=1e-6)
+
+
+def test_a_hybrid_plan_with_a_replicated_fraction_round_trips_through_json(
+        tmp_path: Path) -> None:
+    """The fraction a plan was priced with travels in its JSON (what the engine reads);
+    a flat plan and a hybrid one at a = 0 omit it, byte for byte as before."""
+    from cephalo.api.plan import load_plan
+    spec = cluster_b("gpt-2.7b", 512, 25)
+    plan = solve(spec, pools_as_cluster(spec))
+    assert plan.replica_groups and plan.replicated_fraction in REPLICATED_FRACTIONS[1:]
+    text = plan.to_json()
+    (tmp_path / "plan.json").write_text(text)
+    again = load_plan(str(tmp_path / "plan.json"))
+    assert again.replicated_fraction == plan.replicated_fraction
+    assert again.to_json() == text
+    flat_spec = cluster_b("gpt-2.7b", 512, 25, "flat")
+    assert "replicated_fraction" not in solve(flat_spec, pools_as_cluster(flat_spec)).to_json()
+    assert "replicated_fraction" not in plan.model_copy(
+        update={"replicated_fraction": None}).to_json()
 
 
 def test_recalibration_counts_each_ranks_optimizer_on_its_piece() -> None:
@@ -514,14 +731,19 @@ def test_recalibration_counts_each_ranks_optimizer_on_its_piece() -> None:
     free = evaluate(spec, cluster.model_copy(update={
         "network_bandwidth_bytes_per_second": 1e20, "network_latency_seconds": 0.0}),
         profiles, assignment, recompute=plan.recompute is not False,
-        kept_blocks=[plan.ranks[r].kept_blocks for r in order], replica_groups=groups)
+        kept_blocks=[plan.ranks[r].kept_blocks for r in order], replica_groups=groups,
+        replicated_fraction=plan.replicated_fraction or 0.0)
     params = spec.model.resolve().total_parameters()
+    # P / (k G) of the sharded part, P / k of the replicated part a.
+    a, size, num = plan.replicated_fraction or 0.0, len(groups[0]), len(groups)
+    assert a, "the case: a plan with a replicated fraction"
+    updated = params / (size * num) * (1 - a) + params / size * a
     compute = [0.0] * plan.world_size
     for k, rank in enumerate(order):
         p = profiles[plan.ranks[rank].gpu]
         assert p.optimizer_seconds_per_parameter  # the case: the update takes time
         compute[rank] = free.rank_seconds[k] - (p.optimizer_seconds_fixed or 0.0) - \
-            p.optimizer_seconds_per_parameter * params / plan.world_size
+            p.optimizer_seconds_per_parameter * updated
     calibration = recalibrate(spec, cluster, None, plan,
                               Measured(plan.predicted_step_seconds, compute))
     for gpu in {r.gpu for r in plan.ranks}:

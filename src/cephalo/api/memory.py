@@ -77,8 +77,10 @@ def hybrid_state_bytes(owned_parameters_in_group: float, groups: int, precision:
         raise ValueError(f"replicated_fraction must be in [0, 1], got {replicated_fraction}")
     if groups == 1:
         return state_bytes(owned_parameters_in_group, precision)
-    owned = owned_parameters_in_group * (replicated_fraction +
-                                         (1.0 - replicated_fraction) / groups)
+    # Summed in this order so that a = 0 is n_j / G to the last bit (the plans of the
+    # planner before the fraction, byte for byte).
+    owned = owned_parameters_in_group * replicated_fraction + \
+        owned_parameters_in_group * (1.0 - replicated_fraction) / groups
     return (HYBRID_SLICE_BYTES_PER_PARAMETER * owned_parameters_in_group
             + state_bytes(owned, precision))
 

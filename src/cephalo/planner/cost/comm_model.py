@@ -118,6 +118,26 @@ class UnitComm:
     # (the backward's gathers read the slice already there). The head's is in ag_head.
     cross_ag_block: float = 0.0
     cross_ag_first: float = 0.0
+    # Hybrid sharding: the cross-group collective of a block's (and of the embedding's and
+    # head's) slice gradient under the backward, issued after the unit's own reduce-scatter
+    # (a reduce-scatter of the sharded part, an all-reduce of the replicated part).
+    cross_rs_block: float = 0.0
+    cross_rs_other: float = 0.0
+    # Whether the cross-group collectives ride links of their own (every replica group one
+    # node: the group's rings stay on the intra-node link, the cross-group ones on the NIC,
+    # each on its own process group and stream): then a unit's backward waits the slower of
+    # its group's collectives and its cross-group one, else (the NICs shared) their sum.
+    cross_own_link: bool = False
+
+    def backward_collectives(self, gather: float, reduce: float, cross: float) -> float:
+        """Seconds of a unit's backward collectives: its gather (`gather`, 0 when the
+        backward gathers nothing) and reduce-scatter in its group, and its cross-group
+        collective `cross` (0 when flat). Summed as reduce + cross first so that a flat
+        step, and a hybrid one sharing the NICs, prices as it did when the cross seconds
+        were part of the reduce-scatter's."""
+        if self.cross_own_link:
+            return max(gather + reduce, cross)
+        return gather + (reduce + cross)
 
     def silent(self) -> UnitComm:
         """The same step without its collectives (nor the overhead measured beyond them):
@@ -125,7 +145,7 @@ class UnitComm:
         return replace(self, ag_block=0.0, rs_block=0.0, ag_first=0.0, ag_head=0.0,
                        rs_other=0.0, all_reduce_seconds=0.0, step_overhead_seconds=0.0,
                        ag_block_even=0.0, rs_block_even=0.0, cross_ag_block=0.0,
-                       cross_ag_first=0.0)
+                       cross_ag_first=0.0, cross_rs_block=0.0, cross_rs_other=0.0)
 
     @classmethod
     def build(cls, model: ModelConfig, comm: CommModel, world_size: int,

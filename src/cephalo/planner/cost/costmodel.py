@@ -25,7 +25,11 @@ depend on the partition chosen after it) and the step ends with two small all-re
 A GPU with ℓ = 0 (state only) still takes part in every collective. Under hybrid sharding
 (planner/search/hybrid.py) a unit's forward gather waits its cross-group all-gather too: each
 block's forward collective is AG_block + X_block (`UnitComm.cross_ag_block`) and the first
-unit's X (`cross_ag_first`) is exposed next to AG_emb; the backward's are unchanged.
+unit's X (`cross_ag_first`) is exposed next to AG_emb; each unit's backward collective is
+its group's gather and reduce-scatter with the cross-group collective of its slice gradient
+Y (`cross_rs_block`, `cross_rs_other`): max(AG_block + RS_block, Y_block) where Y rides a
+link of its own (every group one node), AG_block + RS_block + Y_block where it shares the
+NICs with the group's ring (`UnitComm.backward_collectives`).
 The step time of the job is the maximum over GPUs (collectives synchronise them).
 
 Without recompute (`GpuCostModel.without_recompute`, a plan's `recompute: false`) the
@@ -324,23 +328,29 @@ class GpuCostModel:
         both = np.maximum(0.0, even + k - layers) if even else 0.0
         # A block's forward gather waits its cross-group all-gather first (hybrid; else 0).
         ag_forward = comm.ag_block + comm.cross_ag_block
-        per_block = unit(f, ag_forward) + unit(b, ag_back + comm.rs_block)
+        # A block's backward: its group's gather and reduce-scatter, and (hybrid) the
+        # cross-group collective of its slice, beside them or after them (UnitComm).
+        backward = comm.backward_collectives
+        cross = comm.cross_rs_block
+        per_block = unit(f, ag_forward) + unit(b, backward(ag_back, comm.rs_block, cross))
         blocks = (layers - k) * per_block
         if even:  # a mixed per-unit plan: some blocks skip the uneven overhead
             ag_even_back = comm.ag_block_even if self.recompute else 0.0
             per_even = unit(f, comm.ag_block_even + comm.cross_ag_block) + \
-                unit(b, ag_even_back + comm.rs_block_even)
+                unit(b, backward(ag_even_back, comm.rs_block_even, cross))
             blocks = (even - both) * per_even + (layers - even - (k - both)) * per_block
         if kept is not None:  # (k = 0 adds exact zeros: the same sums as without `kept`)
-            blocks = blocks + (k - both) * (unit(f, ag_forward) +
-                                            unit(b_kept, comm.ag_block + comm.rs_block))
+            blocks = blocks + (k - both) * (
+                unit(f, ag_forward) + unit(b_kept, backward(comm.ag_block, comm.rs_block, cross)))
             if even:
-                blocks = blocks + both * (unit(f, comm.ag_block_even + comm.cross_ag_block) +
-                                          unit(b_kept, comm.ag_block_even + comm.rs_block_even))
+                blocks = blocks + both * (
+                    unit(f, comm.ag_block_even + comm.cross_ag_block) +
+                    unit(b_kept, backward(comm.ag_block_even, comm.rs_block_even, cross)))
         # The embedding's forward hides the first block's gather, the last block's forward
         # the head's: per pass, L + 1 gathers overlap compute. Charging the head's gather
         # to the embedding+head compute keeps the count exact.
-        other = unit(fo, comm.ag_head) + unit(bo, ag_first_back + comm.rs_other)
+        other = unit(fo, comm.ag_head) + \
+            unit(bo, backward(ag_first_back, comm.rs_other, comm.cross_rs_other))
         # The first unit's forward gathers are exposed (hybrid: its cross all-gather too).
         fixed = comm.ag_first + comm.cross_ag_first + comm.all_reduce_seconds + \
             self.optimizer_seconds(comm) + \

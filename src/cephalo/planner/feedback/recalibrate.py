@@ -42,6 +42,7 @@ from cephalo.api.profile import GpuProfile
 from cephalo.planner.cost.catalog import resolve_gpu, resolve_precision
 from cephalo.planner.cost.estimate import estimate_profile
 from cephalo.planner.search.evaluate import evaluate
+from cephalo.planner.search.hybrid import optimizer_parameters
 from cephalo.planner.search.problem import calibrated_network as planner_network
 
 # The range searched for the collective factor c, and how close the calibrated prediction
@@ -112,18 +113,19 @@ def recalibrate(spec: CephaloJobSpec, cluster: ClusterSpec,
     # A hybrid plan's groups over the GPUs used, in the assignment's order.
     position = {rank: i for i, rank in enumerate(order)}
     groups = [[position[r] for r in g] for g in plan.replica_groups] or None
+    fraction = plan.replicated_fraction or 0.0  # priced as it runs (hybrid.py)
 
     def step(c: float, scale: Mapping[str, float]) -> float:
         inputs = _calibrated(spec, cluster, given, scale, c)
         ev = evaluate(spec, inputs[0], inputs[1], assignment, recompute=recompute,
-                      kept_blocks=kept, replica_groups=groups)
+                      kept_blocks=kept, replica_groups=groups, replicated_fraction=fraction)
         if not ev.feasible:  # the plan runs, so only a changed memory figure refuses it
             raise ValueError(f"the running plan does not fit the calibrated model: {ev.reason}")
         return ev.step_seconds
 
     predicted = step(1.0, {})
     scale = _compute_scale(spec, cluster, given, assignment, ranks, kept, recompute,
-                           measured, predicted, split, groups)
+                           measured, predicted, split, groups, fraction)
     scale = {**{gpu: _clamp(s, MIN_COMPUTE_SCALE, MAX_COMPUTE_SCALE)
                 for gpu, s in (known_compute_scale or {}).items()
                 if gpu in given and math.isfinite(s) and s > 0}, **scale}
@@ -246,7 +248,8 @@ def _compute_scale(spec: CephaloJobSpec, cluster: ClusterSpec,
                    plan_ranks: Sequence[RankPlan], kept: list[int] | None, recompute: bool,
                    measured: Measured, predicted_step: float,
                    split: Sequence[int],
-                   groups: list[list[int]] | None = None) -> dict[str, float]:
+                   groups: list[list[int]] | None = None,
+                   replicated_fraction: float = 0.0) -> dict[str, float]:
     """Per GPU type, measured compute / modelled compute of its ranks with samples under
     `split` (a smaller last microbatch priced as its share of a full one). Without a
     compute split: no correction. One GPU: its whole step against its prediction (it has no
@@ -261,13 +264,17 @@ def _compute_scale(spec: CephaloJobSpec, cluster: ClusterSpec,
                          f"{len(plan_ranks)}")
     silent_cluster, silent_profiles = _free_collectives(cluster, profiles)
     ev = evaluate(spec, silent_cluster, silent_profiles, assignment, recompute=recompute,
-                  kept_blocks=kept, replica_groups=groups)
+                  kept_blocks=kept, replica_groups=groups,
+                  replicated_fraction=replicated_fraction)
     measured_sum: dict[str, float] = {}
     modelled_sum: dict[str, float] = {}
     # Every rank updates its 1/world of the optimizer's state, flat or hybrid (a rank of a
-    # hybrid plan its piece: 1/G of its slice, planner/search/hybrid.py).
+    # hybrid plan its piece: 1/G of its slice, planner/search/hybrid.py), and of a hybrid
+    # plan's replicated fraction its whole slice (1/k).
     world = len(plan_ranks)
     params = spec.model.resolve().total_parameters()
+    updated = params / world if not groups else optimizer_parameters(
+        params, len(groups[0]), len(groups), replicated_fraction)
     # plan_ranks[k] runs on the k-th GPU used (ev.rank_seconds[k]): assignment[gpus[k]].
     gpus = [i for i, a in enumerate(assignment) if a is not None]
     for k, rank in enumerate(plan_ranks):
@@ -276,7 +283,7 @@ def _compute_scale(spec: CephaloJobSpec, cluster: ClusterSpec,
             continue  # state only: nothing of its own to time
         p = profiles[rank.gpu]
         optimizer = (p.optimizer_seconds_fixed or 0.0) + \
-            (p.optimizer_seconds_per_parameter or 0.0) * params / world
+            (p.optimizer_seconds_per_parameter or 0.0) * updated
         m, count = assignment[gpus[k]] or (1, 1)
         modelled = (ev.rank_seconds[k] - optimizer) * b / (m * count)
         if modelled > 0:

@@ -9,6 +9,7 @@ from cephalo.api import Plan
 from cephalo.api.job import ModelSpec
 from cephalo.api.plan import SHARD_RATIO_TOLERANCE, RankPlan
 from cephalo.planner.cost.topology import ASSUMED
+from cephalo.planner.search.hybrid import replicated_text
 from cephalo.planner.search.offload import boundary_activations_line, plan_fused_tail_blocks
 from cephalo.planner.search.precision import precision_summary
 
@@ -125,8 +126,10 @@ def sharding_lines(plan: Plan) -> list[str]:
     groups = plan.replica_groups
     if groups:
         listed = " | ".join(_rank_span(g) for g in groups)
+        kept = f"; {replicated_text(plan.replicated_fraction)}" \
+            if plan.replicated_fraction else ""
         lines.append(f"sharding: hybrid, {len(groups)} replica groups of "
-                     f"{plural(len(groups[0]), device_noun(plan))}: ranks {listed}")
+                     f"{plural(len(groups[0]), device_noun(plan))}: ranks {listed}{kept}")
     elif plan.assumptions.get("sharding") == "flat":
         lines.append("sharding: flat (one group of every rank)")
     reason = plan.assumptions.get("sharding_reason")

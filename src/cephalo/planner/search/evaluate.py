@@ -156,7 +156,8 @@ def evaluate(spec: CephaloJobSpec, cluster: ClusterSpec,
              shard_ratios: Sequence[float] | None = None, *,
              even_shards: bool = False, recompute: bool | None = None,
              kept_blocks: Sequence[int] | None = None,
-             replica_groups: Sequence[Sequence[int]] | None = None) -> Evaluation:
+             replica_groups: Sequence[Sequence[int]] | None = None,
+             replicated_fraction: float = 0.0) -> Evaluation:
     """Score a given assignment — one (micro_batch_size, num_micro_batches) per GPU in the
     cluster's order; (0, 0) for a state-only GPU, None for an idle one (no rank) — under
     the planner's cost model. Without `shard_ratios` the state is partitioned as the
@@ -165,16 +166,17 @@ def evaluate(spec: CephaloJobSpec, cluster: ClusterSpec,
     scores that mode only. `kept_blocks` (one per GPU used, recompute mode only: None
     scores the other mode without them) keeps those blocks' graphs per rank.
     `replica_groups` (a hybrid plan's, over the GPUs used in `assignment`'s order) scores
-    it sharded evenly inside those groups (hybrid.py)."""
+    it sharded evenly inside those groups (hybrid.py), with `replicated_fraction` of each
+    slice's optimizer state kept in every group (the plan's `replicated_fraction`)."""
     if recompute is None:
         modes = [_evaluate(spec, cluster, profiles, assignment, shard_ratios, even_shards, mode,
-                           kept_blocks if mode else None, replica_groups)
+                           kept_blocks if mode else None, replica_groups, replicated_fraction)
                  for mode in (True, False)]
         # Ties go to keeping everything (listed first), as in the solver.
         feasible = [ev for ev in (modes[1], modes[0]) if ev.feasible]
         return min(feasible, key=lambda ev: ev.step_seconds) if feasible else modes[0]
     return _evaluate(spec, cluster, profiles, assignment, shard_ratios, even_shards,
-                     recompute, kept_blocks, replica_groups)
+                     recompute, kept_blocks, replica_groups, replicated_fraction)
 
 
 def _evaluate(spec: CephaloJobSpec, cluster: ClusterSpec,
@@ -182,7 +184,8 @@ def _evaluate(spec: CephaloJobSpec, cluster: ClusterSpec,
               assignment: Sequence[tuple[int, int] | None],
               shard_ratios: Sequence[float] | None, even_shards: bool,
               recompute: bool, kept_blocks: Sequence[int] | None = None,
-              replica_groups: Sequence[Sequence[int]] | None = None) -> Evaluation:
+              replica_groups: Sequence[Sequence[int]] | None = None,
+              replicated_fraction: float = 0.0) -> Evaluation:
     problem = build_problem(spec, cluster, profiles)
     if not recompute:
         problem = without_recompute(problem)
@@ -205,7 +208,8 @@ def _evaluate(spec: CephaloJobSpec, cluster: ClusterSpec,
         if fused is not None:
             problem, kept_blocks = fused, None
     if replica_groups:  # hybrid: every unit sharded evenly inside each group
-        problem = dataclasses.replace(problem, groups=[list(g) for g in replica_groups])
+        problem = dataclasses.replace(problem, groups=[list(g) for g in replica_groups],
+                                      replicated_fraction=replicated_fraction)
         return score(problem, micro, ell, even_shards=True, kept=kept_blocks)
     if shard_ratios is not None or even_shards:
         return score(problem, micro, ell, shard_ratios, even_shards=even_shards,

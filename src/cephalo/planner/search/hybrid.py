@@ -23,14 +23,24 @@ exposed. What this module prices:
   state sharded evenly inside a group (below) a node holding g of a group's k ranks sends
   (G-1)/G · (g/k) · P · bytes per parameter for each of the two, gradients in
   reducePrecision under the backward and parameters in gatherPrecision under the next
-  forward, at the slowest NIC of the nodes used. A unit's forward is charged its cross
-  all-gather and its group all-gather one after the other (the engine waits the one
-  before it issues the other), as the backward is charged the two reduce-scatters;
-* the optimizer: AdamW on the piece only, P / (k·G) parameters per rank;
+  forward, at the slowest NIC of the nodes used. Where every group is one node the
+  cross-group collectives run on their own process group and link (the NIC) beside the
+  group's (the intra-node link): a unit's forward waits the slower of its cross and group
+  all-gathers (pipelined: each cross all-gather was issued ahead of the units after it),
+  its backward the slower of its cross-group collective and its group's gather and
+  reduce-scatter (`UnitComm.cross_own_link`). Where a group's ring crosses the NICs too,
+  they share them: the sums;
+* the replicated fraction a (`Layout.replicated_fraction`, Plan.replicated_fraction): the
+  leading a of every slice keeps its whole optimizer state in every group, so its gradient
+  is all-reduced across the groups under the backward (two passes, 2 (G-1) hops) and
+  nothing of it is gathered after the update: per unit (1 + a) times the reduce-scatter's
+  bytes under the backward, (1 - a) times the all-gather's under the next forward;
+* the optimizer: AdamW on the piece of the sharded part and the whole slice of the
+  replicated part, P / (k·G) · (1 - a) + P / k · a parameters per rank;
 * memory (`group_state_bytes`): a group holds the slices' fp32 weights (4 bytes a
-  parameter) and 1/G of the optimizer's state (`cephalo.api.memory.hybrid_state_bytes`),
-  plus the slice gradient of the unit being reduced across groups, each rank 1/k of it
-  next to its compute memory.
+  parameter) and a + (1 - a)/G of the optimizer's state
+  (`cephalo.api.memory.hybrid_state_bytes`), plus the slice gradient of the unit being
+  reduced across groups, each rank 1/k of it next to its compute memory.
 
 The planner's space of hybrid plans (`layouts`): the nodes used are whole nodes, the first
 c of each kind of node (nodes of a kind are interchangeable), all holding the same number
@@ -38,13 +48,15 @@ of GPUs g, grouped d consecutive nodes (rank order) a group, G = nodes / d ≥ 2
 k = d·g ranks. Whole nodes may be left idle to keep the groups equal. Inside a group the
 state is sharded evenly (1/k: no uneven-collective overhead, and the per-position ratios
 then agree across groups of any GPUs); batches stay per rank over the whole job. For a
-layout the search is today's exact all-even search (`solver.solve_fixed`) with these
-collectives; every layout is solved or proven unable to beat the best step found
-(`subset.reachable_samples`), so the hybrid optimum over the layouts is exact.
+layout at each replicated fraction of a small grid (`hybrid_search.REPLICATED_FRACTIONS`)
+the search is today's exact all-even search (`solver.solve_fixed`) with these
+collectives; every pair is solved or proven unable to beat the best step found
+(`subset.reachable_samples`), so the hybrid optimum over layouts x fractions is exact.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -54,7 +66,7 @@ from typing import Protocol
 from cephalo.api.memory import COMM_BYTES_PER_PARAMETER, hybrid_state_bytes
 from cephalo.api.models import ModelConfig
 from cephalo.planner.cost.comm_model import CommModel, UnitComm
-from cephalo.planner.cost.topology import ASSUMED, Topology
+from cephalo.planner.cost.topology import ASSUMED, NodeLinks, Topology
 
 
 class Placement(Protocol):
@@ -83,41 +95,49 @@ class Layout:
 
     groups: tuple[tuple[int, ...], ...]
     nodes_per_group: int
+    # The leading share of every slice whose optimizer state every group keeps whole
+    # (Plan.replicated_fraction): its gradient all-reduced across groups, nothing gathered.
+    replicated_fraction: float = 0.0
 
-    @property
+    @functools.cached_property
     def ranks(self) -> list[int]:
+        # Cached (the search reads it for every layout at every fraction); frozen fields.
         return sorted(r for g in self.groups for r in g)
 
 
 def hybrid_unit_comm(model: ModelConfig, base: CommModel, topology: Topology,
                      rank_node: Sequence[int], groups: Sequence[Sequence[int]],
-                     uneven: bool = False) -> UnitComm:
+                     uneven: bool = False, replicated_fraction: float = 0.0) -> UnitComm:
     """Seconds of each collective a hybrid step issues (module docstring): the group's
-    rings for the gathers, the group's reduce-scatter plus the cross-group reduce-scatter
-    of the slice for each gradient, the cross-group all-gather of the piece before each
-    unit's forward gather, the step's small all-reduces over every rank."""
+    rings for the gathers and reduce-scatters, the cross-group collectives of each slice
+    gradient under the backward (`cross_rs_*`: beside the group's where they ride the NICs
+    alone, after them where the group's ring crosses the NICs too), the cross-group
+    all-gather of the sharded part of the piece before each unit's forward gather, the
+    step's small all-reduces over every rank."""
     k, num_groups, world = len(groups[0]), len(groups), len(rank_node)
-    rings = [topology.ring([rank_node[r] for r in g]) for g in groups]
-    ring = replace(base, bandwidth_bytes_per_second=min(b for b, _ in rings),
-                   latency_seconds=max(lat for _, lat in rings))
-    inside = UnitComm.build(model, ring, k, uneven)
-    world_ring = topology.comm(base, rank_node)
-    share = node_share(rank_node, groups)
-    nodes = set(rank_node)
-    nic = min(topology.nodes[n].nic_bandwidth_bytes_per_second for n in nodes)
-    nic_latency = max(topology.nodes[n].nic_latency_seconds for n in nodes)
+    a = replicated_fraction
+    links = _group_links(model, base, topology.nodes, tuple(rank_node),
+                         tuple(tuple(g) for g in groups), uneven)
+    inside, share, nic, nic_latency = links.inside, links.share, links.nic, links.nic_latency
+    spans_nodes = links.spans_nodes
 
-    def across(params: int, bytes_per_parameter: float) -> float:
-        """A ring reduce-scatter or all-gather of every position's slice of a unit across
-        the groups: (G-1)/G of it per member, (G-1) hops."""
-        moved = (num_groups - 1) / num_groups * params * bytes_per_parameter
-        return moved * share / nic + (num_groups - 1) * nic_latency
+    def across(params: int, bytes_per_parameter: float, passes: float, hops: int) -> float:
+        """Ring collectives of every position's slice of a unit across the groups: each
+        pass (a reduce-scatter or all-gather of all of it) moves (G-1)/G of it per member;
+        `hops` rings of (G-1) hops of latency."""
+        moved = (num_groups - 1) / num_groups * params * bytes_per_parameter * passes
+        return moved * share / nic + hops * (num_groups - 1) * nic_latency
 
     def reduced(params: int) -> float:
-        return across(params, base.reduce_bytes_per_parameter)
+        """The backward's: the sharded part (1 - a) reduce-scattered, one pass; the
+        replicated part a all-reduced, two passes (a reduce-scatter and an all-gather) and
+        twice the hops; each collective issued only where its part is not empty."""
+        hops = int(a < 1.0) + 2 * int(a > 0.0)
+        return across(params, base.reduce_bytes_per_parameter, (1.0 - a) + 2.0 * a, hops)
 
     def gathered(params: int) -> float:
-        return across(params, base.gather_bytes_per_parameter)
+        """The next forward's: the updated pieces of the sharded part (1 - a) only."""
+        return across(params, base.gather_bytes_per_parameter, 1.0 - a, int(a < 1.0))
 
     def forward_gather(own: float, cross: float) -> float:
         """A unit's forward gather with its cross all-gather before it. The cross
@@ -126,31 +146,76 @@ def hybrid_unit_comm(model: ModelConfig, base: CommModel, topology: Topology,
         the two per unit); where the group's ring crosses the NICs too, they share them."""
         return own + cross if spans_nodes else max(own, cross)
 
-    spans_nodes = any(len({rank_node[r] for r in g}) > 1 for g in groups)
     embedding, block, head = (model.embedding_parameters(), model.block_parameters(),
                               model.head_parameters())
     return replace(
-        inside, rs_block=inside.rs_block + reduced(block),
-        rs_other=inside.rs_other + reduced(embedding) + reduced(head),
+        inside, cross_rs_block=reduced(block), cross_rs_other=reduced(embedding) +
+        reduced(head), cross_own_link=not spans_nodes,
         # The head is gathered in the forward only; the first unit's cross all-gather has
         # nothing before it to hide under (exposed, with its own gather).
         ag_head=forward_gather(inside.ag_head, gathered(head)),
         cross_ag_block=forward_gather(inside.ag_block, gathered(block)) - inside.ag_block,
         cross_ag_first=gathered(embedding),
-        state_share_parameters=model.total_parameters() / world,
-        all_reduce_seconds=2 * world_ring.small_all_reduce_seconds(world),
+        state_share_parameters=optimizer_parameters(model.total_parameters(), k, num_groups,
+                                                    a),
+        all_reduce_seconds=links.all_reduce_seconds,
         step_overhead_seconds=base.step_overhead_seconds if world > 1 else 0.0)
 
 
-def group_state_bytes(model: ModelConfig, precision: str, num_groups: int) -> float:
+@dataclass(frozen=True)
+class _GroupLinks:
+    """What `hybrid_unit_comm` reads of a layout's links, the same at every replicated
+    fraction: the group's collectives (every rank at the slowest group ring's pace), the
+    share of a group's cross-group bytes one NIC carries, the slowest NIC and its hop
+    latency, whether a group's ring crosses the NICs, the step's small all-reduces."""
+
+    inside: UnitComm
+    share: float
+    nic: float
+    nic_latency: float
+    spans_nodes: bool
+    all_reduce_seconds: float
+
+
+@functools.lru_cache(maxsize=1024)
+def _group_links(model: ModelConfig, base: CommModel, nodes: tuple[NodeLinks, ...],
+                 rank_node: tuple[int, ...], groups: tuple[tuple[int, ...], ...],
+                 uneven: bool) -> _GroupLinks:
+    """_GroupLinks, kept by its immutable arguments: the search prices every layout at
+    each fraction (and a cluster's layouts hold hundreds of ranks to walk)."""
+    topology = Topology(nodes, {})  # its rings read the nodes' links only
+    rings = [topology.ring([rank_node[r] for r in g]) for g in groups]
+    ring = replace(base, bandwidth_bytes_per_second=min(b for b, _ in rings),
+                   latency_seconds=max(lat for _, lat in rings))
+    used = set(rank_node)
+    return _GroupLinks(
+        inside=UnitComm.build(model, ring, len(groups[0]), uneven),
+        share=node_share(rank_node, groups),
+        nic=min(nodes[n].nic_bandwidth_bytes_per_second for n in used),
+        nic_latency=max(nodes[n].nic_latency_seconds for n in used),
+        spans_nodes=any(len({rank_node[r] for r in g}) > 1 for g in groups),
+        all_reduce_seconds=2 * topology.comm(base, rank_node).small_all_reduce_seconds(
+            len(rank_node)))
+
+
+def optimizer_parameters(params: float, group_size: int, num_groups: int,
+                         replicated_fraction: float = 0.0) -> float:
+    """The parameters one rank's AdamW updates a step: its piece of the sharded part of
+    its slice, P / (k G) (1 - a), and all of the replicated part, P / k a."""
+    return params / (group_size * num_groups) * (1.0 - replicated_fraction) + \
+        params / group_size * replicated_fraction
+
+
+def group_state_bytes(model: ModelConfig, precision: str, num_groups: int,
+                      replicated_fraction: float = 0.0) -> float:
     """The training state one replica group holds, over its ranks (module docstring): the
-    state of the whole model (`hybrid_state_bytes` of all its parameters) and the slice
-    gradient of the largest unit while it is reduced across the groups (none for G = 1:
-    the slice gradient is the piece's)."""
+    state of the whole model (`hybrid_state_bytes` of all its parameters, the replicated
+    fraction's optimizer state whole) and the slice gradient of the largest unit while it
+    is reduced across the groups (none for G = 1: the slice gradient is the piece's)."""
     params = model.total_parameters()
     transient = COMM_BYTES_PER_PARAMETER * max(model.unit_parameters()) if num_groups > 1 \
         else 0
-    return hybrid_state_bytes(params, num_groups, precision) + transient
+    return hybrid_state_bytes(params, num_groups, precision, replicated_fraction) + transient
 
 
 def node_share(rank_node: Sequence[int], groups: Sequence[Sequence[int]]) -> float:
@@ -211,6 +276,11 @@ def _all_counts(limits: list[int]) -> list[list[int]]:
     return [list(c) for c in itertools.product(*(range(k + 1) for k in limits)) if any(c)]
 
 
+def replicated_text(fraction: float) -> str:
+    """'50 % of each slice's optimizer state kept in every group' (Plan.replicated_fraction)."""
+    return f"{fraction * 100:g} % of each slice's optimizer state kept in every group"
+
+
 @dataclass(frozen=True)
 class LinkBytes:
     """Bytes one step puts on each kind of link: the intra-node link per GPU and the NIC
@@ -222,13 +292,17 @@ class LinkBytes:
 
 def link_bytes_per_step(model: ModelConfig, gather_bytes: float, reduce_bytes: float,
                         rank_node: Sequence[int], groups: Sequence[Sequence[int]],
-                        regathered_parameters: int) -> LinkBytes:
+                        regathered_parameters: int,
+                        replicated_fraction: float = 0.0) -> LinkBytes:
     """What the step's big collectives move (ring all-gathers of every unit once, again
     for `regathered_parameters` in the backward, one reduce-scatter; hybrid: plus the
-    cross-group reduce-scatter of the gradients and all-gather of the parameters). A ring
-    of n ranks moves (n-1)/n of a collective's bytes over each of its hops: every
-    intra-node hop it has and, when it spans nodes, each node's NIC once out
-    (topology.py)."""
+    cross-group reduce-scatter of the sharded part's gradients and all-gather of its
+    parameters, and the all-reduce of the replicated part's gradients). A ring of n ranks
+    moves (n-1)/n of a collective's bytes over each of its hops: every intra-node hop it
+    has and, when it spans nodes, each node's NIC once out (topology.py). The replicated
+    fraction a moves the parameters' pass to the gradients' (an all-reduce is two passes):
+    the NIC's bytes are the same where gradients and parameters travel in one precision
+    and grow by a (reduce - gather bytes) per parameter's pass where they do not."""
     params = model.total_parameters()
     if not groups:
         groups = [list(range(len(rank_node)))]
@@ -239,6 +313,8 @@ def link_bytes_per_step(model: ModelConfig, gather_bytes: float, reduce_bytes: f
     has_intra = any(len({rank_node[r] for r in g}) < len(g) for g in groups)
     nic = ring if spans_nodes else 0.0
     if num_groups > 1:
-        nic += (num_groups - 1) / num_groups * params * (reduce_bytes + gather_bytes) * \
+        a = replicated_fraction
+        per_parameter = (1.0 + a) * reduce_bytes + (1.0 - a) * gather_bytes
+        nic += (num_groups - 1) / num_groups * params * per_parameter * \
             node_share(rank_node, groups)
     return LinkBytes(ring if has_intra else 0.0, nic)

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from cephalo.api.memory import COMM_BYTES_PER_PARAMETER
 from cephalo.api.plan import Plan
-from cephalo.planner.search.hybrid import layouts, link_bytes_per_step
+from cephalo.planner.search.hybrid import layouts, link_bytes_per_step, replicated_text
 from cephalo.planner.search.problem import WIRE_BYTES, InfeasibleError, Problem, gib, layout_problem
 from cephalo.planner.search.subset import Choice, cannot_beat
 
@@ -25,6 +25,18 @@ _TIE_RTOL = 1e-12
 # the NICs, the pieces' bookkeeping) on a pipelined model of the cross-group collectives.
 # A 0.2 % predicted gain once switched ViT-e on 100 Gbit/s NICs to hybrid.
 HYBRID_MIN_GAIN = 0.05
+# The replicated fractions every layout is solved at (Plan.replicated_fraction). In the
+# fraction a the step is a sum of max(compute, collective) terms, piecewise linear: the
+# backward's cross-group bytes grow as (1 + a), the forward's shrink as (1 - a) and each
+# rank's optimizer work grows, so the best a balances the two passes' windows; a = 0 and 1
+# are the ends (the state sharded across groups as before; every group the whole state).
+# Quarters come within the cost model's error (about 5 %, HYBRID_MIN_GAIN) of a fine grid:
+# on Cluster B (bench/hybrid_sharding.py) a grid of twentieths gained at most 1.4 %
+# (Llama-7B at 10 Gbit/s: 51.9 samples/s at a = 0.05 to 0.2, 51.2 at 0; GPT-2.7B at
+# 25 Gbit/s 154.1 at 0.4 against 154.0 at 0.5). Five points keep the exact search over
+# layouts x fractions at most 5x the layouts' work, most of it pruned by each point's
+# collectives-alone bound.
+REPLICATED_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)  # ascending: search_layouts relies on it
 
 
 def hybrid_must_beat(flat_step_seconds: float) -> float:
@@ -55,19 +67,23 @@ def search_layouts(problem: Problem, solve_fixed: Callable[[Problem], Any],
     found, exhaustive = layouts(problem)
     if every_gpu:
         found = [lay for lay in found if len(lay.ranks) == problem.world_size]
-    # Each layout with its collectives-alone bound, least first: the likely fastest are
-    # solved first and their steps prune the rest (at a tie, more GPUs first).
+    # Each layout at each replicated fraction with its collectives-alone bound, least first:
+    # the likely fastest are solved first and their steps prune the rest (at a tie, more
+    # GPUs first, then the least replicated: less memory for the same step).
     candidates = []
     for layout in found:
-        sub = layout_problem(problem, layout)
-        if _holds_state(sub):
+        on_layout = layout_problem(problem, layout)  # its GPUs once, at each fraction below
+        for fraction in REPLICATED_FRACTIONS:
+            sub = replace(on_layout, replicated_fraction=fraction)
+            if not _holds_state(sub):
+                break  # a larger fraction holds more state: no more fit
             candidates.append((_collectives_alone_seconds(sub), -len(layout.ranks),
-                               layout.nodes_per_group, layout, sub))
-    candidates.sort(key=lambda c: c[:3])
+                               layout.nodes_per_group, fraction, layout, sub))
+    candidates.sort(key=lambda c: c[:4])
     best: Choice | None = None
     full: Choice | None = None
     solved = 0
-    for bound, _, _, layout, sub in candidates:
+    for bound, _, _, _, layout, sub in candidates:
         whole = len(layout.ranks) == problem.world_size
         beat = min(beat_seconds, math.inf if best is None else best.step_seconds)
         if whole:  # worth solving if it may be the best, or the best on every GPU
@@ -137,7 +153,9 @@ def record_sharding(plan: Plan, choice: Choice, problem: Problem, sharding: str,
     step = choice.step_seconds
     if used.groups:
         k, num = len(used.groups[0]), len(used.groups)
-        what = f"hybrid: {num} replica groups of {k} GPUs ({_group_nodes(used)})"
+        what = f"hybrid: {num} replica groups of {k} GPUs ({_group_nodes(used)}" + \
+            (f", {replicated_text(used.replicated_fraction)})" if used.replicated_fraction
+             else ")")
         if sharding == "hybrid":
             why = f"{what}, as planner.sharding asks"
         elif other is not None:
@@ -161,7 +179,7 @@ def record_sharding(plan: Plan, choice: Choice, problem: Problem, sharding: str,
         model.embedding_parameters() + model.num_layers * model.block_parameters())
     moved = link_bytes_per_step(model, WIRE_BYTES[gather_precision],
                                 WIRE_BYTES[reduce_precision], used.rank_node, used.groups,
-                                regathered)
+                                regathered, used.replicated_fraction)
     plan.assumptions["link_bytes_per_step"] = {
         "intra_node_link_per_gpu": moved.intra_node_link_per_gpu,
         "nic_per_node": moved.nic_per_node}

@@ -69,6 +69,9 @@ class Problem:
     # Hybrid sharding (hybrid.py): replica groups of these ranks, each holding the whole
     # state sharded evenly among its own ranks; empty: flat, one group of every rank.
     groups: list[list[int]] = field(default_factory=list)
+    # With groups: the share of every slice whose optimizer state each group keeps whole
+    # (hybrid.py, Plan.replicated_fraction); 0: all of it sharded across the groups.
+    replicated_fraction: float = 0.0
 
     @property
     def world_size(self) -> int:
@@ -85,7 +88,8 @@ class Problem:
         the whole model's; hybrid, one replica group's (hybrid.py: the slices' weights and
         1/G of the optimizer's state)."""
         if self.groups:
-            return group_state_bytes(self.model, self.precision, len(self.groups))
+            return group_state_bytes(self.model, self.precision, len(self.groups),
+                                     self.replicated_fraction)
         return state_bytes_per_parameter(self.precision) * self.model.total_parameters()
 
     @property
@@ -95,7 +99,8 @@ class Problem:
     def unit_comm(self, uneven: bool) -> UnitComm:
         if self.groups and self.topology is not None and self.network is not None:
             return hybrid_unit_comm(self.model, self.network.base, self.topology,
-                                    self.rank_node, self.groups, uneven)
+                                    self.rank_node, self.groups, uneven,
+                                    self.replicated_fraction)
         return UnitComm.build(self.model, self.comm_model, self.world_size, uneven)
 
     def ring_bounds(self, least_ranks: int) -> list[tuple[CommModel, list[int]]]:
@@ -380,7 +385,8 @@ def layout_problem(problem: Problem, layout: Layout) -> Problem:
     keep = layout.ranks
     new_index = {old: new for new, old in enumerate(keep)}
     sub = subset_problem(problem, keep)
-    return dataclasses.replace(sub, groups=[[new_index[r] for r in g] for g in layout.groups])
+    return dataclasses.replace(sub, groups=[[new_index[r] for r in g] for g in layout.groups],
+                               replicated_fraction=layout.replicated_fraction)
 
 
 def fused_everything(problem: Problem) -> Problem | None:

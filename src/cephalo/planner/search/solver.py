@@ -225,6 +225,9 @@ def _with_hybrid(flats: list[tuple[Problem, tuple[Choice, int, bool]]],
         full = flat.full
         if search.full is not None and search.full.step_seconds < bar_full:
             full = search.full
+            # What it beat, for its sharding_reason where the idle margin keeps every GPU
+            # (it is then the plan, not `search.best`): flat on every GPU.
+            full.other_sharding_step_seconds = flat_full
         chosen = flat if search.best is None else search.best
         if chosen is not flat:
             # The proven bound holds over both spaces: the flat search's and the layouts'.
@@ -484,11 +487,15 @@ def _plan(full: Problem, choice: Choice, sol: Solution, ev: Evaluation, solved: 
         memory_fraction=problem.memory_fraction, state_bytes=whole_state,
         estimated_gpus=estimated, idle_gpus=idle, unit_shard_ratios=per_unit,
         replica_groups=[list(g) for g in problem.groups],
+        # None (omitted) when 0 or flat: such plans keep their bytes.
+        replicated_fraction=problem.replicated_fraction
+        if problem.groups and problem.replicated_fraction else None,
         optimality_gap_seconds=choice.gap_seconds if chose_gpus else sol.gap_seconds,
         assumptions={
-            # A hybrid plan's per replica group (4 + 16 / G: hybrid.py).
+            # A hybrid plan's per replica group (4 + 16 (a + (1 - a) / G): hybrid.py).
             "state_bytes_per_parameter": hybrid_state_bytes(
-                1, len(problem.groups), problem.precision) if problem.groups else
+                1, len(problem.groups), problem.precision, problem.replicated_fraction)
+            if problem.groups else
             state_bytes_per_parameter(problem.precision),
             "network_bandwidth_bytes_per_second": comm.bandwidth_bytes_per_second,
             "network_latency_seconds": comm.latency_seconds,
