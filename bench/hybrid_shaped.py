@@ -81,6 +81,12 @@ def sharding_of(p: Plan) -> str:
     return "hybrid" if len(p.replica_groups) > 1 else "flat"
 
 
+def described(p: Plan) -> str:
+    """'flat', 'hybrid' or 'hybrid, a = 0.25' (its replicated fraction)."""
+    a = p.replicated_fraction
+    return f"{sharding_of(p)}, a = {a:g}" if a else sharding_of(p)
+
+
 @dataclass
 class Runs:
     """One plan's runs on one link: its predicted step and each run's measured median."""
@@ -103,6 +109,7 @@ class Link:
     auto_reason: str
     flat: Runs
     hybrid: Runs
+    hybrid_plan: str = "hybrid"  # `described`
 
     def hybrid_over_flat(self) -> list[float]:
         """Measured hybrid / flat, per repeat (the two runs of a repeat back to back)."""
@@ -127,7 +134,8 @@ def compare(rate_mbit: float, cpu: GpuProfile, work: Path, batch: int, steps: in
                 runs[s].measured_seconds.append(
                     statistics.median(r["step_seconds"] for r in records))
     reason = str(plans["auto"].assumptions.get("sharding_reason", ""))
-    return Link(rate_mbit, sharding_of(plans["auto"]), reason, runs["flat"], runs["hybrid"])
+    return Link(rate_mbit, sharding_of(plans["auto"]), reason, runs["flat"], runs["hybrid"],
+                described(plans["hybrid"]))
 
 
 def _predicted(p: Plan) -> float:
@@ -148,7 +156,8 @@ def table(links: list[Link]) -> list[str]:
         for name, runs in (("hybrid", link.hybrid), ("flat", link.flat)):
             first = name == "hybrid"
             rows.append(f"| {f'{link.rate_mbit:g}' if first else ''} | "
-                        f"{link.auto_sharding if first else ''} | {name} | "
+                        f"{link.auto_sharding if first else ''} | "
+                        f"{link.hybrid_plan if first else name} | "
                         f"{runs.predicted_seconds:.3f} | {_spread(runs.measured_seconds)} | "
                         f"{_spread(runs.ratios(), 2)} | "
                         f"{_spread(link.hybrid_over_flat(), 2) if first else ''} |")
