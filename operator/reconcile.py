@@ -402,6 +402,8 @@ def _summary(ctx: JobContext, plan: Plan) -> dict[str, Any]:
     if plan.replica_groups:
         summary["replicaGroups"] = len(plan.replica_groups)
         summary["replicaGroupSize"] = len(plan.replica_groups[0])
+        if plan.replicated_fraction:
+            summary["replicatedFraction"] = plan.replicated_fraction
     even = plan.baselines.get("even_fsdp")
     if even and even.predicted_samples_per_second and plan.predicted_samples_per_second:
         summary["speedupOverEvenFSDP"] = round(

@@ -29,3 +29,8 @@ def test_a_hybrid_plan_puts_its_groups_in_the_status_and_a_flat_one_does_not() -
     assert (status.replica_groups, status.replica_group_size) == (2, 2)
     flat = _summary(ctx, _plan([], 0.25))  # type: ignore[arg-type]
     assert "replicaGroups" not in flat and "replicaGroupSize" not in flat
+    assert "replicatedFraction" not in hybrid and "replicatedFraction" not in flat
+    kept = _plan([[0, 1], [2, 3]], 0.5).model_copy(update={"replicated_fraction": 0.25})
+    summary = _summary(ctx, kept)  # type: ignore[arg-type]
+    assert summary["replicatedFraction"] == 0.25
+    assert PlanSummary.model_validate(summary).replicated_fraction == 0.25

@@ -201,6 +201,12 @@ def test_cephalo_status_names_a_hybrid_plans_replica_groups() -> None:
     details = job_details(hybrid, None, [], NOW).splitlines()
     assert "Sharding:    hybrid, 2 replica groups of 2 ranks (each holds the weights; " \
         "the optimizer state is split across them)" in details
+    kept = job_from(_job(phase="Running", plan={
+        "worldSize": 4, "pools": {"NVIDIA-A10G": 4}, "replicaGroups": 2,
+        "replicaGroupSize": 2, "replicatedFraction": 0.25}))
+    assert "Sharding:    hybrid, 2 replica groups of 2 ranks (each holds the weights; 25 % of " \
+        "the optimizer state kept in every group, the rest split across them)" in \
+        job_details(kept, None, [], NOW).splitlines()
     flat = job_from(_job(phase="Running", plan={"worldSize": 4, "pools": {"NVIDIA-A10G": 4}}))
     assert not any(line.startswith("Sharding:") for line in
                    job_details(flat, None, [], NOW).splitlines())

@@ -49,6 +49,9 @@ class PlanSummary(StatusModel):
         "flat, one group)."))
     replica_group_size: int | None = Field(default=None, description=(
         "Hybrid sharding: ranks per replica group."))
+    replicated_fraction: float | None = Field(default=None, ge=0.0, le=1.0, description=(
+        "Hybrid sharding: the share of every rank's slice whose whole optimizer state each "
+        "replica group keeps, its gradient all-reduced across groups (omitted: none)."))
 
 
 class Progress(StatusModel):

@@ -231,8 +231,11 @@ def sharding_lines(job: Job) -> list[str]:
     if plan is None or not plan.replica_groups:
         return []
     size = plan.replica_group_size or "?"
+    kept = plan.replicated_fraction or 0.0
+    split = (f"{kept * 100:g} % of the optimizer state kept in every group, the rest split "
+             "across them") if kept else "the optimizer state is split across them"
     return [f"Sharding:    hybrid, {plan.replica_groups} replica groups of {size} ranks "
-            "(each holds the weights; the optimizer state is split across them)"]
+            f"(each holds the weights; {split})"]
 
 
 def replan_lines(job: Job) -> list[str]:
