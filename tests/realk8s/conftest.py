@@ -161,15 +161,18 @@ def _delete_jobs(cluster: Cluster, ns: str) -> None:
     """A test that failed half-way leaves its job running, holding the GPU nodes every later
     test in the shared namespace waits for (a fresh-clone CI run: one faults-test job ran
     for 28 minutes while five tests after it sat Pending until they timed out). Delete what
-    is left and wait until its pods are gone, so one failure stays one failure."""
+    is left and wait until its pods are gone, so one failure stays one failure. Wait for the
+    pods of a job the test deleted itself too: the garbage collector removes them after the
+    job, and the next test planned on the GPUs they still held (a CI run: `optout` planned on
+    one P40 while the job before it still had a pod on the other)."""
     jobs = f"/apis/cephalo.dev/v1alpha1/namespaces/{ns}/cephalojobs"
     left = [j["metadata"]["name"] for j in cluster.rest.must("GET", jobs)["items"]]
     for name in left:
         cluster.rest.request("DELETE", f"{jobs}/{name}")
-    if left:
-        wait_until(f"the pods of {left} gone", lambda: not cluster.rest.must(
-            "GET", f"/api/v1/namespaces/{ns}/pods",
-            params={"labelSelector": "cephalo.dev/job"})["items"], 120.0, 0.5)
+    wait_until(f"the pods of the namespace's jobs ({left or 'deleted by the test'}) gone",
+               lambda: not cluster.rest.must(
+                   "GET", f"/api/v1/namespaces/{ns}/pods",
+                   params={"labelSelector": "cephalo.dev/job"})["items"], 120.0, 0.5)
 
 
 @pytest.fixture(scope="session")
