@@ -132,8 +132,9 @@ def test_hybrid_collectives_are_the_group_ring_plus_the_cross_group_halves() -> 
     assert comm.cross_rs_block == pytest.approx(across(block, reduced), rel=1e-12)
     assert comm.rs_other == pytest.approx(inside(embedding, reduced) + inside(head, reduced),
                                           rel=1e-12)
-    assert comm.cross_rs_other == pytest.approx(
-        across(embedding, reduced) + across(head, reduced), rel=1e-12)
+    assert comm.cross_rs_other == pytest.approx(across(head, reduced), rel=1e-12)
+    # The embedding's comes after the whole backward (the engine's last): exposed.
+    assert comm.cross_rs_last == pytest.approx(across(embedding, reduced), rel=1e-12)
     assert comm.cross_own_link  # each group one node: its rings never cross a NIC
     # 10 Gbit/s NICs against a 256 Gbit/s link: the cross all-gather is the slower stage.
     assert across(block, gathered) > inside(block, gathered)

@@ -122,7 +122,10 @@ class UnitComm:
     # head's) slice gradient under the backward, issued after the unit's own reduce-scatter
     # (a reduce-scatter of the sharded part, an all-reduce of the replicated part).
     cross_rs_block: float = 0.0
-    cross_rs_other: float = 0.0
+    cross_rs_other: float = 0.0  # the head's
+    # The embedding's: its gradient is the backward's last, so its cross-group collective
+    # starts when nothing is left to hide it under (trainer/replicas.py `finish`): exposed.
+    cross_rs_last: float = 0.0
     # Whether the cross-group collectives ride links of their own (every replica group one
     # node: the group's rings stay on the intra-node link, the cross-group ones on the NIC,
     # each on its own process group and stream): then a unit's backward waits the slower of
@@ -145,7 +148,8 @@ class UnitComm:
         return replace(self, ag_block=0.0, rs_block=0.0, ag_first=0.0, ag_head=0.0,
                        rs_other=0.0, all_reduce_seconds=0.0, step_overhead_seconds=0.0,
                        ag_block_even=0.0, rs_block_even=0.0, cross_ag_block=0.0,
-                       cross_ag_first=0.0, cross_rs_block=0.0, cross_rs_other=0.0)
+                       cross_ag_first=0.0, cross_rs_block=0.0, cross_rs_other=0.0,
+                       cross_rs_last=0.0)
 
     @classmethod
     def build(cls, model: ModelConfig, comm: CommModel, world_size: int,

@@ -29,7 +29,11 @@ unit's X (`cross_ag_first`) is exposed next to AG_emb; each unit's backward coll
 its group's gather and reduce-scatter with the cross-group collective of its slice gradient
 Y (`cross_rs_block`, `cross_rs_other`): max(AG_block + RS_block, Y_block) where Y rides a
 link of its own (every group one node), AG_block + RS_block + Y_block where it shares the
-NICs with the group's ring (`UnitComm.backward_collectives`).
+NICs with the group's ring (`UnitComm.backward_collectives`). The embedding's Y
+(`cross_rs_last`) is exposed: its gradient is the backward's last, and nothing is left to
+hide it under. (The engine starts each unit's Y when the next unit's reduce-scatter is
+issued, so the first block's is exposed too; the model hosts it under a block's backward,
+where the head's runs: one block's Y at most under-charged where the windows have room.)
 The step time of the job is the maximum over GPUs (collectives synchronise them).
 
 Without recompute (`GpuCostModel.without_recompute`, a plan's `recompute: false`) the
@@ -352,7 +356,9 @@ class GpuCostModel:
         other = unit(fo, comm.ag_head) + \
             unit(bo, backward(ag_first_back, comm.rs_other, comm.cross_rs_other))
         # The first unit's forward gathers are exposed (hybrid: its cross all-gather too).
-        fixed = comm.ag_first + comm.cross_ag_first + comm.all_reduce_seconds + \
+        # (Hybrid: the embedding's cross-group collective, after the whole backward, too.)
+        fixed = comm.ag_first + comm.cross_ag_first + comm.cross_rs_last + \
+            comm.all_reduce_seconds + \
             self.optimizer_seconds(comm) + \
             comm.step_overhead_seconds + self.step_fixed_seconds
         return fixed + blocks + other

@@ -149,8 +149,10 @@ def hybrid_unit_comm(model: ModelConfig, base: CommModel, topology: Topology,
     embedding, block, head = (model.embedding_parameters(), model.block_parameters(),
                               model.head_parameters())
     return replace(
-        inside, cross_rs_block=reduced(block), cross_rs_other=reduced(embedding) +
-        reduced(head), cross_own_link=not spans_nodes,
+        # The head's cross-group collective runs under the blocks' backward; the
+        # embedding's, the backward's last, starts when nothing is left: exposed.
+        inside, cross_rs_block=reduced(block), cross_rs_other=reduced(head),
+        cross_rs_last=reduced(embedding), cross_own_link=not spans_nodes,
         # The head is gathered in the forward only; the first unit's cross all-gather has
         # nothing before it to hide under (exposed, with its own gather).
         ag_head=forward_gather(inside.ag_head, gathered(head)),
