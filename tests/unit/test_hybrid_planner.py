@@ -253,6 +253,15 @@ def test_a_blocks_backward_waits_the_slower_of_its_group_and_cross_collectives()
                 rel=1e-9, abs=1e-12), (own, cost.recompute)
             silent = cost.step_seconds(ell, m, crossed.silent())
             assert silent == cost.step_seconds(ell, m, plain.silent())
+        # The embedding's cross-group collective, started after the whole backward: exposed
+        # in full, whatever the compute.
+        last = dataclasses.replace(crossed, cross_rs_last=0.3)
+        for cost in (problem.rank_cost(0), without_recompute(problem).rank_cost(0)):
+            assert float(cost.step_seconds(ell, m, last)[0] -
+                         cost.step_seconds(ell, m, crossed)[0]) == pytest.approx(0.3,
+                                                                                 rel=1e-12)
+            assert cost.step_seconds(ell, m, last.silent()) == \
+                cost.step_seconds(ell, m, plain.silent())
         # One kept block: its backward skips the recompute, not the gather.
         cost = problem.rank_cost(0)
         f, b, _, _ = (float(x) for x in cost.compute_seconds(m)[:, 0])
