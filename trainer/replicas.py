@@ -176,7 +176,7 @@ class CrossGroupShards:
         # its own all-gather rounds the slice to bf16 anyway.
         self.gather_dtype = gather_dtype
         self._previous: tuple[int, Pending] | None = None
-        self._reduced: dict[int, tuple[Pending | None, Pending]] = {}
+        self._reduced: dict[int, tuple[Pending | None, Pending | None]] = {}
         self._gathers: dict[int, Pending] = {}
 
     def master_ranges(self, unit: int) -> list[tuple[int, int]]:
@@ -221,8 +221,8 @@ class CrossGroupShards:
         out = []
         for u in range(units):
             prefix, piece = self._reduced[u]
-            got = piece.wait()
-            out.append(got if prefix is None else torch.cat([prefix.wait(), got]))
+            parts = [p.wait() for p in (prefix, piece) if p is not None]
+            out.append(parts[0] if len(parts) == 1 else torch.cat(parts))
         return out
 
     def _start_previous(self) -> None:
@@ -232,11 +232,13 @@ class CrossGroupShards:
         self._previous = None
         grad, head = scatter.wait(), self.heads[unit]
         # The two ride the same position's ranks, in the same order on every rank: the
-        # prefix's all-reduce first, then the rest's reduce-scatter.
+        # prefix's all-reduce first, then the rest's reduce-scatter. An empty part issues
+        # nothing (every rank at the position holds the same slice: all skip it alike).
         prefix = self.comm.all_reduce(grad[:head], unit, wire_dtype=self.reduce_dtype) \
             if head else None
         rest = self.comm.reduce_scatter(grad[head:] if head else grad, self.bounds[unit],
-                                        unit, wire_dtype=self.reduce_dtype)
+                                        unit, wire_dtype=self.reduce_dtype) \
+            if head < grad.numel() or not head else None
         self._reduced[unit] = (prefix, rest)
 
     # ---- after the update: the pieces, all-gathered into the slices --------------------
@@ -249,8 +251,9 @@ class CrossGroupShards:
             head = self.heads[unit]
             if head:
                 self.slices[unit][:head].copy_(master[:head])
-            self._gathers[unit] = self.comm.all_gather(master[head:], self.bounds[unit], unit,
-                                                       wire_dtype=self.gather_dtype)
+            if head < self.slices[unit].numel() or not head:
+                self._gathers[unit] = self.comm.all_gather(master[head:], self.bounds[unit],
+                                                           unit, wire_dtype=self.gather_dtype)
 
     def slice(self, unit: int) -> torch.Tensor:
         """Unit `unit`'s slice, as of the last update (waits for its all-gather)."""
@@ -266,6 +269,8 @@ class CrossGroupShards:
         """Unit `unit`'s slice in fp32 from the masters (a collective over the position):
         under a bf16 `gather_dtype` the slices' rest is rounded, so it is gathered again."""
         head = self.heads[unit]
+        if head and head == master.numel():
+            return master.clone()  # all of it replicated: the master is the slice
         rest = self.comm.all_gather(master[head:], self.bounds[unit], unit).wait()
         return torch.cat([master[:head], rest]) if head else rest
 

@@ -153,6 +153,8 @@ def _hybrid_worker(rank: int, world_size: int, layout: Layout, reduce_precision:
     return {"losses": losses, "norms": norms, "params": engine.full_parameters(),
             "cross_bytes": (sent.get(CROSS_REDUCE_SCATTER, 0), sent.get(CROSS_ALL_GATHER, 0)),
             "all_reduced_bytes": sent.get(CROSS_ALL_REDUCE, 0),
+            "cross_calls": engine.comm.stats.calls[CROSS_REDUCE_SCATTER] +
+            engine.comm.stats.calls[CROSS_ALL_GATHER],
             "shard_elements": shards, "replicated_elements": sum(heads),
             "prefixes": [m[:h].clone() for m, h in zip(engine.master_shards, heads,
                                                         strict=True)],
@@ -209,6 +211,10 @@ def test_hybrid_fp32_equals_plain_pytorch_on_the_global_batch(layout: Layout, re
         assert r["cross_bytes"] == (cross * sharded,) * 2
         assert r["all_reduced_bytes"] == cross * r["replicated_elements"]
         assert (r["replicated_elements"] > 0) == bool(layout.replicated_fraction)
+        if r["replicated_elements"] == r["shard_elements"] > 0:
+            # All of it replicated: no empty reduce-scatter or all-gather is issued (the
+            # collectives of full_parameters included).
+            assert r["cross_calls"] == 0
     # Every group computed the same replicated prefix, bit for bit (one all-reduce's result
     # on every rank, one AdamW on it): the copies never drift apart.
     for a in results:
