@@ -414,39 +414,65 @@ def _run_worker(rank: int, world_size: int, layout: Layout, root: str,
     return {"first": outcome.first_step, "last": outcome.last_step, "losses": outcome.losses}
 
 
+@dataclasses.dataclass
+class _Resumed:
+    """`_resume_three_ways`: the uninterrupted flat run and its checkpoints (`full`), the
+    checkpoint saved at step 2 under the hybrid layout (`saved`), and three resumed runs
+    with the folder each wrote to: that checkpoint resumed flat and under another layout,
+    and the flat run's step 2 resumed under that other layout."""
+
+    full: Path
+    reference: list[dict]
+    saved: checkpoint.CheckpointInfo
+    runs: list[tuple[list[dict], Path]]
+
+
+def _resume_three_ways(tmp_path: Path, hybrid: Layout, regrouped: Layout) -> _Resumed:
+    full, saved_root, flat_first = tmp_path / "full", tmp_path / "hybrid", tmp_path / "flat"
+    regrouped_root = tmp_path / "regrouped"
+    ref = spawn_ranks(_run_worker, 2, FLAT, str(full), None, timeout_seconds=120)
+    spawn_ranks(_run_worker, 4, hybrid, str(saved_root), 2, timeout_seconds=120)
+    saved = checkpoint.find_latest(saved_root)
+    assert saved is not None and saved.step == 2
+    shutil.copytree(saved_root, regrouped_root)
+    to_flat = spawn_ranks(_run_worker, 2, FLAT, str(saved_root), None, timeout_seconds=120)
+    to_regrouped = spawn_ranks(_run_worker, 4, regrouped, str(regrouped_root), None,
+                               timeout_seconds=120)
+    # Saved flat (the reference's step 2), resumed under the other layout.
+    shutil.copytree(full, flat_first)
+    shutil.rmtree(flat_first / checkpoint.step_dir_name(CKPT_STEPS))
+    from_flat = spawn_ranks(_run_worker, 4, regrouped, str(flat_first), None,
+                            timeout_seconds=120)
+    return _Resumed(full, ref, saved, [(to_flat, saved_root), (to_regrouped, regrouped_root),
+                                        (from_flat, flat_first)])
+
+
+def _check_resumed(resumed: _Resumed) -> None:
+    """Every resumed run within 1e-5 of the uninterrupted one: losses and final weights."""
+    want = latest_weights(resumed.full)
+    for runs, root in resumed.runs:
+        assert runs[0]["first"] == 2 and runs[0]["last"] == CKPT_STEPS
+        assert runs[0]["losses"] == pytest.approx(resumed.reference[0]["losses"][2:],
+                                                  rel=TOLERANCE)
+        assert max_relative(latest_weights(root), want) <= TOLERANCE
+
+
 @pytest.mark.slow
 def test_checkpoints_resume_across_flat_and_hybrid_and_group_counts(tmp_path: Path) -> None:
-    full, hybrid_first, flat_first = tmp_path / "full", tmp_path / "hybrid", tmp_path / "flat"
-    regrouped = tmp_path / "regrouped"
-    ref = spawn_ranks(_run_worker, 2, FLAT, str(full), None, timeout_seconds=120)
-    # Saved under two groups of two, resumed flat on two ranks and as four groups of one.
-    spawn_ranks(_run_worker, 4, TWO_GROUPS, str(hybrid_first), 2, timeout_seconds=120)
-    saved = checkpoint.find_latest(hybrid_first)
-    assert saved is not None and saved.step == 2
+    # Saved under two groups of two, resumed flat on two ranks and as four groups of one; a
+    # flat checkpoint resumed as four groups of one.
+    resumed = _resume_three_ways(tmp_path, TWO_GROUPS, FOUR_GROUPS)
+    saved = resumed.saved
     # Every rank's piece: position-major files, slice 0's two pieces, then slice 1's.
     assert sorted(saved.meta["files"]) == [f"rank-0000{i}.pt" for i in range(4)]
     assert saved.meta["world_size"] == 4 and saved.meta["replica_groups"] == [[1, 3], [0, 2]]
-    shutil.copytree(hybrid_first, regrouped)
-    to_flat = spawn_ranks(_run_worker, 2, FLAT, str(hybrid_first), None, timeout_seconds=120)
-    to_four = spawn_ranks(_run_worker, 4, FOUR_GROUPS, str(regrouped), None,
-                          timeout_seconds=120)
-    # Saved flat (the reference's step 2), resumed under four groups of one.
-    shutil.copytree(full, flat_first)
-    shutil.rmtree(flat_first / checkpoint.step_dir_name(CKPT_STEPS))
-    to_hybrid = spawn_ranks(_run_worker, 4, FOUR_GROUPS, str(flat_first), None,
-                            timeout_seconds=120)
-    last = checkpoint.find_latest(flat_first)
+    last = checkpoint.find_latest(resumed.runs[2][1])
     assert last is not None and last.step == CKPT_STEPS
     assert last.meta["world_size"] == 4 and len(last.meta["files"]) == 4  # a piece each
-    want = latest_weights(full)
-    for resumed, root in ((to_flat, hybrid_first), (to_four, regrouped),
-                          (to_hybrid, flat_first)):
-        assert resumed[0]["first"] == 2 and resumed[0]["last"] == CKPT_STEPS
-        assert resumed[0]["losses"] == pytest.approx(ref[0]["losses"][2:], rel=TOLERANCE)
-        assert max_relative(latest_weights(root), want) <= TOLERANCE
+    _check_resumed(resumed)
     # The Adam moments came back too.
-    a = checkpoint.ShardReader(checkpoint.find_latest(full))  # type: ignore[arg-type]
-    for root in (hybrid_first, regrouped, flat_first):
+    a = checkpoint.ShardReader(checkpoint.find_latest(resumed.full))  # type: ignore[arg-type]
+    for _, root in resumed.runs:
         b = checkpoint.ShardReader(checkpoint.find_latest(root))  # type: ignore[arg-type]
         for unit, numel in enumerate(last.meta["unit_numels"]):
             m_a, m_b = a.read(unit, 0, numel, "exp_avg"), b.read(unit, 0, numel, "exp_avg")
@@ -463,26 +489,11 @@ def test_checkpoints_with_a_replicated_prefix_resume_flat_and_back(tmp_path: Pat
     """Saved under two groups of two keeping half of every slice whole in both, resumed
     flat and as four groups keeping three quarters; a flat checkpoint resumed as the
     latter: every one within 1e-5 of an uninterrupted run, Adam moments included."""
-    full, half, flat_first = tmp_path / "full", tmp_path / "half", tmp_path / "flat"
-    regrouped = tmp_path / "regrouped"
-    ref = spawn_ranks(_run_worker, 2, FLAT, str(full), None, timeout_seconds=120)
-    spawn_ranks(_run_worker, 4, TWO_GROUPS_HALF, str(half), 2, timeout_seconds=120)
-    saved = checkpoint.find_latest(half)
-    assert saved is not None and saved.step == 2 and saved.meta["world_size"] == 4
-    shutil.copytree(half, regrouped)
-    to_flat = spawn_ranks(_run_worker, 2, FLAT, str(half), None, timeout_seconds=120)
-    to_most = spawn_ranks(_run_worker, 4, FOUR_GROUPS_MOST, str(regrouped), None,
-                          timeout_seconds=120)
-    shutil.copytree(full, flat_first)
-    shutil.rmtree(flat_first / checkpoint.step_dir_name(CKPT_STEPS))
-    from_flat = spawn_ranks(_run_worker, 4, FOUR_GROUPS_MOST, str(flat_first), None,
-                            timeout_seconds=120)
-    want = latest_weights(full)
-    a = checkpoint.ShardReader(checkpoint.find_latest(full))  # type: ignore[arg-type]
-    for resumed, root in ((to_flat, half), (to_most, regrouped), (from_flat, flat_first)):
-        assert resumed[0]["first"] == 2 and resumed[0]["last"] == CKPT_STEPS
-        assert resumed[0]["losses"] == pytest.approx(ref[0]["losses"][2:], rel=TOLERANCE)
-        assert max_relative(latest_weights(root), want) <= TOLERANCE
+    resumed = _resume_three_ways(tmp_path, TWO_GROUPS_HALF, FOUR_GROUPS_MOST)
+    assert resumed.saved.meta["world_size"] == 4
+    _check_resumed(resumed)
+    a = checkpoint.ShardReader(checkpoint.find_latest(resumed.full))  # type: ignore[arg-type]
+    for _, root in resumed.runs:
         last = checkpoint.find_latest(root)
         assert last is not None
         b = checkpoint.ShardReader(last)
